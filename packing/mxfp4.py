@@ -1,0 +1,206 @@
+"""MXFP4 (OCP microscaling FP4) codec: E2M1 element codes plus one E8M0 scale byte per 32 elements.
+
+Layout of the outputs, for an input ``x`` of shape ``[..., L, ...]`` grouped along ``axis`` (L % 32 == 0):
+
+* ``codes``: uint8, shape of ``x`` with ``L -> L/2``; element ``2i`` in the low nibble, ``2i+1`` in
+  the high nibble. Nibble = sign bit (bit 3) | index into E2M1 magnitudes ``[0, .5, 1, 1.5, 2, 3, 4, 6]``.
+* ``scales``: uint8 E8M0, shape of ``x`` with ``L -> L/32``; value ``2**(byte - 127)``.
+
+Scale modes (``notes/mxfp4.md``): ``even`` (AMD Quark / aiter Triton), ``floor`` (OCP text), ``roundup``
+(next power of two >= amax/6) and ``mse`` (best of e-1, e, e+1 around the even choice, per block).
+Elements round to nearest with ties to the even code and saturate at 6.
+
+This module holds the public API and the obvious vectorised torch reference; ``_mxfp4_fast`` holds the
+compiled fast path, which must agree with the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import FormatError, NonFiniteError
+
+BLOCK = 32
+MODES = ("even", "floor", "roundup", "mse")
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+SCALE_BIAS = 127
+EXP_MIN, EXP_MAX = -127, 127
+
+# Midpoints between neighbouring E2M1 magnitudes; a tie goes to the even code (0.25->0, 0.75->1.0, ...).
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_TIE_ROUNDS_UP = (False, True, False, True, False, True, False)
+
+
+def _check_float(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise FormatError(f"MXFP4 quantize needs a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+
+
+def _normalize_axis(axis: int, ndim: int) -> int:
+    if not -ndim <= axis < ndim:
+        raise FormatError(f"axis {axis} out of range for a tensor with {ndim} dims")
+    return axis % ndim
+
+
+def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
+    """Raise :class:`NonFiniteError` with the count and the first index of NaN/Inf elements in ``x``."""
+    bad = ~torch.isfinite(x)
+    n_bad = int(bad.sum())
+    if n_bad:
+        first = tuple(int(i) for i in torch.nonzero(bad)[0])
+        n_nan = int(torch.isnan(x).sum())
+        raise NonFiniteError(
+            f"{what} holds {n_bad} non-finite value(s) ({n_nan} NaN, {n_bad - n_nan} Inf); first at index {first}"
+        )
+
+
+def _blocks(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """``x`` as float32 ``[rows, L/32, 32]`` with ``axis`` moved last (a copy only where needed)."""
+    if x.shape[axis] % BLOCK:
+        raise FormatError(
+            f"MXFP4 groups {BLOCK} elements along axis {axis}, whose length {x.shape[axis]} is not a multiple of 32"
+        )
+    moved = x.movedim(axis, -1).to(torch.float32)
+    return moved.reshape(-1, x.shape[axis] // BLOCK, BLOCK)
+
+
+def even_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """Unbiased block exponent under the even rule: round amax's mantissa to 1 bit, floor(log2) - 2."""
+    bits = amax.view(torch.int32).to(torch.int64)
+    rounded = (bits + 0x200000) & 0xFF800000
+    biased = rounded >> 23  # 0 for zero/denormal-rounded-to-zero, 255 when rounding overflowed to inf
+    e = torch.where(biased == 255, torch.full_like(biased, EXP_MAX), biased - 127 - 2)
+    return e.clamp(EXP_MIN, EXP_MAX).to(torch.int32)
+
+
+def floor_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """OCP rule: floor(log2 amax) - 2 (zero and denormal amax clamp to -127)."""
+    biased = (amax.view(torch.int32) >> 23).to(torch.int64)
+    return (biased - 127 - 2).clamp(EXP_MIN, EXP_MAX).to(torch.int32)
+
+
+def roundup_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """Smallest e with 6 * 2**e >= amax, computed exactly from frexp (amax = m * 2**E, m in [0.5, 1))."""
+    mantissa, exponent = torch.frexp(amax)
+    e = exponent.to(torch.int64) - 3 + (mantissa > 0.75).to(torch.int64)
+    e = torch.where(amax == 0, torch.full_like(e, EXP_MIN), e)
+    return e.clamp(EXP_MIN, EXP_MAX).to(torch.int32)
+
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """Exact float32 ``2**e`` for integer e in [-149, 127] (built from bits, never through exp2)."""
+    e = e.to(torch.int64)
+    normal = ((e + 127).clamp(1, 254) << 23).to(torch.int32).view(torch.float32)
+    denormal = (torch.ones_like(e) << (e + 149).clamp(0, 22)).to(torch.int32).view(torch.float32)
+    return torch.where(e >= -126, normal, denormal)
+
+
+def round_to_e2m1(q: torch.Tensor) -> torch.Tensor:
+    """float32 values already divided by the block scale -> uint8 nibbles (sign bit 3, magnitude 0..7)."""
+    a = q.abs()
+    index = torch.zeros(q.shape, dtype=torch.uint8, device=q.device)
+    for mid, tie_up in zip(_MIDPOINTS, _TIE_ROUNDS_UP):
+        index += (a >= mid if tie_up else a > mid).to(torch.uint8)
+    sign = (q.view(torch.int32) < 0).to(torch.uint8) << 3  # keeps the sign of -0.0
+    return index | sign
+
+
+def _e2m1_table(device) -> torch.Tensor:
+    magnitudes = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return torch.cat([magnitudes, -magnitudes])
+
+
+def _block_sq_error(xb: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Sum over each 32-block of (x - dequant(quant(x, e)))**2, accumulated in float64."""
+    nib = round_to_e2m1(xb * pow2(-e).unsqueeze(-1))
+    deq = _e2m1_table(xb.device)[nib.long()] * pow2(e).unsqueeze(-1)
+    return ((xb.double() - deq.double()) ** 2).sum(-1)
+
+
+def block_exponents(xb: torch.Tensor, mode: str) -> torch.Tensor:
+    """Unbiased int32 exponents ``[rows, nblocks]`` for float32 blocks ``xb [rows, nblocks, 32]``."""
+    amax = xb.abs().amax(-1)
+    if mode == "even":
+        return even_exponent(amax)
+    if mode == "floor":
+        return floor_exponent(amax)
+    if mode == "roundup":
+        return roundup_exponent(amax)
+    if mode == "mse":
+        e = even_exponent(amax)
+        best, best_err = e, _block_sq_error(xb, e)
+        for cand in ((e + 1).clamp(max=EXP_MAX), (e - 1).clamp(min=EXP_MIN)):
+            err = _block_sq_error(xb, cand)
+            better = err < best_err  # strict: ties stay with the earlier (even-rule first) candidate
+            best, best_err = torch.where(better, cand, best), torch.where(better, err, best_err)
+        return best
+    raise FormatError(f"unknown MXFP4 scale mode {mode!r}; choose one of {', '.join(MODES)}")
+
+
+def quantize_reference(xb: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slow obvious path on float32 blocks ``[rows, nb, 32]`` -> (codes ``[rows, nb*16]``, scales ``[rows, nb]``)."""
+    e = block_exponents(xb, mode)
+    nib = round_to_e2m1(xb * pow2(-e).unsqueeze(-1)).reshape(xb.shape[0], -1)
+    codes = nib[:, 0::2] | (nib[:, 1::2] << 4)
+    return codes, (e + SCALE_BIAS).to(torch.uint8)
+
+
+def quantize(
+    x: torch.Tensor, *, mode: str = "even", axis: int = -1, check_finite_input: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` (bf16/fp16/fp32, any dims) to MXFP4 in blocks of 32 along ``axis``.
+
+    Returns ``(codes, scales)`` as uint8 tensors on x's device, in x's axis order, with ``axis`` of
+    length L becoming L/2 (codes) and L/32 (scales). NaN/Inf raise :class:`NonFiniteError` unless
+    ``check_finite_input=False`` (activations inside kernels' reference paths).
+    """
+    _check_float(x)
+    if mode not in MODES:
+        raise FormatError(f"unknown MXFP4 scale mode {mode!r}; choose one of {', '.join(MODES)}")
+    axis = _normalize_axis(axis, x.dim())
+    if check_finite_input:
+        check_finite(x)
+    xb = _blocks(x, axis)
+    from . import _mxfp4_fast
+
+    fast = _mxfp4_fast.quantize_blocks(xb, mode)
+    codes, scales = fast if fast is not None else quantize_reference(xb, mode)
+    moved_shape = list(x.movedim(axis, -1).shape)
+    codes = codes.reshape(*moved_shape[:-1], moved_shape[-1] // 2).movedim(-1, axis)
+    scales = scales.reshape(*moved_shape[:-1], moved_shape[-1] // BLOCK).movedim(-1, axis)
+    return codes.contiguous(), scales.contiguous()
+
+
+def unpack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., n]`` packed codes -> uint8 nibbles ``[..., 2n]`` (low nibble first)."""
+    return torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(*codes.shape[:-1], codes.shape[-1] * 2)
+
+
+def scale_values(scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes -> float32 ``2**(byte-127)``; byte 255 -> NaN."""
+    e = scales.to(torch.int64) - SCALE_BIAS
+    return torch.where(scales == 255, torch.full(scales.shape, float("nan"), device=scales.device), pow2(e))
+
+
+def dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, *, axis: int = -1, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Exact inverse mapping of :func:`quantize`: ``E2M1[code] * 2**(scale-127)``, returned as ``dtype``."""
+    if codes.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise FormatError(f"MXFP4 codes and scales must be uint8, got {codes.dtype} and {scales.dtype}")
+    if codes.dim() != scales.dim() or codes.dim() == 0:
+        raise FormatError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} must have the same rank")
+    axis = _normalize_axis(axis, codes.dim())
+    expected = list(codes.shape)
+    if expected[axis] % (BLOCK // 2):
+        raise FormatError(f"codes axis {axis} has {expected[axis]} bytes, not a multiple of 16 (32 elements)")
+    expected[axis] = expected[axis] * 2 // BLOCK
+    if list(scales.shape) != expected:
+        raise FormatError(
+            f"scales shape {tuple(scales.shape)} does not match codes {tuple(codes.shape)} "
+            f"(expected {tuple(expected)} for blocks of 32 along axis {axis})"
+        )
+    nib = unpack_nibbles(codes.movedim(axis, -1))
+    values = _e2m1_table(codes.device)[nib.long()]
+    s = scale_values(scales.movedim(axis, -1)).repeat_interleave(BLOCK, dim=-1)
+    return (values * s).movedim(-1, axis).to(dtype)

@@ -1,0 +1,76 @@
+"""Torch reference semantics of the runtime's kernels. Every backend must compute these functions.
+
+* :func:`bmm_a16wfp4` is aiter's ``batched_gemm_a16wfp4(prequant=True)``: the bf16 activation is quantized
+  to MXFP4 per 32-block along K (even rule), then multiplied with the MXFP4 weight in fp32; bf16 out.
+* :func:`sparse_mla` is top-k sparse attention over a BF16 latent cache, in fp32, bf16 out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from glm_pack.packing.mxfp4 import dequantize, quantize
+
+ACT_QUANT_MODES = ("mxfp4", "none")
+
+
+def activation_as_float(x: torch.Tensor, act_quant: str) -> torch.Tensor:
+    """bf16 activation ``[..., K]`` -> float32 values the kernel multiplies (MXFP4 even round trip or as is)."""
+    if act_quant == "mxfp4":
+        codes, scales = quantize(x, mode="even", axis=-1, check_finite_input=False)
+        return dequantize(codes, scales, axis=-1)
+    if act_quant == "none":
+        return x.float()
+    raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, got {act_quant!r}")
+
+
+def bmm_a16wfp4(
+    x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, *, act_quant: str = "mxfp4"
+) -> torch.Tensor:
+    """``Y[b] = act(X[b]) @ dequant(W[b])^T``: x ``[B, M, K]`` bf16, w ``[B, N, K/2]`` u8 + ``[B, N, K/32]`` u8
+    -> ``[B, M, N]`` bf16 (fp32 accumulation)."""
+    w = dequantize(w_codes, w_scales, axis=-1)
+    return torch.bmm(activation_as_float(x, act_quant), w.transpose(1, 2)).to(torch.bfloat16)
+
+
+def bmm_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """BF16-policy weights: x ``[B, M, K]`` bf16, w ``[B, N, K]`` bf16 -> ``[B, M, N]`` bf16 (fp32 accumulation)."""
+    return torch.bmm(x.float(), w.float().transpose(1, 2)).to(torch.bfloat16)
+
+
+def sparse_mla(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor | None,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    softmax_scale: float,
+    *,
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sparse MLA over selected latent rows.
+
+    q_latent ``[T, H, L]`` bf16 (L = kv_lora), q_rope ``[T, H, R]`` or None (rope-free), kv_cache bf16 with last
+    dim ``L + R`` (any leading dims, flattened to global slots), kv_indptr ``[T+1]`` int32, kv_indices flat
+    int32 global slot ids (-1 = skip). Scores ``scale * (q_latent . c + q_rope . k_rope)``, softmax over the
+    token's valid rows, output ``sum p * c`` -> ``[T, H, L]`` bf16; lse ``[T, H]`` float32 natural log
+    (-inf and a zero output for a token with no valid row).
+    """
+    T, H, L = q_latent.shape
+    rows = kv_cache.reshape(-1, kv_cache.shape[-1]).float()
+    out = torch.zeros(T, H, L, dtype=torch.float32, device=q_latent.device)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q_latent.device)
+    indptr = kv_indptr.tolist()
+    for t in range(T):
+        idx = kv_indices[indptr[t] : indptr[t + 1]].long()
+        idx = idx[idx >= 0]
+        if idx.numel() == 0:
+            continue
+        sel = rows[idx]  # [k, L + R]
+        scores = q_latent[t].float() @ sel[:, :L].T
+        if q_rope is not None:
+            scores = scores + q_rope[t].float() @ sel[:, L:].T
+        scores = scores * softmax_scale
+        lse[t] = torch.logsumexp(scores, dim=-1)
+        out[t] = torch.softmax(scores, dim=-1) @ sel[:, :L]
+    return out.to(torch.bfloat16), (lse if return_lse else None)
