@@ -1,0 +1,31 @@
+"""The ``glm-pack`` command line. Each verb lives in its own module and registers here.
+
+Every :class:`~glm_pack.packing.errors.GlmPackError` becomes one line on stderr and exit code 1;
+``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from glm_pack.packing.errors import GlmPackError
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except GlmPackError as err:
+            if ctx.params.get("debug"):
+                raise
+            click.echo(f"glm-pack: error: {err}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
+@click.version_option(package_name="glm-pack")
+def main(debug: bool) -> None:
+    """Prepare GLM MLA checkpoints for AMD gfx950 serving: absorb, quantize, re-lay, verify, push."""
