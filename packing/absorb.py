@@ -1,0 +1,105 @@
+"""One MLA layer's transform: float kv_b_proj -> stored w_kc / w_vc with their error metrics. Pure, no I/O.
+
+Stored forms (``bmm_nk`` layout, reduction axis last, K padded from ``k_logical`` to ``k_stored``):
+
+* mxfp4: codes U8 ``[H, N, k_stored/2]`` + E8M0 scales U8 ``[H, N, k_stored/32]`` (pad: code 0, scale 0x7F)
+* bf16:  values ``[H, N, k_stored]`` (pad: 0)
+
+w_kc has N = kv_lora, K = nope; w_vc has N = v, K = kv_lora. Errors are relative Frobenius norms over the
+logical K, computed in float64 against the float source split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import FormatError, PlanError
+from .layouts import pack_bmm_nk
+from .mla import MlaGeometry, split_kv_b
+from .mxfp4 import check_finite, dequantize, quantize
+
+POLICIES = ("mxfp4", "bf16", "auto")
+
+
+@dataclass
+class StoredProjection:
+    """One projection as it goes to the overlay."""
+
+    precision: str  # "mxfp4" | "bf16"
+    quant_mode: str | None  # scale rule of the stored MXFP4 ("even", "mse", ... or "source" for kept bytes)
+    weight: torch.Tensor  # U8 codes or BF16 values, [H, N, k_stored/2] or [H, N, k_stored]
+    scale: torch.Tensor | None  # U8 [H, N, k_stored/32] for mxfp4
+    k_logical: int
+    k_stored: int
+    rel_error: float  # of what is stored
+    mxfp4_rel_error: float  # what MXFP4 gives (equal to rel_error when MXFP4 is stored)
+
+
+def rel_error(approx: torch.Tensor, ref: torch.Tensor) -> float:
+    """||approx - ref||_F / ||ref||_F in float64 (0 when both are zero)."""
+    ref64 = ref.double()
+    denom = float(torch.linalg.vector_norm(ref64))
+    num = float(torch.linalg.vector_norm(approx.double() - ref64))
+    if denom == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / denom
+
+
+def _pad_k(t: torch.Tensor, k_stored: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, k_stored - t.shape[-1])) if k_stored > t.shape[-1] else t
+
+
+def store_projection(
+    w: torch.Tensor,
+    *,
+    k_stored: int,
+    quant_mode: str,
+    policy: str,
+    max_rel_error: float | None,
+    mxfp4_source: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> StoredProjection:
+    """Float ``w [H, N, K]`` -> stored projection under ``policy``.
+
+    ``mxfp4_source``: the projection's codes/scales already grouped along K (from an MXFP4 checkpoint);
+    they are kept byte for byte instead of quantizing again.
+    """
+    if policy not in POLICIES:
+        raise PlanError(f"unknown MLA precision policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if policy == "auto" and max_rel_error is None:
+        raise PlanError("--mla-precision auto needs --max-rel-error")
+    k = w.shape[-1]
+    if k_stored < k or k_stored % 32:
+        raise FormatError(f"k_stored {k_stored} must be a multiple of 32 and >= K {k}")
+    codes, scales = mxfp4_source if mxfp4_source is not None else quantize(w, mode=quant_mode, axis=-1)
+    mx_err = rel_error(dequantize(codes, scales, axis=-1), w)
+    if policy == "mxfp4" or (policy == "auto" and mx_err <= max_rel_error):
+        codes, scales = pack_bmm_nk(codes, scales, k_stored=k_stored)
+        mode = "source" if mxfp4_source is not None else quant_mode
+        return StoredProjection("mxfp4", mode, codes, scales, k, k_stored, mx_err, mx_err)
+    values = w.to(torch.bfloat16)
+    return StoredProjection("bf16", None, _pad_k(values, k_stored), None, k, k_stored, rel_error(values, w), mx_err)
+
+
+def absorb_layer(
+    kv_b: torch.Tensor,
+    geom: MlaGeometry,
+    *,
+    k_stored: int,
+    quant_mode: str = "even",
+    policy: str = "mxfp4",
+    max_rel_error: float | None = None,
+    vc_mxfp4_source: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[StoredProjection, StoredProjection]:
+    """Float kv_b_proj ``[H*(nope+v), kv_lora]`` -> (w_kc, w_vc) stored projections.
+
+    ``k_stored`` is w_kc's stored K (nope, or nope padded, e.g. 192 -> 256); w_vc's K (kv_lora) is never
+    padded. NaN/Inf in kv_b raise :class:`~glm_pack.packing.errors.NonFiniteError`.
+    """
+    check_finite(kv_b, "kv_b_proj")
+    w_kc, w_vc = split_kv_b(kv_b.float(), geom)
+    common = {"quant_mode": quant_mode, "policy": policy, "max_rel_error": max_rel_error}
+    kc = store_projection(w_kc, k_stored=k_stored, **common)
+    vc = store_projection(w_vc, k_stored=geom.kv_lora_rank, mxfp4_source=vc_mxfp4_source, **common)
+    return kc, vc

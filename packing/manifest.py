@@ -1,0 +1,263 @@
+"""The manifest: the contract between the converter and the runtime (``OUT/glm-pack/manifest.json``).
+
+Pure data: building, serialising and validating the JSON object; no file I/O here.
+
+Top-level keys (schema ``glm-pack/manifest`` version 1)::
+
+    schema, schema_version, tool {name, version}, created (ISO time; the only non-deterministic field)
+    source   {kind "local"|"hub", path, repo_id, revision, config_sha256, index_sha256,
+              files {name: {size}}, tensors {source tensor name: sha256 of its stored bytes}}
+    model    {card, architectures, model_type, geometry {num_heads, kv_lora_rank, qk_nope_head_dim,
+              qk_rope_head_dim, v_head_dim}}
+    options  {quant_mode, k_pad, mla_precision, max_rel_error, files}
+    mla      [ {layer, prefix, source {tensor, format}, w_kc: PROJ, w_vc: PROJ} ]  (one per MLA layer)
+    tensors  {overlay tensor name: {file, dtype, shape, sha256}}
+    files    {overlay file name (relative to glm-pack/): {size, sha256}}
+    kernel_configs {route, configs {arch: {op: {M bucket: {config key: value}}}}}
+
+PROJ (one absorbed projection) is::
+
+    {precision "mxfp4"|"bf16", weight <tensor name>, scale <tensor name> | null,
+     layout {name, k_logical, k_stored}, quant {format, mode, block, scale, rounding} | {format "bf16"},
+     rel_error (of the stored tensor vs the float source split, Frobenius), mxfp4_rel_error (what MXFP4
+     would give; equals rel_error when MXFP4 was kept)}
+
+``w_kc`` is stored ``[H, kv_lora, k_stored]`` (MXFP4 codes ``[H, kv_lora, k_stored/2]``), ``w_vc``
+``[H, v, kv_lora]``; layout ``bmm_nk`` means row-major, reduction axis last, K padded with zero codes and
+scale bytes 0x7F from ``k_logical`` to ``k_stored``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from .errors import ManifestError
+from .mla import MlaGeometry
+
+SCHEMA = "glm-pack/manifest"
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+OVERLAY_DIR = "glm-pack"
+PRECISIONS = ("mxfp4", "bf16")
+PROJECTIONS = ("w_kc", "w_vc")
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+MAX_JSON_DEPTH = 32
+KNOWN_LAYOUTS = ("bmm_nk", "aiter_shuffle_16x16", "aiter_e8m0_shuffle")
+KNOWN_DTYPES = ("U8", "BF16", "F16", "F32")
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One absorbed projection of one layer as stored in the overlay."""
+
+    name: str  # "w_kc" or "w_vc"
+    precision: str  # "mxfp4" or "bf16"
+    weight: str  # overlay tensor holding codes (U8) or bf16 values
+    scale: str | None  # overlay tensor of E8M0 bytes (mxfp4 only)
+    k_logical: int
+    k_stored: int
+    rel_error: float
+    mxfp4_rel_error: float
+
+
+@dataclass(frozen=True)
+class MlaLayer:
+    layer: int
+    prefix: str
+    source_tensor: str
+    source_format: str
+    w_kc: Projection
+    w_vc: Projection
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    sha256: str
+
+
+def _fail(msg: str, tensor: str | None = None):
+    raise ManifestError(f"manifest: {msg}", tensor=tensor)
+
+
+def _get(obj: dict, key: str, typ, where: str):
+    if not isinstance(obj, dict) or key not in obj:
+        _fail(f"{where} lacks {key!r}")
+    value = obj[key]
+    if typ is int and isinstance(value, bool) or not isinstance(value, typ):
+        _fail(f"{where}.{key} must be {getattr(typ, '__name__', typ)}, got {type(value).__name__}")
+    return value
+
+
+def _check_depth(value, depth: int = 0) -> None:
+    if depth > MAX_JSON_DEPTH:
+        _fail(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, dict):
+        for v in value.values():
+            _check_depth(v, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _check_depth(v, depth + 1)
+
+
+def loads(text: str | bytes) -> dict:
+    """Parse manifest JSON text with size and depth limits (no validation of the content)."""
+    if len(text) > MAX_MANIFEST_BYTES:
+        _fail(f"{len(text)} bytes, larger than the {MAX_MANIFEST_BYTES} byte limit")
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        _fail(f"not valid JSON ({err})")
+    _check_depth(obj)
+    if not isinstance(obj, dict):
+        _fail("top level is not a JSON object")
+    return obj
+
+
+def dumps(manifest: dict) -> str:
+    """Deterministic JSON text (sorted keys, 2-space indent, trailing newline)."""
+    return json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
+def _projection(obj: dict, name: str, where: str, tensors: dict) -> Projection:
+    p = _get(obj, name, dict, where)
+    where = f"{where}.{name}"
+    precision = _get(p, "precision", str, where)
+    if precision not in PRECISIONS:
+        _fail(f"{where}.precision {precision!r} is not one of {PRECISIONS}")
+    layout = _get(p, "layout", dict, where)
+    lname = _get(layout, "name", str, f"{where}.layout")
+    if lname != "bmm_nk":
+        _fail(f"{where}.layout {lname!r} is not a layout the runtime reads (bmm_nk)")
+    k_logical = _get(layout, "k_logical", int, f"{where}.layout")
+    k_stored = _get(layout, "k_stored", int, f"{where}.layout")
+    if not 0 < k_logical <= k_stored or k_stored % 32:
+        _fail(f"{where}.layout needs 0 < k_logical <= k_stored and k_stored % 32 == 0, got {k_logical}/{k_stored}")
+    weight = _get(p, "weight", str, where)
+    scale = p.get("scale")
+    if precision == "mxfp4" and not isinstance(scale, str):
+        _fail(f"{where} is mxfp4 but names no scale tensor")
+    if precision == "bf16" and scale is not None:
+        _fail(f"{where} is bf16 but names a scale tensor")
+    for t in (weight, scale):
+        if t is not None and t not in tensors:
+            _fail(f"{where} names tensor {t!r} that the tensors table lacks", tensor=t)
+    errors = []
+    for key in ("rel_error", "mxfp4_rel_error"):
+        v = _get(p, key, (int, float), where)
+        if not math.isfinite(v) or v < 0:
+            _fail(f"{where}.{key} must be a finite non-negative number, got {v}")
+        errors.append(float(v))
+    return Projection(name, precision, weight, scale, k_logical, k_stored, errors[0], errors[1])
+
+
+def parse_tensors(manifest: dict) -> dict[str, TensorEntry]:
+    table = _get(manifest, "tensors", dict, "manifest")
+    out = {}
+    for name, entry in table.items():
+        where = f"tensors[{name!r}]"
+        file = _get(entry, "file", str, where)
+        if "/" in file or "\\" in file or file.startswith("."):
+            _fail(f"{where}.file {file!r} must be a plain file name inside glm-pack/", tensor=name)
+        dtype = _get(entry, "dtype", str, where)
+        if dtype not in KNOWN_DTYPES:
+            _fail(f"{where}.dtype {dtype!r} is not one of {KNOWN_DTYPES}", tensor=name)
+        shape = _get(entry, "shape", list, where)
+        if not shape or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+            _fail(f"{where}.shape {shape!r} must be a non-empty list of positive integers", tensor=name)
+        sha = _get(entry, "sha256", str, where)
+        if len(sha) != 64:
+            _fail(f"{where}.sha256 is not a sha256 hex digest", tensor=name)
+        out[name] = TensorEntry(name, file, dtype, tuple(shape), sha)
+    return out
+
+
+def parse_geometry(manifest: dict) -> MlaGeometry:
+    model = _get(manifest, "model", dict, "manifest")
+    g = _get(model, "geometry", dict, "model")
+    fields = ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    try:
+        return MlaGeometry(**{f: _get(g, f, int, "model.geometry") for f in fields})
+    except ManifestError:
+        raise
+    except Exception as err:  # FormatError from MlaGeometry's own checks
+        _fail(f"model.geometry is invalid: {err}")
+
+
+def check_schema(manifest: dict) -> None:
+    schema = manifest.get("schema")
+    version = manifest.get("schema_version")
+    if schema != SCHEMA:
+        _fail(f"schema {schema!r} is not {SCHEMA!r}: not a glm-pack manifest")
+    if version != SCHEMA_VERSION:
+        _fail(f"schema_version {version!r} is not supported (this glm-pack knows {SCHEMA_VERSION}); upgrade glm-pack")
+
+
+def parse_mla(manifest: dict) -> list[MlaLayer]:
+    """Validate the manifest and return its MLA layers (raises ManifestError naming the bad field)."""
+    check_schema(manifest)
+    geom = parse_geometry(manifest)
+    tensors = parse_tensors(manifest)
+    layers = []
+    seen = set()
+    for i, entry in enumerate(_get(manifest, "mla", list, "manifest")):
+        where = f"mla[{i}]"
+        layer = _get(entry, "layer", int, where)
+        if layer < 0 or layer in seen:
+            _fail(f"{where}.layer {layer} is negative or repeated")
+        seen.add(layer)
+        source = _get(entry, "source", dict, where)
+        kc = _projection(entry, "w_kc", where, tensors)
+        vc = _projection(entry, "w_vc", where, tensors)
+        _check_projection_shapes(kc, geom, tensors, (geom.num_heads, geom.kv_lora_rank), geom.qk_nope_head_dim)
+        _check_projection_shapes(vc, geom, tensors, (geom.num_heads, geom.v_head_dim), geom.kv_lora_rank)
+        layers.append(
+            MlaLayer(
+                layer,
+                _get(entry, "prefix", str, where),
+                _get(source, "tensor", str, f"{where}.source"),
+                _get(source, "format", str, f"{where}.source"),
+                kc,
+                vc,
+            )
+        )
+    return layers
+
+
+def _check_projection_shapes(p: Projection, geom, tensors, lead: tuple[int, int], k_logical: int) -> None:
+    if p.k_logical != k_logical:
+        _fail(f"{p.weight}: k_logical {p.k_logical} contradicts the geometry ({k_logical})", tensor=p.weight)
+    w = tensors[p.weight]
+    if p.precision == "mxfp4":
+        expect_w, expect_s = (*lead, p.k_stored // 2), (*lead, p.k_stored // 32)
+        s = tensors[p.scale]
+        if w.dtype != "U8" or s.dtype != "U8" or w.shape != expect_w or s.shape != expect_s:
+            _fail(
+                f"{p.weight}: mxfp4 tensors must be U8 {expect_w} + U8 {expect_s}, "
+                f"got {w.dtype} {w.shape} + {s.dtype} {s.shape}",
+                tensor=p.weight,
+            )
+    elif w.dtype != "BF16" or w.shape != (*lead, p.k_stored):
+        _fail(f"{p.weight}: bf16 tensor must be BF16 {(*lead, p.k_stored)}, got {w.dtype} {w.shape}", tensor=p.weight)
+
+
+def projection_entry(stored, weight: str, scale: str | None) -> dict:
+    """Manifest PROJ object for a :class:`~glm_pack.packing.absorb.StoredProjection`."""
+    if stored.precision == "mxfp4":
+        quant = {"format": "mxfp4", "mode": stored.quant_mode, "block": 32, "scale": "e8m0", "rounding": "half_even"}
+    else:
+        quant = {"format": "bf16"}
+    return {
+        "precision": stored.precision,
+        "weight": weight,
+        "scale": scale,
+        "layout": {"name": "bmm_nk", "k_logical": stored.k_logical, "k_stored": stored.k_stored},
+        "quant": quant,
+        "rel_error": stored.rel_error,
+        "mxfp4_rel_error": stored.mxfp4_rel_error,
+    }
