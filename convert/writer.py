@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+
 from glm_pack.packing.errors import GlmPackError
 
 _DTYPE_NAMES = {
