@@ -1,0 +1,173 @@
+"""``glm-pack verify``: re-check a converted output against its manifest and its source.
+
+Checks, each reported by name: manifest present and valid; every overlay file's size and sha256 (and, on a
+mismatch, which tensor changed); geometry against config.json; the original index untouched; every overlay
+tensor dequantized and compared with its source split (recomputed from the source when reachable) within
+the recorded error; source tensors unchanged (sha256 against the fingerprint).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from glm_pack.packing import manifest as mf
+from glm_pack.packing.absorb import rel_error
+from glm_pack.packing.errors import GlmPackError
+from glm_pack.packing.layouts import unpack_bmm_nk
+from glm_pack.packing.mla import split_kv_b
+from glm_pack.packing.mxfp4 import dequantize
+
+from .convert import file_sha256
+from .writer import sha256_tensor
+
+# Recomputed errors may differ from the recorded ones only by float64 summation order.
+ERROR_TOLERANCE = 1e-6
+
+
+@dataclass
+class VerifyReport:
+    out: Path
+    problems: list[str] = field(default_factory=list)
+    checked: list[str] = field(default_factory=list)
+    incomplete: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict:
+        return {"out": str(self.out), "ok": self.ok, "incomplete": self.incomplete,
+                "problems": self.problems, "checked": self.checked}
+
+
+def read_manifest(out: Path) -> dict:
+    """Load and validate ``OUT/glm-pack/manifest.json`` (raises ManifestError / GlmPackError)."""
+    path = Path(out) / mf.OVERLAY_DIR / mf.MANIFEST_NAME
+    if not path.is_file():
+        raise GlmPackError(
+            f"incomplete output: {path} is missing (the conversion did not finish); it is not a valid glm-pack output",
+            file=path,
+        )
+    try:
+        manifest = mf.loads(path.read_bytes())
+        mf.parse_mla(manifest)
+    except GlmPackError as err:
+        err.file = str(path)
+        raise
+    return manifest
+
+
+def _load_overlay_tensor(overlay: Path, entry: mf.TensorEntry) -> torch.Tensor:
+    with safe_open(overlay / entry.file, framework="pt") as f:
+        return f.get_tensor(entry.name)
+
+
+def stored_to_float(proj: mf.Projection, overlay: Path, tensors: dict[str, mf.TensorEntry]) -> torch.Tensor:
+    """Dequantize a stored projection back to float32 ``[H, N, k_logical]``."""
+    weight = _load_overlay_tensor(overlay, tensors[proj.weight])
+    if proj.precision == "bf16":
+        return weight[..., : proj.k_logical].float()
+    scale = _load_overlay_tensor(overlay, tensors[proj.scale])
+    codes, scales = unpack_bmm_nk(weight, scale, k_logical=proj.k_logical)
+    return dequantize(codes, scales, axis=-1)
+
+
+def _check_files(report: VerifyReport, overlay: Path, manifest: dict, tensors) -> set[str]:
+    bad_files = set()
+    for name, info in sorted(manifest["files"].items()):
+        path = overlay / name
+        if not path.is_file():
+            report.problems.append(f"overlay file missing: {path}")
+            bad_files.add(name)
+            continue
+        if path.stat().st_size != info.get("size") or file_sha256(path) != info.get("sha256"):
+            bad_files.add(name)
+            changed = _changed_tensors(overlay, name, tensors)
+            what = f" (changed tensors: {', '.join(changed)})" if changed else " (header or layout changed)"
+            report.problems.append(f"overlay file {path} does not match its sha256 in the manifest{what}")
+    report.checked.append(f"{len(manifest['files'])} overlay files hashed")
+    return bad_files
+
+
+def _changed_tensors(overlay: Path, file: str, tensors) -> list[str]:
+    changed = []
+    for entry in tensors.values():
+        if entry.file != file:
+            continue
+        try:
+            if sha256_tensor(_load_overlay_tensor(overlay, entry)) != entry.sha256:
+                changed.append(entry.name)
+        except Exception:
+            changed.append(entry.name)
+    return changed
+
+
+def _source_root(out: Path, manifest: dict) -> Path | None:
+    """Where the source tensors can be read: OUT itself when originals were placed, else the recorded path."""
+    if manifest["options"].get("files") != "none" and (out / "config.json").is_file():
+        return out
+    path = manifest["source"].get("path")
+    return Path(path) if path and Path(path, "config.json").is_file() else None
+
+
+def verify(out: str | Path) -> VerifyReport:
+    """Verify a converted output; never raises for a bad output, reports problems instead."""
+    out = Path(out)
+    report = VerifyReport(out=out)
+    try:
+        manifest = read_manifest(out)
+    except GlmPackError as err:
+        report.incomplete = "incomplete" in str(err)
+        report.problems.append(str(err))
+        return report
+    overlay = out / mf.OVERLAY_DIR
+    tensors = mf.parse_tensors(manifest)
+    layers = mf.parse_mla(manifest)
+    geom = mf.parse_geometry(manifest)
+    bad_files = _check_files(report, overlay, manifest, tensors)
+
+    src_root = _source_root(out, manifest)
+    if src_root is None:
+        report.checked.append("source not reachable: errors not recomputed")
+        return report
+    from .checkpoint import open_checkpoint
+
+    try:
+        ckpt = open_checkpoint(src_root)
+    except GlmPackError as err:
+        report.problems.append(f"cannot open the source at {src_root}: {err}")
+        return report
+    if ckpt.geometry != geom:
+        report.problems.append(
+            f"geometry in the manifest {geom} contradicts {src_root / 'config.json'} ({ckpt.geometry})"
+        )
+    if file_sha256(src_root / "config.json") != manifest["source"]["config_sha256"]:
+        report.problems.append(f"{src_root / 'config.json'} differs from the config the overlay was made from")
+    index_sha = manifest["source"].get("index_sha256")
+    if index_sha and (ckpt.index_path is None or file_sha256(ckpt.index_path) != index_sha):
+        report.problems.append(f"the original index in {src_root} was changed or removed")
+    for name, sha in sorted(manifest["source"]["tensors"].items()):
+        try:
+            if ckpt.raw_sha256(name) != sha:
+                report.problems.append(f"source tensor {name} differs from the one the overlay was made from")
+        except GlmPackError as err:
+            report.problems.append(f"source tensor {name} unreadable: {err}")
+    report.checked.append(f"{len(manifest['source']['tensors'])} source tensors hashed")
+
+    for layer in layers:
+        if any(tensors[t].file in bad_files for p in (layer.w_kc, layer.w_vc) for t in (p.weight, p.scale) if t):
+            continue
+        w_kc, w_vc = split_kv_b(ckpt.read_float(layer.source_tensor), geom)
+        for proj, ref in ((layer.w_kc, w_kc), (layer.w_vc, w_vc)):
+            err = rel_error(stored_to_float(proj, overlay, tensors), ref)
+            if not math.isfinite(err) or abs(err - proj.rel_error) > ERROR_TOLERANCE * max(1.0, proj.rel_error):
+                report.problems.append(
+                    f"{proj.weight}: error vs source {err:.6g} differs from the recorded {proj.rel_error:.6g}"
+                )
+    report.checked.append(f"{len(layers)} MLA layers dequantized and compared with their source")
+    return report
