@@ -1,0 +1,185 @@
+"""The aiter backend (AMD gfx950): batched A16WFP4 GEMM and sparse MLA from AMD's aiter library.
+
+Written against the documented contract (``notes/aiter-contract.md``); aiter is imported lazily and every
+function is feature-detected. The contract is asserted before each call, since aiter checks none of it:
+u8 weights and scales, ``x.shape[-1] == 2 * w.shape[-1]`` (a 192-wide q against a 256-padded w_kc returns
+garbage otherwise), positive strides, ``prequant=True``, a complete config with ``NUM_KSPLIT == 1``
+(aiter's split-K reduce corrupts memory with this wrapper).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from glm_pack.packing.errors import BackendError
+from glm_pack.packing.manifest import AITER_BMM_CONFIG_KEYS
+
+from .base import Backend
+
+log = logging.getLogger(__name__)
+
+_BMM_MODULES = (
+    "aiter.ops.triton.gemm.batched.batched_gemm_a16wfp4",
+    "aiter.ops.triton.batched_gemm_a16wfp4",
+)
+_OLD_BMM_MODULE = "aiter.ops.triton.batched_gemm_afp4wfp4_pre_quant"
+_SPARSE_MODULE = "aiter.ops.triton.attention.sparse_mla"
+TARGET_ARCH = "gfx950"
+
+
+@dataclass
+class AiterFunctions:
+    """What the installed aiter offers. ``bmm_kind`` is "a16wfp4" (transpose_bm) or "pre_quant" (old wheel)."""
+
+    bmm: Any
+    bmm_kind: str
+    sparse_mla_fwd: Any | None
+    sparse_rope_free: bool  # sparse_mla_fwd takes qk_rope_head_dim (rope-free BF16 caches)
+    sparse_has_invalid: bool  # sparse_mla_fwd takes has_invalid (-1 sentinels)
+
+
+def detect_arch() -> str | None:
+    """The GPU arch name on ROCm torch (e.g. "gfx950"), or None without a ROCm GPU."""
+    if not torch.cuda.is_available() or getattr(torch.version, "hip", None) is None:
+        return None
+    return torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+
+
+def _import(name: str):
+    try:
+        return importlib.import_module(name)
+    except Exception:  # aiter raises RuntimeError, not ImportError, without ROCm
+        return None
+
+
+def load_aiter() -> AiterFunctions:
+    """Import aiter's kernels; raises BackendError saying why when they are not usable."""
+    try:
+        importlib.import_module("aiter")
+    except Exception as err:
+        raise BackendError(f"aiter backend unavailable: importing aiter failed ({type(err).__name__}: {err})") from err
+    bmm, kind = None, None
+    for name in _BMM_MODULES:
+        module = _import(name)
+        if module is not None and hasattr(module, "batched_gemm_a16wfp4"):
+            bmm, kind = module.batched_gemm_a16wfp4, "a16wfp4"
+            break
+    if bmm is None:
+        module = _import(_OLD_BMM_MODULE)
+        if module is not None and hasattr(module, "batched_gemm_afp4wfp4_pre_quant"):
+            bmm, kind = module.batched_gemm_afp4wfp4_pre_quant, "pre_quant"
+    if bmm is None:
+        raise BackendError("aiter backend unavailable: the installed aiter has no batched A16WFP4 GEMM")
+    sparse = _import(_SPARSE_MODULE)
+    fwd = getattr(sparse, "sparse_mla_fwd", None)
+    params = inspect.signature(fwd).parameters if fwd is not None else {}
+    return AiterFunctions(bmm, kind, fwd, "qk_rope_head_dim" in params, "has_invalid" in params)
+
+
+def aiter_status() -> tuple[bool, str]:
+    """(usable, reason) for backend selection: aiter importable and a gfx950 GPU present."""
+    arch = detect_arch()
+    if arch != TARGET_ARCH:
+        return False, f"aiter backend needs a {TARGET_ARCH} GPU (found {arch or 'no ROCm GPU'})"
+    try:
+        load_aiter()
+    except BackendError as err:
+        return False, str(err)
+    return True, "ok"
+
+
+def select_config(configs: dict, m: int) -> dict:
+    """Pick the config for M rows from ``{"M_LEQ_<n>": cfg, ..., "any": cfg}`` and check it is complete."""
+    buckets = sorted((int(k.removeprefix("M_LEQ_")), k) for k in configs if k.startswith("M_LEQ_"))
+    key = next((k for bound, k in buckets if m <= bound), "any")
+    if key not in configs:
+        raise BackendError(f"no kernel config for M={m}: the manifest's buckets are {sorted(configs)}")
+    cfg = dict(configs[key])
+    missing = [k for k in AITER_BMM_CONFIG_KEYS if k not in cfg]
+    if missing:
+        raise BackendError(f"kernel config {key} lacks {', '.join(missing)}: aiter needs every key")
+    if cfg["NUM_KSPLIT"] != 1:
+        raise BackendError(
+            f"kernel config {key} has NUM_KSPLIT={cfg['NUM_KSPLIT']}; only 1 is safe with this aiter wrapper"
+        )
+    return cfg
+
+
+def check_bmm_contract(x: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor) -> None:
+    """aiter's unchecked preconditions for ``batched_gemm_a16wfp4``."""
+    if x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
+        raise BackendError(f"aiter A16WFP4 needs bf16 x and out, got {x.dtype} / {out.dtype}")
+    if w.dtype != torch.uint8 or w_scales.dtype != torch.uint8:
+        raise BackendError(f"aiter A16WFP4 needs u8 weights and E8M0 scales, got {w.dtype} / {w_scales.dtype}")
+    B, M, K = x.shape
+    if x.shape[-1] != 2 * w.shape[-1]:
+        raise BackendError(
+            f"x has K={x.shape[-1]} but the weight stores K={2 * w.shape[-1]}: aiter would return garbage"
+        )
+    if w.shape[0] != B or w_scales.shape != (B, w.shape[1], K // 32) or out.shape != (B, M, w.shape[1]):
+        raise BackendError(
+            f"shape mismatch: x {tuple(x.shape)}, w {tuple(w.shape)}, "
+            f"scales {tuple(w_scales.shape)}, out {tuple(out.shape)}"
+        )
+    for name, t in (("x", x), ("w", w), ("w_scales", w_scales), ("out", out)):
+        if any(s <= 0 for s in t.stride()):
+            raise BackendError(f"aiter needs positive strides; {name} has {t.stride()}")
+
+
+class AiterBackend(Backend):
+    name = "aiter"
+
+    def __init__(self, kernel_configs: dict, *, functions: AiterFunctions | None = None, fallback: Backend):
+        self.fn = functions or load_aiter()
+        self.configs = kernel_configs.get(TARGET_ARCH, {})
+        self.fallback = fallback
+        self._warned = False
+
+    def bmm_a16wfp4(self, x, w_codes, w_scales, out, *, op, act_quant):
+        if act_quant != "mxfp4":
+            raise BackendError(
+                "aiter's A16WFP4 always quantizes activations (prequant); act_quant='none' is unsupported"
+            )
+        check_bmm_contract(x, w_codes, w_scales, out)
+        if op not in self.configs:
+            raise BackendError(f"the manifest has no {TARGET_ARCH} kernel config for {op}")
+        cfg = select_config(self.configs[op], x.shape[1])
+        if self.fn.bmm_kind == "a16wfp4":
+            # transpose_bm: y is (M, B, N) = the batch-major [T, H, N] buffer behind `out`.
+            self.fn.bmm(
+                x,
+                w_codes,
+                w_scales,
+                dtype=torch.bfloat16,
+                y=out.transpose(0, 1),
+                config=cfg,
+                transpose_bm=True,
+                prequant=True,
+            )
+        else:
+            self.fn.bmm(x, w_codes, w_scales, torch.bfloat16, out, cfg)
+
+    def sparse_mla(self, q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, *, return_lse):
+        rope = 0 if q_rope is None else q_rope.shape[-1]
+        if self.fn.sparse_mla_fwd is None or (rope == 0 and not self.fn.sparse_rope_free):
+            if not self._warned:
+                why = "has no sparse_mla_fwd" if self.fn.sparse_mla_fwd is None else "lacks rope-free support"
+                log.warning("installed aiter %s; sparse MLA runs on the %s backend", why, self.fallback.name)
+                self._warned = True
+            return self.fallback.sparse_mla(
+                q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, return_lse=return_lse
+            )
+        q = q_latent if q_rope is None else torch.cat([q_latent, q_rope], dim=-1)
+        kwargs = {"kv_lora_rank": q_latent.shape[-1], "return_lse": return_lse}
+        if self.fn.sparse_rope_free:
+            kwargs["qk_rope_head_dim"] = rope
+        if self.fn.sparse_has_invalid:
+            kwargs["has_invalid"] = bool((kv_indices < 0).any())
+        out, lse = self.fn.sparse_mla_fwd(q, kv_cache, kv_indptr, kv_indices, softmax_scale, **kwargs)
+        return out, (lse if return_lse else None)

@@ -1,0 +1,38 @@
+"""The Triton backend: portable kernels for NVIDIA (and AMD where aiter lacks a path)."""
+
+from __future__ import annotations
+
+from glm_pack.packing.errors import BackendError
+
+from .base import Backend
+
+
+def triton_status(device) -> tuple[bool, str]:
+    """(usable, reason): Triton importable and the device a GPU."""
+    if getattr(device, "type", str(device).split(":")[0]) != "cuda":
+        return False, f"triton backend needs a GPU device, got {device}"
+    try:
+        import triton  # noqa: F401
+    except Exception as err:
+        return False, f"triton backend unavailable: importing triton failed ({err})"
+    return True, "ok"
+
+
+class TritonBackend(Backend):
+    name = "triton"
+
+    def __init__(self):
+        try:
+            from glm_pack.runtime.kernels import triton_bmm, triton_sparse_mla
+        except Exception as err:
+            raise BackendError(f"triton backend unavailable: {err}") from err
+        self._bmm = triton_bmm
+        self._sparse = triton_sparse_mla
+
+    def bmm_a16wfp4(self, x, w_codes, w_scales, out, *, op, act_quant):
+        self._bmm.bmm_a16wfp4(x, w_codes, w_scales, act_quant=act_quant, out=out)
+
+    def sparse_mla(self, q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, *, return_lse):
+        return self._sparse.sparse_mla(
+            q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, return_lse=return_lse
+        )

@@ -1,0 +1,126 @@
+"""One MLA layer at run time: absorbed K-up, sparse attention in the latent space, V-up.
+
+Shapes (H = this rank's heads, T = tokens, L = kv_lora, P = nope, R = rope, V = v_head_dim):
+``k_up``: q ``[T, H, P]`` or ``[T, H, P+R]`` -> latent ``[T, H, L]``; ``attend``: -> ``[T, H, L]``;
+``v_up``: ``[T, H, L]`` -> ``[T, H, V]``. All bf16; outputs are batch-major ``[T, H, N]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from glm_pack.packing.errors import BackendError
+from glm_pack.packing.mla import MlaGeometry
+from glm_pack.runtime.backends.base import Backend
+from glm_pack.runtime.reference import ACT_QUANT_MODES
+
+
+@dataclass
+class ProjectionWeights:
+    """A loaded projection in ``bmm_nk`` layout: mxfp4 codes ``[H, N, k_stored/2]`` + scales, or bf16
+    ``[H, N, k_stored]``."""
+
+    precision: str
+    weight: torch.Tensor
+    scale: torch.Tensor | None
+    k_logical: int
+    k_stored: int
+    rel_error: float
+
+
+class MlaLayer:
+    """Absorbed-MLA operations of one layer for one tensor-parallel rank."""
+
+    def __init__(
+        self, layer: int, geometry: MlaGeometry, w_kc: ProjectionWeights, w_vc: ProjectionWeights, backend: Backend
+    ):
+        self.layer = layer
+        self.geometry = geometry  # num_heads is this rank's head count
+        self.w_kc = w_kc
+        self.w_vc = w_vc
+        self.backend = backend
+
+    def _check_act(self, t: torch.Tensor, name: str, width: int | None = None) -> None:
+        g = self.geometry
+        if t.dim() != 3 or t.shape[1] != g.num_heads or t.dtype != torch.bfloat16:
+            raise BackendError(
+                f"layer {self.layer}: {name} must be bf16 [T, {g.num_heads}, ...], got {t.dtype} {tuple(t.shape)}"
+            )
+        if width is not None and t.shape[-1] != width:
+            raise BackendError(f"layer {self.layer}: {name} must be {width} wide, got {t.shape[-1]}")
+
+    def _bmm(self, proj: ProjectionWeights, x_thk: torch.Tensor, out_thn: torch.Tensor, op: str, act_quant: str):
+        if act_quant not in ACT_QUANT_MODES:
+            raise BackendError(f"act_quant must be one of {ACT_QUANT_MODES}, got {act_quant!r}")
+        if x_thk.shape[-1] != proj.k_stored:  # aiter does not check this and returns garbage
+            raise BackendError(f"layer {self.layer} {op}: x has K={x_thk.shape[-1]}, weight stores K={proj.k_stored}")
+        x, out = x_thk.transpose(0, 1), out_thn.transpose(0, 1)
+        if proj.precision == "mxfp4":
+            self.backend.bmm_a16wfp4(x, proj.weight, proj.scale, out, op=op, act_quant=act_quant)
+        else:
+            self.backend.bmm_bf16(x, proj.weight, out)
+
+    def k_input(self, q: torch.Tensor) -> torch.Tensor:
+        """The x the K-up kernel gets (K == k_stored): q itself when it already has that width (zero copy)."""
+        g, kc = self.geometry, self.w_kc
+        self._check_act(q, "q")
+        width = q.shape[-1]
+        if width == kc.k_stored:
+            return q
+        if width == g.qk_nope_head_dim + g.qk_rope_head_dim and kc.k_stored == g.qk_nope_head_dim:
+            return q[..., : g.qk_nope_head_dim]
+        if width == g.qk_nope_head_dim:
+            return torch.nn.functional.pad(q, (0, kc.k_stored - width))
+        raise BackendError(
+            f"layer {self.layer}: q must be [T, H, {g.qk_nope_head_dim}] (nope) or "
+            f"[T, H, {g.qk_nope_head_dim + g.qk_rope_head_dim}] (nope+rope), got width {width}"
+        )
+
+    def k_up(self, q: torch.Tensor, *, act_quant: str = "mxfp4") -> torch.Tensor:
+        """q_nope (or the full q row) ``[T, H, P(+R)]`` -> latent ``[T, H, L]`` bf16."""
+        x = self.k_input(q)
+        out = torch.empty(
+            q.shape[0], self.geometry.num_heads, self.geometry.kv_lora_rank, dtype=torch.bfloat16, device=q.device
+        )
+        self._bmm(self.w_kc, x, out, "k_up", act_quant)
+        return out
+
+    def v_up(self, latent: torch.Tensor, out: torch.Tensor | None = None, *, act_quant: str = "mxfp4") -> torch.Tensor:
+        """Attention output in latent space ``[T, H, L]`` -> ``[T, H, V]`` bf16, written into ``out`` if given."""
+        g = self.geometry
+        self._check_act(latent, "latent", g.kv_lora_rank)
+        shape = (latent.shape[0], g.num_heads, g.v_head_dim)
+        if out is None:
+            out = torch.empty(shape, dtype=torch.bfloat16, device=latent.device)
+        elif tuple(out.shape) != shape or out.dtype != torch.bfloat16:
+            raise BackendError(f"layer {self.layer}: out must be bf16 {shape}, got {out.dtype} {tuple(out.shape)}")
+        self._bmm(self.w_vc, latent, out, "v_up", act_quant)
+        return out
+
+    def attend(
+        self, q_latent, kv_cache, kv_indptr, kv_indices, softmax_scale: float, *, q_rope=None, return_lse: bool = False
+    ):
+        """Sparse MLA over top-k rows of a BF16 latent cache (row L, or L+R with rope) -> ``[T, H, L]``
+        (and lse ``[T, H]`` when ``return_lse``). FP8 caches are not supported."""
+        g = self.geometry
+        self._check_act(q_latent, "q_latent", g.kv_lora_rank)
+        if g.qk_rope_head_dim:
+            if q_rope is None:
+                raise BackendError(f"layer {self.layer}: this model has rope; pass q_rope [T, H, {g.qk_rope_head_dim}]")
+            self._check_act(q_rope, "q_rope", g.qk_rope_head_dim)
+        elif q_rope is not None:
+            raise BackendError(f"layer {self.layer}: this model is rope-free; q_rope must be None")
+        if kv_cache.dtype != torch.bfloat16:
+            raise BackendError(f"kv_cache must be bf16 (FP8 caches are not supported yet), got {kv_cache.dtype}")
+        if kv_cache.shape[-1] != g.cache_row:
+            raise BackendError(f"kv_cache rows must be {g.cache_row} wide, got {kv_cache.shape[-1]}")
+        if kv_indptr.dtype != torch.int32 or kv_indices.dtype != torch.int32:
+            raise BackendError("kv_indptr and kv_indices must be int32")
+        if kv_indptr.shape != (q_latent.shape[0] + 1,):
+            raise BackendError(f"kv_indptr must be [T+1] = [{q_latent.shape[0] + 1}], got {tuple(kv_indptr.shape)}")
+        out, lse = self.backend.sparse_mla(
+            q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, return_lse=return_lse
+        )
+        return (out, lse) if return_lse else out

@@ -1,0 +1,161 @@
+"""Open a glm-pack output at run time: read the manifest, check it, load this rank's w_kc / w_vc lazily.
+
+Only files are read here (the runtime's one I/O module); everything it trusts comes from the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from glm_pack.packing import manifest as mf
+from glm_pack.packing.errors import GlmPackError, ManifestError, VerifyError
+from glm_pack.packing.mla import MlaGeometry
+
+from .backends import select_backend
+from .layer import MlaLayer, ProjectionWeights
+
+_GEOMETRY_KEYS = {
+    "num_heads": "num_attention_heads",
+    "kv_lora_rank": "kv_lora_rank",
+    "qk_nope_head_dim": "qk_nope_head_dim",
+    "qk_rope_head_dim": "qk_rope_head_dim",
+    "v_head_dim": "v_head_dim",
+}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def config_geometry(config: dict) -> dict:
+    """The MLA fields of a HF config (top level, or ``text_config`` for multimodal wrappers)."""
+    for section in (config, config.get("text_config") or {}):
+        if all(k in section for k in _GEOMETRY_KEYS.values()):
+            return {field: section[key] for field, key in _GEOMETRY_KEYS.items()}
+    return {}
+
+
+class PackedModel:
+    """A loaded glm-pack overlay for one tensor-parallel rank. ``mla(layer)`` gives the layer object."""
+
+    def __init__(self, root: Path, manifest: dict, device, backend, tp_rank: int, tp_size: int):
+        self.root = root
+        self.manifest = manifest
+        self.device = torch.device(device)
+        self.backend = backend
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.geometry = mf.parse_geometry(manifest)
+        self.tensors = mf.parse_tensors(manifest)
+        self._entries = {entry.layer: entry for entry in mf.parse_mla(manifest)}
+        per_rank = self.geometry.num_heads // tp_size
+        self.heads = slice(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+        self.local_geometry = MlaGeometry(**{**self.geometry.as_dict(), "num_heads": per_rank})
+        self._loaded: dict[int, MlaLayer] = {}
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self._entries)
+
+    def _read_heads(self, name: str | None) -> torch.Tensor | None:
+        """This rank's slice of the head axis of one overlay tensor (only those bytes are read)."""
+        if name is None:
+            return None
+        entry = self.tensors[name]
+        path = self.root / mf.OVERLAY_DIR / entry.file
+        try:
+            with safe_open(path, framework="pt") as f:
+                t = f.get_slice(name)[self.heads.start : self.heads.stop]
+        except Exception as err:
+            raise GlmPackError(f"cannot read overlay tensor: {err}", file=path, tensor=name) from err
+        if tuple(t.shape[1:]) != entry.shape[1:] or str(t.dtype) != str(_DTYPES[entry.dtype]):
+            raise ManifestError("overlay tensor disagrees with the manifest's shape/dtype", file=path, tensor=name)
+        return t.to(self.device)
+
+    def _projection(self, p: mf.Projection) -> ProjectionWeights:
+        return ProjectionWeights(
+            p.precision, self._read_heads(p.weight), self._read_heads(p.scale), p.k_logical, p.k_stored, p.rel_error
+        )
+
+    def mla(self, layer: int) -> MlaLayer:
+        """The MLA layer object of ``layer`` (loaded onto the device on first use)."""
+        if layer not in self._entries:
+            raise GlmPackError(f"layer {layer} has no MLA overlay; MLA layers are {self.layers}")
+        if layer not in self._loaded:
+            e = self._entries[layer]
+            self._loaded[layer] = MlaLayer(
+                layer, self.local_geometry, self._projection(e.w_kc), self._projection(e.w_vc), self.backend
+            )
+        return self._loaded[layer]
+
+    def load_all(self) -> list[MlaLayer]:
+        return [self.mla(layer) for layer in self.layers]
+
+
+_DTYPES = {"U8": torch.uint8, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def _check_config(root: Path, manifest: dict, geometry: MlaGeometry) -> None:
+    candidates = [root / "config.json"]
+    if manifest["source"].get("path"):
+        candidates.append(Path(manifest["source"]["path"]) / "config.json")
+    config_path = next((p for p in candidates if p.is_file()), None)
+    if config_path is None:
+        return
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as err:
+        raise ManifestError(f"config.json is not valid JSON ({err})", file=config_path) from err
+    found = config_geometry(config)
+    expected = geometry.as_dict()
+    wrong = {k: (found[k], expected[k]) for k in found if found[k] != expected[k]}
+    if wrong:
+        detail = ", ".join(f"{k}: config {a} vs manifest {b}" for k, (a, b) in wrong.items())
+        raise ManifestError(f"the manifest's geometry contradicts config.json ({detail})", file=config_path)
+
+
+def _verify_files(root: Path, manifest: dict) -> None:
+    overlay = root / mf.OVERLAY_DIR
+    for name, info in sorted(manifest["files"].items()):
+        path = overlay / name
+        if not path.is_file():
+            raise VerifyError("overlay file listed in the manifest is missing", file=path)
+        if path.stat().st_size != info.get("size") or _sha256(path) != info.get("sha256"):
+            raise VerifyError("overlay file does not match its sha256 in the manifest (changed or corrupt)", file=path)
+
+
+def open_packed(
+    path, *, device="cpu", backend="auto", tp_rank: int = 0, tp_size: int = 1, verify: bool = False
+) -> PackedModel:
+    """Open a converted output directory (the one holding ``glm-pack/manifest.json``) for one TP rank."""
+    root = Path(path)
+    manifest_path = root / mf.OVERLAY_DIR / mf.MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise ManifestError(
+            "no glm-pack manifest: not a converted output, or the conversion did not finish", file=manifest_path
+        )
+    try:
+        manifest = mf.loads(manifest_path.read_bytes())
+        mf.parse_mla(manifest)
+    except ManifestError as err:
+        err.file = str(manifest_path)
+        raise
+    geometry = mf.parse_geometry(manifest)
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise GlmPackError(f"tp_rank {tp_rank} is not in [0, tp_size={tp_size})")
+    if geometry.num_heads % tp_size:
+        raise GlmPackError(f"{geometry.num_heads} heads cannot be split evenly over tp_size={tp_size}")
+    _check_config(root, manifest, geometry)
+    if verify:
+        _verify_files(root, manifest)
+    configs = (manifest.get("kernel_configs") or {}).get("configs", {})
+    chosen = select_backend(backend, torch.device(device), configs)
+    return PackedModel(root, manifest, device, chosen, tp_rank, tp_size)
