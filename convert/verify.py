@@ -41,8 +41,13 @@ class VerifyReport:
         return not self.problems
 
     def as_dict(self) -> dict:
-        return {"out": str(self.out), "ok": self.ok, "incomplete": self.incomplete,
-                "problems": self.problems, "checked": self.checked}
+        return {
+            "out": str(self.out),
+            "ok": self.ok,
+            "incomplete": self.incomplete,
+            "problems": self.problems,
+            "checked": self.checked,
+        }
 
 
 def read_manifest(out: Path) -> dict:

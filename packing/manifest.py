@@ -261,3 +261,19 @@ def projection_entry(stored, weight: str, scale: str | None) -> dict:
         "rel_error": stored.rel_error,
         "mxfp4_rel_error": stored.mxfp4_rel_error,
     }
+
+
+# Every key aiter's batched A16WFP4 GEMM reads from a config; a pinned config must carry all of them.
+AITER_BMM_CONFIG_KEYS = (
+    "BLOCK_SIZE_M",
+    "BLOCK_SIZE_N",
+    "BLOCK_SIZE_K",
+    "GROUP_SIZE_M",
+    "NUM_KSPLIT",
+    "num_warps",
+    "num_stages",
+    "waves_per_eu",
+    "matrix_instr_nonkdim",
+    "cache_modifier",
+)
+KERNEL_OPS = ("k_up", "v_up")
