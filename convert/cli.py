@@ -29,3 +29,13 @@ class _Group(click.Group):
 @click.version_option(package_name="glm-pack")
 def main(debug: bool) -> None:
     """Prepare GLM MLA checkpoints for AMD gfx950 serving: absorb, quantize, re-lay, verify, push."""
+
+
+def _register() -> None:
+    from .commands import convert_command, demo_command, verify_command
+
+    for command in (convert_command, verify_command, demo_command):
+        main.add_command(command)
+
+
+_register()

@@ -1,0 +1,178 @@
+"""Click commands ``convert``, ``verify`` and ``demo``: presentation only, the work is in convert.py/verify.py."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from glm_pack.packing.errors import VerifyError
+
+from .convert import FILE_MODES, ConvertOptions, ConvertReport, convert
+from .verify import VerifyReport, verify
+
+console = Console(stderr=False)
+
+
+def _summary(report: ConvertReport) -> None:
+    table = Table(title=f"MLA overlay in {report.out}", show_lines=False)
+    for col in ("layer", "w_kc", "w_kc rel err", "w_vc", "w_vc rel err"):
+        table.add_column(col, justify="right" if "err" in col or col == "layer" else "left")
+    for r in report.layers:
+        table.add_row(str(r.layer), r.w_kc[0], f"{r.w_kc[1]:.4f}", r.w_vc[0], f"{r.w_vc[1]:.4f}")
+    console.print(table)
+    kc = [r.w_kc[1] for r in report.layers]
+    vc = [r.w_vc[1] for r in report.layers]
+    bf16 = sum((r.w_kc[0] == "bf16") + (r.w_vc[0] == "bf16") for r in report.layers)
+    console.print(
+        f"{len(report.layers)} MLA layers, overlay {report.overlay_bytes / 2**20:.1f} MiB, "
+        f"{report.original_files} original files placed, {bf16} tensors kept in BF16; "
+        f"rel error w_kc max {max(kc, default=0):.4f}, w_vc max {max(vc, default=0):.4f}; {report.seconds:.1f} s"
+    )
+
+
+def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> ConvertReport:
+    columns = (
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        "[cyan]{task.fields[rate]}",
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, disable=quiet, transient=False) as bar:
+        task = bar.add_task("MLA layers", total=None, rate="")
+        written = [0]
+        elapsed = console.get_time
+
+        start = elapsed()
+
+        def progress(done: int, total: int, nbytes: int) -> None:
+            written[0] += nbytes
+            rate = written[0] / max(elapsed() - start, 1e-9) / 2**20
+            bar.update(task, completed=done, total=total, rate=f"{rate:.0f} MiB/s")
+
+        report = convert(src, out, options, progress=progress)
+    if not quiet:
+        _summary(report)
+    return report
+
+
+@click.command("convert")
+@click.argument("src")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option(
+    "--quant-mode",
+    type=click.Choice(["even", "mse"]),
+    default="even",
+    show_default=True,
+    help="MXFP4 scale rule: even (aiter/Quark) or mse (best of three exponents per block).",
+)
+@click.option(
+    "--k-pad",
+    default="card",
+    show_default=True,
+    help="K padding of w_kc: 'card' (family default: 192 -> 256 for GLM-5), 'none', or a multiple.",
+)
+@click.option(
+    "--mla-precision",
+    type=click.Choice(["mxfp4", "bf16", "auto"]),
+    default="mxfp4",
+    show_default=True,
+    help="Storage of w_kc/w_vc; auto keeps a tensor in BF16 when its MXFP4 error exceeds --max-rel-error.",
+)
+@click.option("--max-rel-error", type=float, default=None, help="Threshold for --mla-precision auto (e.g. 0.12).")
+@click.option(
+    "--files",
+    type=click.Choice(FILE_MODES),
+    default="link",
+    show_default=True,
+    help="Original files: hard-link (copy across filesystems), copy, or leave out.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace the contents of a non-empty OUT.")
+@click.option("--quiet", is_flag=True, help="No progress bar or summary.")
+def convert_command(src, out, quant_mode, k_pad, mla_precision, max_rel_error, files, overwrite, quiet):
+    """Write the kernel-ready MLA overlay of SRC into OUT.
+
+    \b
+    Example:
+      glm-pack convert /models/GLM-5 /models/GLM-5-gfx950
+      glm-pack convert ckpt out --mla-precision auto --max-rel-error 0.12 --quant-mode mse
+    """
+    options = ConvertOptions(quant_mode, k_pad, mla_precision, max_rel_error, files, overwrite)
+    run_convert(src, out, options, quiet)
+
+
+def print_verify(report: VerifyReport, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), indent=2))
+        return
+    for line in report.checked:
+        console.print(f"[green]checked[/green] {line}")
+    for line in report.problems:
+        console.print(f"[red]problem[/red] {line}")
+    status = "INCOMPLETE" if report.incomplete else ("OK" if report.ok else "FAILED")
+    console.print(f"verify {report.out}: {status}")
+
+
+@click.command("verify")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+def verify_command(out, as_json):
+    """Check a converted OUT: hashes, geometry, untouched index, errors recomputed from the source.
+
+    Exit code 0 only when everything matches; an interrupted output (no manifest) is reported incomplete.
+    """
+    report = verify(out)
+    print_verify(report, as_json)
+    if not report.ok:
+        raise SystemExit(1)
+
+
+@click.command("demo")
+@click.argument("workdir", required=False, type=click.Path(file_okay=False))
+@click.option("--layers", default=4, show_default=True, help="MLA layers of the synthetic GLM-5 checkpoint.")
+def demo_command(workdir, layers):
+    """Synthesize a small GLM-5 checkpoint, convert it, verify it and run one layer through the runtime."""
+    from glm_pack import runtime
+
+    from .synth import synthesize
+
+    root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="glm-pack-demo-"))
+    src, out = root / "glm-5-small", root / "glm-5-small-gfx950"
+    console.print(f"[bold]1/4 synthesize[/bold] GLM-5 (true MLA geometry, small everything else) -> {src}")
+    synthesize(src, card="glm-5", layers=layers, experts=4, fmt="bf16", profile="small", seed=0)
+    console.print(f"[bold]2/4 convert[/bold] -> {out}")
+    run_convert(src, out, ConvertOptions(overwrite=True))
+    console.print("[bold]3/4 verify[/bold]")
+    report = verify(out)
+    print_verify(report, False)
+    if not report.ok:
+        raise VerifyError("demo output failed verification")
+    console.print("[bold]4/4 runtime[/bold] (torch backend): k_up -> attend -> v_up on layer 0")
+    _demo_runtime(runtime.open(out, backend="torch"))
+
+
+def _demo_runtime(model) -> None:
+    import torch
+
+    g = model.local_geometry
+    layer = model.mla(model.layers[0])
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(4, g.num_heads, g.qk_nope_head_dim + g.qk_rope_head_dim, generator=gen).bfloat16()
+    cache = torch.randn(256, g.cache_row, generator=gen).bfloat16()
+    indices = torch.randint(0, 256, (4 * 64,), generator=gen, dtype=torch.int32)
+    indptr = torch.arange(0, 4 * 64 + 1, 64, dtype=torch.int32)
+    latent = layer.k_up(q)
+    q_rope = q[..., g.qk_nope_head_dim :] if g.qk_rope_head_dim else None
+    o = layer.attend(latent, cache, indptr, indices, 0.05, q_rope=q_rope)
+    y = layer.v_up(o)
+    console.print(
+        f"q {tuple(q.shape)} -> latent {tuple(latent.shape)} -> attend {tuple(o.shape)} -> v {tuple(y.shape)}"
+    )
+
