@@ -10,11 +10,17 @@ Scale modes (``notes/mxfp4.md``): ``even`` (AMD Quark / aiter Triton), ``floor``
 (next power of two >= amax/6) and ``mse`` (best of e-1, e, e+1 around the even choice, per block).
 Elements round to nearest with ties to the even code and saturate at 6.
 
+A block holding NaN/Inf (only reachable with ``check_finite_input=False``) gets exponent 127 in every
+mode, like aiter's even rule; NaN elements become +-0 and Inf +-6.
+
 This module holds the public API and the obvious vectorised torch reference; ``_mxfp4_fast`` holds the
-compiled fast path, which must agree with the reference bit for bit.
+compiled (numba) fast path, which agrees with the reference bit for bit and is used for CPU tensors when
+numba is importable.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -54,16 +60,6 @@ def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
         )
 
 
-def _blocks(x: torch.Tensor, axis: int) -> torch.Tensor:
-    """``x`` as float32 ``[rows, L/32, 32]`` with ``axis`` moved last (a copy only where needed)."""
-    if x.shape[axis] % BLOCK:
-        raise FormatError(
-            f"MXFP4 groups {BLOCK} elements along axis {axis}, whose length {x.shape[axis]} is not a multiple of 32"
-        )
-    moved = x.movedim(axis, -1).to(torch.float32)
-    return moved.reshape(-1, x.shape[axis] // BLOCK, BLOCK)
-
-
 def even_exponent(amax: torch.Tensor) -> torch.Tensor:
     """Unbiased block exponent under the even rule: round amax's mantissa to 1 bit, floor(log2) - 2."""
     bits = amax.view(torch.int32).to(torch.int64)
@@ -74,16 +70,21 @@ def even_exponent(amax: torch.Tensor) -> torch.Tensor:
 
 
 def floor_exponent(amax: torch.Tensor) -> torch.Tensor:
-    """OCP rule: floor(log2 amax) - 2 (zero and denormal amax clamp to -127)."""
+    """OCP rule: floor(log2 amax) - 2 (zero and denormal amax clamp to -127; NaN/Inf give 127)."""
     biased = (amax.view(torch.int32) >> 23).to(torch.int64)
-    return (biased - 127 - 2).clamp(EXP_MIN, EXP_MAX).to(torch.int32)
+    e = torch.where(biased == 255, torch.full_like(biased, EXP_MAX), biased - 127 - 2)
+    return e.clamp(EXP_MIN, EXP_MAX).to(torch.int32)
 
 
 def roundup_exponent(amax: torch.Tensor) -> torch.Tensor:
-    """Smallest e with 6 * 2**e >= amax, computed exactly from frexp (amax = m * 2**E, m in [0.5, 1))."""
+    """Smallest e with 6 * 2**e >= amax, computed exactly from frexp (amax = m * 2**E, m in [0.5, 1)).
+
+    Zero amax gives -127, NaN/Inf give 127.
+    """
     mantissa, exponent = torch.frexp(amax)
     e = exponent.to(torch.int64) - 3 + (mantissa > 0.75).to(torch.int64)
     e = torch.where(amax == 0, torch.full_like(e, EXP_MIN), e)
+    e = torch.where(torch.isfinite(amax), e, torch.full_like(e, EXP_MAX))
     return e.clamp(EXP_MIN, EXP_MAX).to(torch.int32)
 
 
@@ -99,7 +100,7 @@ def round_to_e2m1(q: torch.Tensor) -> torch.Tensor:
     """float32 values already divided by the block scale -> uint8 nibbles (sign bit 3, magnitude 0..7)."""
     a = q.abs()
     index = torch.zeros(q.shape, dtype=torch.uint8, device=q.device)
-    for mid, tie_up in zip(_MIDPOINTS, _TIE_ROUNDS_UP):
+    for mid, tie_up in zip(_MIDPOINTS, _TIE_ROUNDS_UP, strict=True):
         index += (a >= mid if tie_up else a > mid).to(torch.uint8)
     sign = (q.view(torch.int32) < 0).to(torch.uint8) << 3  # keeps the sign of -0.0
     return index | sign
@@ -110,11 +111,19 @@ def _e2m1_table(device) -> torch.Tensor:
     return torch.cat([magnitudes, -magnitudes])
 
 
-def _block_sq_error(xb: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """Sum over each 32-block of (x - dequant(quant(x, e)))**2, accumulated in float64."""
+def block_sq_error(xb: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Per block, sum of (x - dequant(quant(x, e)))**2 in float64, added element 0 to 31 in order.
+
+    The fixed order (and float64 values: x and E2M1 * 2**e are exact there, their difference too) is the
+    contract the fast path reproduces, so both make identical ``mse`` choices.
+    """
     nib = round_to_e2m1(xb * pow2(-e).unsqueeze(-1))
-    deq = _e2m1_table(xb.device)[nib.long()] * pow2(e).unsqueeze(-1)
-    return ((xb.double() - deq.double()) ** 2).sum(-1)
+    deq = _e2m1_table(xb.device).double()[nib.long()] * pow2(e).double().unsqueeze(-1)
+    diff = xb.double() - deq
+    total = torch.zeros(e.shape, dtype=torch.float64, device=xb.device)
+    for j in range(BLOCK):
+        total = total + diff[..., j] * diff[..., j]
+    return total
 
 
 def block_exponents(xb: torch.Tensor, mode: str) -> torch.Tensor:
@@ -128,9 +137,9 @@ def block_exponents(xb: torch.Tensor, mode: str) -> torch.Tensor:
         return roundup_exponent(amax)
     if mode == "mse":
         e = even_exponent(amax)
-        best, best_err = e, _block_sq_error(xb, e)
+        best, best_err = e, block_sq_error(xb, e)
         for cand in ((e + 1).clamp(max=EXP_MAX), (e - 1).clamp(min=EXP_MIN)):
-            err = _block_sq_error(xb, cand)
+            err = block_sq_error(xb, cand)
             better = err < best_err  # strict: ties stay with the earlier (even-rule first) candidate
             best, best_err = torch.where(better, cand, best), torch.where(better, err, best_err)
         return best
@@ -145,30 +154,50 @@ def quantize_reference(xb: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch
     return codes, (e + SCALE_BIAS).to(torch.uint8)
 
 
+def _rows(t: torch.Tensor, axis: int, width: int) -> tuple[torch.Tensor, list[int]]:
+    """``t`` with ``axis`` moved last as ``[rows, width]`` (a view when already last), plus the leading shape."""
+    moved = t.movedim(axis, -1)
+    lead = list(moved.shape[:-1])
+    return moved.reshape(math.prod(lead), width), lead
+
+
+def _unrows(rows: torch.Tensor, lead: list[int], axis: int) -> torch.Tensor:
+    """Inverse of :func:`_rows` for a result of any width: back to the input's axis order, contiguous."""
+    return rows.reshape(*lead, rows.shape[-1]).movedim(-1, axis).contiguous()
+
+
 def quantize(
     x: torch.Tensor, *, mode: str = "even", axis: int = -1, check_finite_input: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` (bf16/fp16/fp32, any dims) to MXFP4 in blocks of 32 along ``axis``.
 
     Returns ``(codes, scales)`` as uint8 tensors on x's device, in x's axis order, with ``axis`` of
-    length L becoming L/2 (codes) and L/32 (scales). NaN/Inf raise :class:`NonFiniteError` unless
-    ``check_finite_input=False`` (activations inside kernels' reference paths).
+    length L becoming L/2 (codes) and L/32 (scales). NaN/Inf raise :class:`NonFiniteError` (count and
+    first index) unless ``check_finite_input=False`` (activations inside kernels' reference paths). Other
+    float dtypes (fp64, fp8) are converted to float32 first.
     """
     _check_float(x)
     if mode not in MODES:
         raise FormatError(f"unknown MXFP4 scale mode {mode!r}; choose one of {', '.join(MODES)}")
     axis = _normalize_axis(axis, x.dim())
-    if check_finite_input:
-        check_finite(x)
-    xb = _blocks(x, axis)
+    length = x.shape[axis]
+    if length % BLOCK:
+        raise FormatError(
+            f"MXFP4 groups {BLOCK} elements along axis {axis}, whose length {length} is not a multiple of 32"
+        )
+    rows, lead = _rows(x, axis, length)
     from . import _mxfp4_fast
 
-    fast = _mxfp4_fast.quantize_blocks(xb, mode)
-    codes, scales = fast if fast is not None else quantize_reference(xb, mode)
-    moved_shape = list(x.movedim(axis, -1).shape)
-    codes = codes.reshape(*moved_shape[:-1], moved_shape[-1] // 2).movedim(-1, axis)
-    scales = scales.reshape(*moved_shape[:-1], moved_shape[-1] // BLOCK).movedim(-1, axis)
-    return codes.contiguous(), scales.contiguous()
+    fast = _mxfp4_fast.quantize_rows(rows, mode)
+    if fast is None:
+        if check_finite_input:
+            check_finite(x)
+        codes, scales = quantize_reference(rows.to(torch.float32).reshape(-1, length // BLOCK, BLOCK), mode)
+    else:
+        codes, scales, n_nonfinite = fast
+        if n_nonfinite and check_finite_input:
+            check_finite(x)
+    return _unrows(codes, lead, axis), _unrows(scales, lead, axis)
 
 
 def unpack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -182,10 +211,20 @@ def scale_values(scales: torch.Tensor) -> torch.Tensor:
     return torch.where(scales == 255, torch.full(scales.shape, float("nan"), device=scales.device), pow2(e))
 
 
+def dequantize_reference(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Slow obvious path: codes ``[..., n]`` and scales ``[..., n/16]`` (grouped along the last axis) -> float32."""
+    values = _e2m1_table(codes.device)[unpack_nibbles(codes).long()]
+    return values * scale_values(scales).repeat_interleave(BLOCK, dim=-1)
+
+
 def dequantize(
     codes: torch.Tensor, scales: torch.Tensor, *, axis: int = -1, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Exact inverse mapping of :func:`quantize`: ``E2M1[code] * 2**(scale-127)``, returned as ``dtype``."""
+    """Exact inverse mapping of :func:`quantize`: ``E2M1[code] * 2**(scale-127)``, returned as ``dtype``.
+
+    Computed in float32 (every value is exact there except 4 and 6 times 2**127, which overflow to Inf),
+    then converted to ``dtype``; scale byte 255 gives NaN. The result is contiguous, in the codes' axis order.
+    """
     if codes.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise FormatError(f"MXFP4 codes and scales must be uint8, got {codes.dtype} and {scales.dtype}")
     if codes.dim() != scales.dim() or codes.dim() == 0:
@@ -200,7 +239,11 @@ def dequantize(
             f"scales shape {tuple(scales.shape)} does not match codes {tuple(codes.shape)} "
             f"(expected {tuple(expected)} for blocks of 32 along axis {axis})"
         )
-    nib = unpack_nibbles(codes.movedim(axis, -1))
-    values = _e2m1_table(codes.device)[nib.long()]
-    s = scale_values(scales.movedim(axis, -1)).repeat_interleave(BLOCK, dim=-1)
-    return (values * s).movedim(-1, axis).to(dtype)
+    code_rows, lead = _rows(codes, axis, codes.shape[axis])
+    scale_rows, _ = _rows(scales, axis, expected[axis])
+    from . import _mxfp4_fast
+
+    values = _mxfp4_fast.dequantize_rows(code_rows, scale_rows)
+    if values is None:
+        values = dequantize_reference(code_rows, scale_rows)
+    return _unrows(values, lead, axis).to(dtype)
