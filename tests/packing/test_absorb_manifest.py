@@ -1,0 +1,158 @@
+"""The per-layer absorb transform and the manifest schema (pure functions)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from glm_pack.packing import manifest as mf
+from glm_pack.packing.absorb import absorb_layer, rel_error
+from glm_pack.packing.errors import ManifestError, NonFiniteError, PlanError
+from glm_pack.packing.mla import MlaGeometry
+from glm_pack.packing.mxfp4 import dequantize, quantize
+
+GEOM = MlaGeometry(num_heads=2, kv_lora_rank=64, qk_nope_head_dim=96, qk_rope_head_dim=32, v_head_dim=32)
+
+
+def kv_b(seed=0, geom=GEOM):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(geom.kv_b_rows, geom.kv_lora_rank, generator=g) * 0.02
+
+
+def split_by_hand(w, geom=GEOM):
+    """Row-by-row split written from the notes: head h owns rows [h*(P+V), (h+1)*(P+V)), K rows first."""
+    per = geom.qk_nope_head_dim + geom.v_head_dim
+    kc = torch.stack([w[h * per : h * per + geom.qk_nope_head_dim].T for h in range(geom.num_heads)])
+    vc = torch.stack([w[h * per + geom.qk_nope_head_dim : (h + 1) * per] for h in range(geom.num_heads)])
+    return kc, vc
+
+
+def test_absorb_mxfp4_padded_matches_even_rule_on_split():
+    w = kv_b()
+    kc, vc = absorb_layer(w, GEOM, k_stored=128)
+    ref_kc, ref_vc = split_by_hand(w)
+    codes, scales = quantize(ref_kc, mode="even")
+    assert kc.weight.shape == (2, 64, 64) and kc.scale.shape == (2, 64, 4)
+    assert torch.equal(kc.weight[..., :48], codes) and torch.equal(kc.scale[..., :3], scales)
+    assert torch.all(kc.weight[..., 48:] == 0) and torch.all(kc.scale[..., 3:] == 0x7F)
+    vcodes, vscales = quantize(ref_vc, mode="even")
+    assert torch.equal(vc.weight, vcodes) and torch.equal(vc.scale, vscales)
+    assert kc.rel_error == pytest.approx(rel_error(dequantize(codes, scales), ref_kc))
+    assert 0.05 < kc.rel_error < 0.2 and kc.precision == vc.precision == "mxfp4"
+
+
+def test_absorb_bf16_policy_is_bf16_rounding_and_padded():
+    w = kv_b()
+    kc, vc = absorb_layer(w, GEOM, k_stored=128, policy="bf16")
+    ref_kc, _ = split_by_hand(w)
+    assert kc.weight.dtype == torch.bfloat16 and kc.scale is None and kc.weight.shape == (2, 64, 128)
+    assert torch.equal(kc.weight[..., :96], ref_kc.bfloat16()) and torch.all(kc.weight[..., 96:] == 0)
+    assert kc.rel_error < 4e-3 and kc.mxfp4_rel_error > 0.05
+
+
+def test_auto_policy_keeps_outlier_heavy_tensor_in_bf16():
+    w = kv_b()
+    _, ref_vc = split_by_hand(w)
+    # One huge element per 32-block of w_vc's rows crushes the rest of the block under MXFP4.
+    rows = torch.arange(GEOM.num_heads) * (GEOM.qk_nope_head_dim + GEOM.v_head_dim) + GEOM.qk_nope_head_dim
+    w[rows[:, None] + torch.arange(GEOM.v_head_dim), ::32] = 40.0
+    kc, vc = absorb_layer(w, GEOM, k_stored=128, policy="auto", max_rel_error=0.15)
+    assert kc.precision == "mxfp4" and vc.precision == "bf16"
+    assert vc.mxfp4_rel_error > 0.15
+
+
+def test_auto_needs_threshold_and_unknown_policy():
+    with pytest.raises(PlanError, match="max-rel-error"):
+        absorb_layer(kv_b(), GEOM, k_stored=128, policy="auto")
+    with pytest.raises(PlanError, match="unknown MLA precision"):
+        absorb_layer(kv_b(), GEOM, k_stored=128, policy="fp8")
+
+
+def test_absorb_rejects_nan_with_index():
+    w = kv_b()
+    w[5, 7] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"first at index \(5, 7\)"):
+        absorb_layer(w, GEOM, k_stored=128)
+
+
+def test_mxfp4_source_vc_bytes_kept():
+    w = kv_b()
+    codes, scales = quantize(w, mode="even")  # kv_b_proj grouped along kv_lora, as Quark stores it
+    from glm_pack.packing.mla import split_kv_b_mxfp4_vc
+
+    src = split_kv_b_mxfp4_vc(codes, scales, GEOM)
+    _, vc = absorb_layer(dequantize(codes, scales), GEOM, k_stored=128, vc_mxfp4_source=src)
+    per = GEOM.qk_nope_head_dim + GEOM.v_head_dim
+    for h in range(GEOM.num_heads):
+        rows = slice(h * per + GEOM.qk_nope_head_dim, (h + 1) * per)
+        assert torch.equal(vc.weight[h], codes[rows]) and torch.equal(vc.scale[h], scales[rows])
+    assert vc.rel_error == 0.0 and vc.quant_mode == "source"
+
+
+def _manifest():
+    w = kv_b()
+    kc, vc = absorb_layer(w, GEOM, k_stored=128)
+    tensors, entry = {}, {"layer": 0, "prefix": "model.layers.0", "source": {"tensor": "x", "format": "bf16"}}
+    for name, p in (("w_kc", kc), ("w_vc", vc)):
+        weight, scale = f"model.layers.0.self_attn.{name}.weight", f"model.layers.0.self_attn.{name}.weight_scale"
+        entry[name] = mf.projection_entry(p, weight, scale)
+        for t_name, t in ((weight, p.weight), (scale, p.scale)):
+            tensors[t_name] = {
+                "file": "layer-000.safetensors",
+                "dtype": "U8",
+                "shape": list(t.shape),
+                "sha256": "0" * 64,
+            }
+    return {
+        "schema": mf.SCHEMA,
+        "schema_version": mf.SCHEMA_VERSION,
+        "model": {"geometry": GEOM.as_dict()},
+        "mla": [entry],
+        "tensors": tensors,
+    }
+
+
+def test_manifest_round_trip_and_parse():
+    m = _manifest()
+    text = mf.dumps(m)
+    assert mf.dumps(mf.loads(text)) == text
+    (layer,) = mf.parse_mla(mf.loads(text))
+    assert layer.w_kc.k_logical == 96 and layer.w_kc.k_stored == 128 and layer.w_vc.k_stored == 64
+    assert layer.w_kc.scale == "model.layers.0.self_attn.w_kc.weight_scale"
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda m: m.update(schema_version=2), "schema_version 2"),
+        (lambda m: m.update(schema="other"), "not a glm-pack manifest"),
+        (lambda m: m["mla"][0]["w_kc"]["layout"].update(name="aiter_shuffle_16x16"), "not a layout the runtime"),
+        (lambda m: m["mla"][0]["w_kc"]["layout"].update(k_logical=64), "contradicts the geometry"),
+        (lambda m: m["mla"][0]["w_kc"]["layout"].update(k_stored=33), "k_stored % 32"),
+        (lambda m: m["mla"][0]["w_vc"].update(rel_error=float("nan")), "finite non-negative"),
+        (lambda m: m["mla"][0]["w_vc"].update(scale=None), "names no scale"),
+        (lambda m: m["tensors"].popitem(), "tensors table lacks"),
+        (lambda m: next(iter(m["tensors"].values())).update(shape=[2, -64, 32]), "positive integers"),
+        (lambda m: next(iter(m["tensors"].values())).update(file="../x"), "plain file name"),
+        (lambda m: m["mla"][0]["w_kc"].update(precision="fp8"), "precision 'fp8'"),
+        (lambda m: m["model"]["geometry"].update(num_heads=0), "geometry is invalid"),
+        (lambda m: m["mla"].append(copy.deepcopy(m["mla"][0])), "repeated"),
+    ],
+)
+def test_manifest_rejects(edit, match):
+    m = _manifest()
+    edit(m)
+    with pytest.raises(ManifestError, match=match):
+        mf.parse_mla(m)
+
+
+def test_manifest_loads_limits():
+    with pytest.raises(ManifestError, match="deeper"):
+        mf.loads(json.dumps(json.loads("[" * 40 + "]" * 40)))
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        mf.loads("{")
+    with pytest.raises(ManifestError, match="not a JSON object"):
+        mf.loads("[]")

@@ -1,0 +1,26 @@
+"""Converted synthetic outputs shared by the runtime tests (made once per session)."""
+
+from __future__ import annotations
+
+import pytest
+
+from glm_pack.convert.convert import ConvertOptions, convert
+from glm_pack.convert.synth import synthesize
+
+
+@pytest.fixture(scope="session")
+def packed_dirs(tmp_path_factory):
+    """Lazily built {(card, options-key): OUT} cache of small converted checkpoints."""
+    cache = {}
+
+    def make(card="glm-5", layers=2, **options):
+        key = (card, layers, tuple(sorted(options.items())))
+        if key not in cache:
+            root = tmp_path_factory.mktemp(f"rt-{card}")
+            src = synthesize(root / "src", card=card, layers=layers, experts=2, fmt="bf16", profile="small", seed=3)
+            out = root / "out"
+            convert(src, out, ConvertOptions(files="copy", **options))
+            cache[key] = (src, out)
+        return cache[key]
+
+    return make

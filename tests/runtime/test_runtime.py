@@ -1,0 +1,208 @@
+"""Runtime: open(), TP slicing, MLA ops, and the end-to-end correctness bar against unabsorbed MLA."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from glm_pack import runtime
+from glm_pack.packing.errors import BackendError, GlmPackError, ManifestError, VerifyError
+from glm_pack.packing.mxfp4 import dequantize, quantize
+
+
+def read_source_kv_b(src, layer, prefix="model.layers"):
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    name = f"{prefix}.{layer}.self_attn.kv_b_proj.weight"
+    with safe_open(src / index["weight_map"][name], framework="pt") as f:
+        return f.get_tensor(name).double()
+
+
+def unabsorbed_mla(kv_b, geom, q, cache, indptr, indices, scale):
+    """Plain MLA in float64: K = W_UK c, V = W_UV c per selected row, softmax over the same rows."""
+    H, P, R, V, L = geom.num_heads, geom.qk_nope_head_dim, geom.qk_rope_head_dim, geom.v_head_dim, geom.kv_lora_rank
+    w = kv_b.view(H, P + V, L)
+    w_uk, w_uv = w[:, :P], w[:, P:]
+    out = torch.zeros(q.shape[0], H, V, dtype=torch.float64)
+    for t in range(q.shape[0]):
+        idx = indices[indptr[t] : indptr[t + 1]].long()
+        idx = idx[idx >= 0]
+        rows = cache[idx].double()
+        c, k_rope = rows[:, :L], rows[:, L:]
+        k = torch.einsum("hpl,sl->shp", w_uk, c)
+        v = torch.einsum("hvl,sl->shv", w_uv, c)
+        s = torch.einsum("hp,shp->hs", q[t, :, :P].double(), k)
+        if R:
+            s = s + q[t, :, P:].double() @ k_rope.T
+        p = torch.softmax(s * scale, dim=-1)
+        out[t] = torch.einsum("hs,shv->hv", p, v)
+    return out
+
+
+def inputs(geom, T=3, slots=96, topk=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, geom.num_heads, geom.qk_nope_head_dim + geom.qk_rope_head_dim, generator=g).bfloat16()
+    cache = torch.randn(slots, geom.cache_row, generator=g).bfloat16()
+    indices = torch.randint(0, slots, (T * topk,), generator=g, dtype=torch.int32)
+    indices[::7] = -1  # sentinels are skipped
+    indptr = torch.arange(0, T * topk + 1, topk, dtype=torch.int32)
+    return q, cache, indptr, indices
+
+
+def run_absorbed(layer, geom, q, cache, indptr, indices, scale, act_quant="mxfp4"):
+    latent = layer.k_up(q, act_quant=act_quant)
+    q_rope = q[..., geom.qk_nope_head_dim :] if geom.qk_rope_head_dim else None
+    o = layer.attend(latent, cache, indptr, indices, scale, q_rope=q_rope)
+    return layer.v_up(o, act_quant=act_quant).double(), latent, o
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("card", ["glm-5", "glm-5.3-flash"])
+def test_bf16_policy_matches_unabsorbed_mla_at_bf16_level(packed_dirs, card):
+    src, out = packed_dirs(card, mla_precision="bf16")
+    model = runtime.open(out, backend="torch")
+    geom = model.local_geometry
+    layer_id = model.layers[0]
+    kv_b = read_source_kv_b(src, layer_id, _layers_prefix(model))
+    q, cache, indptr, indices = inputs(geom)
+    scale = 1 / math.sqrt(geom.qk_nope_head_dim + geom.qk_rope_head_dim)
+    y, _, _ = run_absorbed(model.mla(layer_id), geom, q, cache, indptr, indices, scale, act_quant="none")
+    ref = unabsorbed_mla(kv_b, geom, q, cache, indptr, indices, scale)
+    # bf16 weights, bf16 latent and attention output: a few bf16 roundings (2^-8 each).
+    assert rel(y, ref) < 1.5e-2
+
+
+def _layers_prefix(model):
+    return model.manifest["mla"][0]["prefix"].rsplit(".", 1)[0]
+
+
+def test_mxfp4_matches_unabsorbed_mla_within_documented_bound(packed_dirs):
+    src, out = packed_dirs("glm-5")
+    model = runtime.open(out, backend="torch")
+    geom = model.local_geometry
+    layer_id = model.layers[0]
+    layer = model.mla(layer_id)
+    kv_b = read_source_kv_b(src, layer_id, _layers_prefix(model))
+    q, cache, indptr, indices = inputs(geom, seed=1)
+    scale = 1 / math.sqrt(geom.qk_nope_head_dim + geom.qk_rope_head_dim)
+    y, latent, o = run_absorbed(layer, geom, q, cache, indptr, indices, scale)
+    ref = unabsorbed_mla(kv_b, geom, q, cache, indptr, indices, scale)
+    # Bound (docs/accuracy.md): the four relative errors that enter the product chain -- w_kc, w_vc (recorded
+    # in the manifest) and the MXFP4 activation quantization of q_nope and of the attention output -- add up
+    # (first order), and the softmax can at most double the score-side part.
+    e_q = rel(dequantize(*quantize(q[..., : geom.qk_nope_head_dim].float())).double(), q[..., :192].double())
+    e_o = rel(dequantize(*quantize(o.float())).double(), o.double())
+    bound = 2 * (layer.w_kc.rel_error + e_q) + layer.w_vc.rel_error + e_o
+    err = rel(y, ref)
+    assert 0.05 < err < bound, (err, bound)
+
+
+def test_k_up_full_row_is_zero_copy_and_equals_nope_only(packed_dirs):
+    _, out = packed_dirs("glm-5")
+    model = runtime.open(out, backend="torch")
+    layer = model.mla(model.layers[0])
+    assert layer.w_kc.k_stored == 256 and layer.w_kc.k_logical == 192
+    q, *_ = inputs(model.local_geometry)
+    assert layer.k_input(q).data_ptr() == q.data_ptr()  # full [nope | rope] row goes to the kernel as is
+    assert torch.equal(layer.k_up(q), layer.k_up(q[..., :192].contiguous()))  # rope meets zero weights
+    with pytest.raises(BackendError, match="width 200"):
+        layer.k_up(torch.zeros(1, 64, 200, dtype=torch.bfloat16))
+
+
+def test_unpadded_route_slices_full_row(packed_dirs):
+    _, out = packed_dirs("glm-5", k_pad="none")
+    model = runtime.open(out, backend="torch")
+    layer = model.mla(model.layers[0])
+    assert layer.w_kc.k_stored == 192
+    q, *_ = inputs(model.local_geometry)
+    assert torch.equal(layer.k_up(q), layer.k_up(q[..., :192].contiguous()))
+
+
+def test_v_up_writes_into_out(packed_dirs):
+    _, out = packed_dirs("glm-5")
+    model = runtime.open(out, backend="torch")
+    layer = model.mla(model.layers[0])
+    latent = torch.randn(5, 64, 512).bfloat16()
+    buf = torch.full((5, 64, 256), float("nan"), dtype=torch.bfloat16)
+    assert layer.v_up(latent, out=buf) is buf and torch.isfinite(buf).all()
+    with pytest.raises(BackendError, match="out must be"):
+        layer.v_up(latent, out=torch.empty(5, 64, 128, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("tp_size", [2, 8])
+def test_tp_rank_gets_its_head_slice(packed_dirs, tp_size):
+    _, out = packed_dirs("glm-5")
+    full = runtime.open(out, backend="torch").mla(0)
+    for rank in (0, tp_size - 1):
+        part = runtime.open(out, backend="torch", tp_rank=rank, tp_size=tp_size).mla(0)
+        heads = slice(rank * 64 // tp_size, (rank + 1) * 64 // tp_size)
+        assert part.geometry.num_heads == 64 // tp_size
+        assert torch.equal(part.w_kc.weight, full.w_kc.weight[heads])
+        assert torch.equal(part.w_vc.scale, full.w_vc.scale[heads])
+        q = torch.randn(2, 64, 256).bfloat16()
+        assert torch.equal(part.k_up(q[:, heads]), full.k_up(q)[:, heads])
+
+
+def test_open_refusals(packed_dirs, tmp_path):
+    _, out = packed_dirs("glm-5")
+    with pytest.raises(GlmPackError, match="cannot be split evenly over tp_size=3"):
+        runtime.open(out, tp_size=3)
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    manifest = bad / "glm-pack" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["schema_version"] = 99
+    manifest.write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match="schema_version 99"):
+        runtime.open(bad)
+    m["schema_version"] = 1
+    manifest.write_text(json.dumps(m))
+    config = json.loads((bad / "config.json").read_text())
+    config["kv_lora_rank"] = 256
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ManifestError, match="kv_lora_rank: config 256 vs manifest 512"):
+        runtime.open(bad)
+    shutil.copy(out / "config.json", bad / "config.json")
+    overlay = bad / "glm-pack" / "layer-000.safetensors"
+    data = bytearray(overlay.read_bytes())
+    data[-1] ^= 1
+    overlay.write_bytes(bytes(data))
+    runtime.open(bad)  # without verify the flipped byte goes unnoticed by open()
+    with pytest.raises(VerifyError, match="layer-000.safetensors"):
+        runtime.open(bad, verify=True)
+    shutil.rmtree(bad / "glm-pack")
+    with pytest.raises(ManifestError, match="no glm-pack manifest"):
+        runtime.open(bad)
+
+
+def test_backend_selection_on_cpu(packed_dirs):
+    _, out = packed_dirs("glm-5")
+    assert runtime.open(out).backend.name == "torch"  # auto: no gfx950, no GPU
+    with pytest.raises(BackendError, match="triton backend needs a GPU"):
+        runtime.open(out, backend="triton")
+    with pytest.raises(BackendError, match="gfx950"):
+        runtime.open(out, backend="aiter")
+    with pytest.raises(BackendError, match="unknown backend"):
+        runtime.open(out, backend="cuda")
+
+
+def test_attend_checks(packed_dirs):
+    _, out = packed_dirs("glm-5")
+    layer = runtime.open(out, backend="torch").mla(0)
+    q, cache, indptr, indices = inputs(layer.geometry)
+    latent = layer.k_up(q)
+    with pytest.raises(BackendError, match="pass q_rope"):
+        layer.attend(latent, cache, indptr, indices, 0.1)
+    with pytest.raises(BackendError, match="FP8 caches are not supported"):
+        layer.attend(latent, cache.float(), indptr, indices, 0.1, q_rope=q[..., 192:])
+    with pytest.raises(BackendError, match="576 wide"):
+        layer.attend(latent, cache[:, :512], indptr, indices, 0.1, q_rope=q[..., 192:])
+    o, lse = layer.attend(latent, cache, indptr, indices, 0.1, q_rope=q[..., 192:], return_lse=True)
+    assert o.shape == (3, 64, 512) and lse.shape == (3, 64)
