@@ -1,0 +1,214 @@
+"""The aiter backend's dispatch, run end to end through stand-ins for aiter's kernels.
+
+No AMD GPU exists here. The stand-ins assert aiter's documented contract (u8 weights, bf16 x, x's K equal to
+twice the packed K, positive strides, prequant, transpose_bm, complete configs with NUM_KSPLIT=1) and compute
+the result independently of glm-pack's codec: a per-element Python even-rule quantizer and a table dequantizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from glm_pack import runtime
+from glm_pack.packing.errors import BackendError
+from glm_pack.packing.manifest import AITER_BMM_CONFIG_KEYS
+from glm_pack.runtime.backends import aiter_backend as ab
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def even_round_trip(values: list[float]) -> list[float]:
+    """One 32-block through the even rule, element by element (written from notes/mxfp4.md)."""
+    amax = max(abs(v) for v in values)
+    if amax == 0:
+        return [0.0 * v for v in values]
+    m, e2 = math.frexp(amax)  # amax = m * 2**e2, m in [0.5, 1)
+    floor_log2 = e2 - 1 + (1 if 2 * m >= 1.75 else 0)  # mantissa rounded to 1 bit first
+    e = max(-127, min(127, floor_log2 - 2))
+    out = []
+    for v in values:
+        a = min(abs(v) / 2.0**e, 6.0)
+        best = min(range(8), key=lambda i: (abs(a - E2M1[i]), i % 2))  # ties to the even code
+        out.append(math.copysign(E2M1[best] * 2.0**e, v))
+    return out
+
+
+def act_quant(x: torch.Tensor) -> torch.Tensor:
+    rows = x.float().reshape(-1, 32).tolist()
+    return torch.tensor([even_round_trip(r) for r in rows], dtype=torch.float64).reshape(x.shape)
+
+
+def weight_dequant(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor([sign * v for sign in (1, -1) for v in E2M1], dtype=torch.float64)
+    nib = torch.stack([w & 15, w >> 4], -1).reshape(*w.shape[:-1], -1).long()
+    scale = torch.tensor([2.0 ** (b - 127) for b in range(256)], dtype=torch.float64)[s.long()]
+    return table[nib] * scale.repeat_interleave(32, -1)
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def check_common(self, x, w, w_scales, config):
+        assert x.dtype == torch.bfloat16 and w.dtype == torch.uint8 and w_scales.dtype == torch.uint8
+        assert x.shape[-1] == 2 * w.shape[-1], "aiter's unchecked K contract"
+        assert w_scales.shape == (*w.shape[:2], x.shape[-1] // 32)
+        assert all(s > 0 for t in (x, w, w_scales) for s in t.stride())
+        assert set(AITER_BMM_CONFIG_KEYS) <= set(config) and config["NUM_KSPLIT"] == 1
+
+    def compute(self, x, w, w_scales):
+        return torch.stack([act_quant(x[b]) @ weight_dequant(w[b], w_scales[b]).T for b in range(x.shape[0])])
+
+    def a16wfp4(
+        self, x, w, w_scales, dtype=torch.bfloat16, y=None, config=None, transpose_bm=False, prequant=True, y_scale=None
+    ):
+        self.check_common(x, w, w_scales, config)
+        assert prequant and transpose_bm and dtype == torch.bfloat16 and y_scale is None
+        B, M, _ = x.shape
+        assert y.shape == (M, B, w.shape[1]), "transpose_bm wants y as [M, B, N]"
+        y.copy_(self.compute(x, w, w_scales).transpose(0, 1))
+        self.calls.append(("a16wfp4", M, x.shape[-1], config["BLOCK_SIZE_M"]))
+        return y
+
+    def pre_quant(self, x, w, w_scales, dtype, y, config):
+        self.check_common(x, w, w_scales, config)
+        assert y.shape == (x.shape[0], x.shape[1], w.shape[1]) and all(s > 0 for s in y.stride())
+        y.copy_(self.compute(x, w, w_scales))
+        self.calls.append(("pre_quant", x.shape[1], x.shape[-1], config["BLOCK_SIZE_M"]))
+        return y
+
+    def sparse_mla_fwd(
+        self,
+        q,
+        kv_buffer,
+        kv_indptr,
+        kv_indices,
+        softmax_scale,
+        *,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        return_lse=False,
+        has_invalid=False,
+        out=None,
+    ):
+        assert q.shape[-1] == kv_lora_rank + qk_rope_head_dim == kv_buffer.shape[-1]
+        assert kv_indices.dtype == kv_indptr.dtype == torch.int32
+        assert has_invalid == bool((kv_indices < 0).any())
+        rows = kv_buffer.reshape(-1, kv_buffer.shape[-1]).double()
+        o = torch.zeros(q.shape[0], q.shape[1], kv_lora_rank, dtype=torch.float64)
+        for t in range(q.shape[0]):
+            idx = kv_indices[kv_indptr[t] : kv_indptr[t + 1]].long()
+            sel = rows[idx[idx >= 0]]
+            p = torch.softmax(q[t].double() @ sel.T * softmax_scale, -1)
+            o[t] = p @ sel[:, :kv_lora_rank]
+        self.calls.append(("sparse", qk_rope_head_dim))
+        return o.bfloat16(), None
+
+
+@pytest.fixture
+def fake_aiter(monkeypatch):
+    rec = Recorder()
+
+    def install(kind="a16wfp4", sparse=True, rope_free=True):
+        bmm = rec.a16wfp4 if kind == "a16wfp4" else rec.pre_quant
+        fns = ab.AiterFunctions(bmm, kind, rec.sparse_mla_fwd if sparse else None, rope_free, True)
+        monkeypatch.setattr(ab, "detect_arch", lambda: "gfx950")
+        monkeypatch.setattr(ab, "load_aiter", lambda: fns)
+        return rec
+
+    return install
+
+
+def _inputs(geom, T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, geom.num_heads, geom.qk_nope_head_dim + geom.qk_rope_head_dim, generator=g).bfloat16()
+    cache = torch.randn(64, geom.cache_row, generator=g).bfloat16()
+    indices = torch.randint(-1, 64, (T * 16,), generator=g, dtype=torch.int32)
+    return q, cache, torch.arange(0, T * 16 + 1, 16, dtype=torch.int32), indices
+
+
+@pytest.mark.parametrize("kind", ["a16wfp4", "pre_quant"])
+def test_aiter_dispatch_end_to_end(packed_dirs, fake_aiter, kind):
+    rec = fake_aiter(kind)
+    _, out = packed_dirs("glm-5")
+    model = runtime.open(out, backend="aiter", tp_rank=1, tp_size=8)  # 8 heads per rank
+    ref_model = runtime.open(out, backend="torch", tp_rank=1, tp_size=8)
+    assert model.backend.name == "aiter"
+    layer, ref = model.mla(0), ref_model.mla(0)
+    geom = model.local_geometry
+    q, cache, indptr, indices = _inputs(geom, T=3)
+    latent = layer.k_up(q)
+    assert rec.calls[-1] == (kind, 3, 256, 16)  # full padded row, M<=16 bucket
+    expect = rec.compute(q.transpose(0, 1), ref.w_kc.weight, ref.w_kc.scale).transpose(0, 1)
+    assert torch.equal(latent, expect.bfloat16())
+    torch.testing.assert_close(latent, ref.k_up(q), rtol=1e-2, atol=1e-2)
+    o = layer.attend(latent, cache, indptr, indices, 0.06, q_rope=q[..., 192:])
+    assert rec.calls[-1] == ("sparse", 64)
+    torch.testing.assert_close(o, ref.attend(latent, cache, indptr, indices, 0.06, q_rope=q[..., 192:]))
+    big = torch.randn(300, 8, 512).bfloat16()
+    y = layer.v_up(big)
+    assert rec.calls[-1] == (kind, 300, 512, 256)  # "any" bucket for M > 256
+    torch.testing.assert_close(y, ref.v_up(big), rtol=1e-2, atol=1e-2)
+
+
+def test_rope_free_falls_back_once_when_aiter_lacks_it(packed_dirs, fake_aiter, caplog):
+    rec = fake_aiter(rope_free=False)
+    _, out = packed_dirs("glm-5.3-flash")
+    layer = runtime.open(out, backend="aiter").mla(runtime.open(out, backend="torch").layers[0])
+    geom = layer.geometry
+    assert geom.qk_rope_head_dim == 0
+    q, cache, indptr, indices = _inputs(geom, T=2)
+    latent = layer.k_up(q)
+    with caplog.at_level(logging.WARNING):
+        layer.attend(latent, cache, indptr, indices, 0.06)
+        layer.attend(latent, cache, indptr, indices, 0.06)
+    assert sum("lacks rope-free support" in r.message for r in caplog.records) == 1
+    assert all(c[0] != "sparse" for c in rec.calls)
+
+
+def test_rope_free_uses_aiter_when_supported(packed_dirs, fake_aiter):
+    rec = fake_aiter(rope_free=True)
+    _, out = packed_dirs("glm-5.3-flash")
+    model = runtime.open(out, backend="aiter")
+    layer = model.mla(model.layers[0])
+    q, cache, indptr, indices = _inputs(layer.geometry, T=2)
+    layer.attend(layer.k_up(q), cache, indptr, indices, 0.06)
+    assert rec.calls[-1] == ("sparse", 0)
+
+
+def test_contract_violations_raise_before_the_call():
+    x = torch.zeros(2, 3, 192, dtype=torch.bfloat16)
+    w = torch.zeros(2, 8, 128, dtype=torch.uint8)  # stores K = 256
+    s = torch.zeros(2, 8, 8, dtype=torch.uint8)
+    y = torch.zeros(2, 3, 8, dtype=torch.bfloat16)
+    with pytest.raises(BackendError, match="K=192 but the weight stores K=256"):
+        ab.check_bmm_contract(x, w, s, y)
+    with pytest.raises(BackendError, match="u8 weights"):
+        ab.check_bmm_contract(torch.zeros(2, 3, 256, dtype=torch.bfloat16), w.float(), s, y)
+    cfg = {k: 1 for k in ab.AITER_BMM_CONFIG_KEYS}
+    with pytest.raises(BackendError, match="lacks BLOCK_SIZE_M"):
+        ab.select_config({"any": {k: v for k, v in cfg.items() if k != "BLOCK_SIZE_M"}}, 4)
+    with pytest.raises(BackendError, match="NUM_KSPLIT=2"):
+        ab.select_config({"any": {**cfg, "NUM_KSPLIT": 2}}, 4)
+    assert ab.select_config({"M_LEQ_16": {**cfg, "BLOCK_SIZE_M": 16}, "any": cfg}, 16)["BLOCK_SIZE_M"] == 16
+    assert ab.select_config({"M_LEQ_16": {**cfg, "BLOCK_SIZE_M": 16}, "any": cfg}, 17)["BLOCK_SIZE_M"] == 1
+
+
+def test_act_quant_none_is_refused_on_aiter(packed_dirs, fake_aiter):
+    fake_aiter()
+    _, out = packed_dirs("glm-5")
+    layer = runtime.open(out, backend="aiter", tp_size=8).mla(0)
+    with pytest.raises(BackendError, match="prequant"):
+        layer.k_up(torch.zeros(1, 8, 256, dtype=torch.bfloat16), act_quant="none")
+
+
+def test_independent_even_rule_matches_hand_vectors():
+    # Hand-checked: amax 6 -> e = 0; ties 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
+    block = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.75] + [0.0] * 23
+    assert even_round_trip(block)[:9] == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -1.0]
+    # amax 7 = 1.75 * 4 rounds up to 8, so e = 1; 7 / 2 = 3.5 ties to 4, i.e. 8.
+    assert even_round_trip([7.0] + [0.0] * 31)[0] == 8.0
