@@ -1,0 +1,304 @@
+"""The Hub model card of a converted output: YAML metadata + a body rendered from ``cards/model_card.md``.
+
+Full mode writes ``OUT/README.md`` and keeps a source model card found there as ``OUT/README.source.md``;
+overlay-only mode writes ``OUT/glm-pack/README.md`` and leaves the root alone. The card is a pure
+function of the manifest and the source card, so rewriting it for an unchanged OUT gives the same bytes.
+The body template uses ``string.Template`` (``$name``) placeholders, no Jinja2.
+"""
+
+from __future__ import annotations
+
+import statistics
+from importlib import resources
+from pathlib import Path
+from string import Template
+
+from glm_pack.packing import manifest as mf
+from glm_pack.packing.errors import PlanError
+
+from .writer import atomic_write, write_text
+
+CARD_MARKER = (
+    "<!-- glm-pack model card: generated from glm-pack/manifest.json; refresh with `glm-pack card` -->"
+)
+SOURCE_README = "README.source.md"
+TAGS = ("glm", "mla", "mxfp4", "rocm", "gfx950", "glm-pack")
+OVERLAY_LIBRARY = "glm-pack"
+# Metadata carried over from the source model card when present.
+CARRIED_KEYS = ("license", "license_name", "license_link", "language", "pipeline_tag")
+
+
+def card_path(out: Path, overlay_only: bool) -> Path:
+    return out / mf.OVERLAY_DIR / "README.md" if overlay_only else out / "README.md"
+
+
+def is_generated(text: str) -> bool:
+    return CARD_MARKER in text
+
+
+def _source_card_text(out: Path, manifest: dict) -> str | None:
+    """The source card: README.source.md, else a root README.md glm-pack did not write, else the source's."""
+    candidates = [out / SOURCE_README, out / "README.md"]
+    if manifest["source"].get("path"):
+        candidates.append(Path(manifest["source"]["path"]) / "README.md")
+    for path in candidates:
+        if path.is_file():
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if not is_generated(text):
+                return text
+    return None
+
+
+def source_metadata(text: str | None) -> dict:
+    """YAML metadata of a source model card as a dict (empty when absent or unparsable)."""
+    if not text:
+        return {}
+    from huggingface_hub import ModelCard
+
+    try:
+        return ModelCard(text, ignore_metadata_errors=True).data.to_dict()
+    except Exception:  # a broken source card must not block publishing; its metadata is just not carried
+        return {}
+
+
+def card_metadata(manifest: dict, source_meta: dict, *, overlay_only: bool, base_model: str | None):
+    """The card's :class:`huggingface_hub.ModelCardData`."""
+    from huggingface_hub import ModelCardData
+
+    base = base_model or manifest["source"].get("repo_id")
+    carried = {k: source_meta[k] for k in CARRIED_KEYS if source_meta.get(k)}
+    library = OVERLAY_LIBRARY if overlay_only else source_meta.get("library_name") or OVERLAY_LIBRARY
+    source_tags = [t for t in source_meta.get("tags") or [] if isinstance(t, str)]
+    tags = list(dict.fromkeys([*TAGS, *source_tags]))
+    extra = {"base_model_relation": "quantized"} if base else {}
+    return ModelCardData(base_model=base, library_name=library, tags=tags, **carried, **extra)
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4f}"
+
+
+def _layer_list(layers: list[int]) -> str:
+    """Compact ranges, e.g. [0, 1, 2, 5] -> '0-2, 5'."""
+    parts, start = [], None
+    for i, n in enumerate(layers):
+        start = n if start is None else start
+        if i + 1 == len(layers) or layers[i + 1] != n + 1:
+            parts.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(parts)
+
+
+def _projections(layers) -> list:
+    return [p for lay in layers for p in (lay.w_kc, lay.w_vc)]
+
+
+def _layout_fields(layers, tensors) -> dict:
+    rows, seen = [], set()
+    for p in _projections(layers):
+        entry = tensors[p.weight]
+        key = (p.name, p.precision, entry.shape, p.k_logical, p.k_stored)
+        if key not in seen:
+            seen.add(key)
+            dtype = "MXFP4 (U8 codes + U8 E8M0 scales)" if p.precision == "mxfp4" else "BF16"
+            rows.append(
+                f"| {p.name} | {dtype} | {list(entry.shape)} | bmm_nk | {p.k_logical} | {p.k_stored} |"
+            )
+    padded = sorted({(p.k_logical, p.k_stored) for p in _projections(layers) if p.k_stored != p.k_logical})
+    text = "No K padding."
+    if padded:
+        text = (
+            "K padding: "
+            + ", ".join(f"{a} → {b}" for a, b in padded)
+            + " with zero codes and scale byte 0x7F in the extra 32-blocks, so the whole `[nope | rope]`"
+            " q row can be passed as the activation (rope columns meet zero weights) and K takes the kernels'"
+            " even path."
+        )
+    return {"layout_rows": "\n".join(rows), "k_pad_text": text}
+
+
+def _quant_fields(manifest: dict, layers) -> dict:
+    quants = [e[n]["quant"] for e in manifest["mla"] for n in mf.PROJECTIONS if e[n]["precision"] == "mxfp4"]
+    n_mxfp4 = len(quants)
+    if quants:
+        q = quants[0]
+        rule = "the aiter/Quark rule" if q["mode"] == "even" else "best of three exponents per block"
+        text = (
+            f"MXFP4 (OCP MX): E2M1 codes, one E8M0 power-of-two scale per block of {q['block']} along K; "
+            f"scale rule `{q['mode']}` ({rule}), rounding `{q['rounding']}`. "
+            f"{n_mxfp4} of {2 * len(layers)} projections are MXFP4."
+        )
+    else:
+        text = "No projection is quantized: every w_kc / w_vc is stored in BF16."
+    kc = [lay.w_kc.rel_error for lay in layers]
+    vc = [lay.w_vc.rel_error for lay in layers]
+    rows = [
+        f"| {lay.layer} | {lay.w_kc.precision} | {_fmt(lay.w_kc.rel_error)} | {lay.w_vc.precision} | "
+        f"{_fmt(lay.w_vc.rel_error)} |"
+        for lay in layers
+    ]
+    return {
+        "quant_text": text,
+        "error_rows": "\n".join(rows),
+        "kc_max": _fmt(max(kc, default=0.0)),
+        "kc_mean": _fmt(statistics.fmean(kc) if kc else 0.0),
+        "vc_max": _fmt(max(vc, default=0.0)),
+        "vc_mean": _fmt(statistics.fmean(vc) if vc else 0.0),
+    }
+
+
+def _precision_text(options: dict, layers) -> str:
+    policy = options.get("mla_precision")
+    if policy == "auto":
+        text = (
+            "Policy `auto`: a projection stays in BF16 when its MXFP4 relative error would exceed "
+            f"{options.get('max_rel_error')}."
+        )
+    else:
+        text = f"Policy `{policy}`: every projection stored as {str(policy).upper()}."
+    kept = [(lay.layer, p) for lay in layers for p in (lay.w_kc, lay.w_vc) if p.precision == "bf16"]
+    if kept:
+        text += (
+            " Kept in BF16: "
+            + ", ".join(
+                f"layer {n} {p.name} (MXFP4 error would be {_fmt(p.mxfp4_rel_error)})" for n, p in kept
+            )
+            + "."
+        )
+    elif policy == "auto":
+        text += " No projection exceeded it."
+    return text
+
+
+def _kernel_fields(manifest: dict) -> dict:
+    kcfg = manifest.get("kernel_configs") or {}
+    route = kcfg.get("route", "unpadded")
+    if route == "padded":
+        text = (
+            "w_kc is K-padded, so the K-up GEMM takes the even-K path under default configs (this avoids the"
+            " ragged-K bug of several aiter versions)."
+        )
+    else:
+        text = (
+            "w_kc has ragged K: use an aiter with the ragged-K mask fix, or the pinned `BLOCK_SIZE_K=64`"
+            " configs."
+        )
+    archs = sorted((kcfg.get("configs") or {}).keys())
+    return {
+        "route": route,
+        "route_text": text,
+        "config_archs": ", ".join(f"`{a}`" for a in archs) or "none (the kernels' defaults apply)",
+    }
+
+
+def _audience_fields(name: str, overlay_only: bool) -> dict:
+    overlay = (
+        "absorbed MLA projections (`w_kc`, `w_vc`) quantized to MXFP4 in the layouts AMD aiter's gfx950"
+        " kernels read, with a manifest"
+    )
+    if overlay_only:
+        return {
+            "intro": f"This folder holds a kernel-ready overlay for **{name}** made by glm-pack: {overlay}. "
+            "The repository's own files are untouched.",
+            "engines_text": "## Stock engines\nNothing outside `glm-pack/` was changed: vLLM, SGLang and"
+            " transformers keep loading the original weights exactly as before (they read only the files"
+            " `model.safetensors.index.json` names).",
+            "allow_patterns": ', allow_patterns=["glm-pack/*", "config.json"]',
+        }
+    return {
+        "intro": f"**{name}** with its original weights unchanged, plus a kernel-ready overlay in `glm-pack/`"
+        f" made by glm-pack: {overlay}.",
+        "engines_text": "## Stock engines\nThe original files and `model.safetensors.index.json` are"
+        " byte-identical to the source: vLLM, SGLang and transformers load this repository exactly like the"
+        " base model and ignore `glm-pack/` (they read only the files the index names).",
+        "allow_patterns": "",
+    }
+
+
+def _body_fields(manifest: dict, overlay_only: bool, has_source_readme: bool) -> dict:
+    layers = mf.parse_mla(manifest)
+    geom = mf.parse_geometry(manifest)
+    options, source = manifest["options"], manifest["source"]
+    name = source.get("repo_id") or Path(source.get("path") or "model").name
+    if source.get("repo_id"):
+        revision = f" at revision `{source['revision']}`" if source.get("revision") else ""
+        source_text = f"`{source['repo_id']}`{revision}"
+    else:
+        source_text = f"a local copy (`{name}`)"
+    names = sorted({lay.source_tensor for lay in layers})
+    return {
+        "marker": CARD_MARKER,
+        "title": f"{name} — glm-pack MXFP4 MLA overlay for gfx950",
+        "n_layers": len(layers),
+        "layer_list": _layer_list([lay.layer for lay in layers]),
+        "overlay_dir": mf.OVERLAY_DIR,
+        "num_heads": geom.num_heads,
+        "kv_lora_rank": geom.kv_lora_rank,
+        "qk_nope_head_dim": geom.qk_nope_head_dim,
+        "v_head_dim": geom.v_head_dim,
+        "source_example": names[0] if names else "-",
+        "source_formats": "source format " + ", ".join(sorted({lay.source_format for lay in layers})),
+        "file_example": f"{mf.OVERLAY_DIR}/{min(manifest['files'])}" if manifest["files"] else "-",
+        **_layout_fields(layers, mf.parse_tensors(manifest)),
+        **_quant_fields(manifest, layers),
+        "precision_text": _precision_text(options, layers),
+        **_kernel_fields(manifest),
+        **_audience_fields(name, overlay_only),
+        "tool": manifest["tool"]["name"],
+        "tool_version": manifest["tool"]["version"],
+        "created": manifest.get("created", "?"),
+        "source_text": source_text,
+        "config_sha256": source.get("config_sha256", "?"),
+        "quant_mode": options.get("quant_mode"),
+        "k_pad": options.get("k_pad"),
+        "mla_precision": options.get("mla_precision"),
+        "max_rel_error": options.get("max_rel_error") or "none",
+        "source_readme_text": f"- The source model card is kept as `{SOURCE_README}`."
+        if has_source_readme
+        else "",
+    }
+
+
+def _template() -> Template:
+    return Template(resources.files("glm_pack.cards").joinpath("model_card.md").read_text(encoding="utf-8"))
+
+
+def render_card(out: str | Path, *, overlay_only: bool = False, base_model: str | None = None) -> str:
+    """The card text (``---`` YAML ``---`` + body) of a converted OUT; reads only the manifest and cards."""
+    from .verify import read_manifest
+
+    out = Path(out)
+    manifest = read_manifest(out)
+    source_text = _source_card_text(out, manifest)
+    data = card_metadata(
+        manifest, source_metadata(source_text), overlay_only=overlay_only, base_model=base_model
+    )
+    has_source = not overlay_only and source_text is not None
+    body = _template().substitute(_body_fields(manifest, overlay_only, has_source))
+    return f"---\n{data.to_yaml()}\n---\n{body.rstrip()}\n"
+
+
+def write_card(out: str | Path, *, overlay_only: bool = False, base_model: str | None = None) -> Path:
+    """Write (or refresh) the card; in full mode first keep a source README.md as README.source.md.
+
+    Files are replaced by rename, never written through: an original README.md hard-linked from the
+    source stays untouched in the source.
+    """
+    out = Path(out)
+    target = card_path(out, overlay_only)
+    if not overlay_only:
+        readme, kept = out / "README.md", out / SOURCE_README
+        if readme.is_file():
+            data = readme.read_bytes()
+            if not is_generated(data.decode("utf-8", errors="replace")):
+                if kept.is_file() and kept.read_bytes() != data:
+                    raise PlanError(
+                        f"{readme} is not a glm-pack card and {kept} already holds a different source card; "
+                        "remove one of them",
+                        file=readme,
+                    )
+                atomic_write(kept, [data])
+    text = render_card(out, overlay_only=overlay_only, base_model=base_model)
+    if not target.is_file() or target.read_text(encoding="utf-8") != text:
+        write_text(target, text)
+    return target

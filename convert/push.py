@@ -1,0 +1,344 @@
+"""``glm-pack push``: publish a converted OUT to the Hugging Face Hub, resumably, through huggingface_hub.
+
+Resumability is glm-pack's own and does not depend on Xet: the local files (size, sha256 / git blob id) are
+compared with what the target revision already holds (``get_paths_info``) and only missing or different
+files are uploaded, in commits of bounded size (``create_commit``; the client picks the regular or LFS
+path per file as the Hub's preupload answer says). The manifest and the model card go in the last
+commit, so a remote overlay without its manifest is visibly unfinished, and a re-run after an
+interruption uploads only what is left. An unchanged OUT re-pushed uploads nothing.
+
+The token comes from ``HF_TOKEN`` or the login cache (huggingface_hub's own lookup); it is passed to
+the client only and never printed or written. Every failure becomes one :class:`HubError` line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from glm_pack.packing import manifest as mf
+from glm_pack.packing.errors import HubError, PlanError, VerifyError
+
+from .convert import file_sha256
+from .modelcard import SOURCE_README, write_card
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+MAX_COMMIT_BYTES = 8 << 30  # per commit: a failed commit loses at most this much upload work
+MAX_COMMIT_FILES = 64
+PATHS_INFO_CHUNK = 100  # paths per get_paths_info request
+
+
+@dataclass(frozen=True)
+class PushOptions:
+    revision: str = "main"
+    private: bool = False
+    overlay_only: bool = False
+    dry_run: bool = False
+    commit_message: str | None = None
+    endpoint: str | None = None  # default: HF_ENDPOINT, else https://huggingface.co
+    base_model: str | None = None  # card base_model when the manifest does not know the source repo
+    max_commit_bytes: int = MAX_COMMIT_BYTES
+    max_commit_files: int = MAX_COMMIT_FILES
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    path_in_repo: str  # POSIX path inside the repo
+    local: Path
+    size: int  # bytes
+    sha256: str | None = None  # hex, when already known (overlay files: from the verified manifest)
+
+
+@dataclass(frozen=True)
+class Upload:
+    file: LocalFile
+    reason: str  # "new" or "changed"
+
+
+@dataclass
+class PushPlan:
+    repo_id: str
+    revision: str
+    uploads: list[Upload] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    commits: list[list[Upload]] = field(default_factory=list)
+
+    @property
+    def upload_bytes(self) -> int:
+        return sum(u.file.size for u in self.uploads)
+
+
+@dataclass
+class PushReport:
+    plan: PushPlan
+    dry_run: bool
+    endpoint: str
+    card: Path | None = None
+    commit_urls: list[str] = field(default_factory=list)
+    uploaded_files: int = 0
+    uploaded_bytes: int = 0
+
+
+def resolve_endpoint(endpoint: str | None) -> str:
+    """``--endpoint``, else ``HF_ENDPOINT`` (read now, not at import), else the public Hub."""
+    return (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def git_blob_id(path: Path) -> str:
+    """The git blob sha1 the Hub reports as a regular file's ``oid``."""
+    h = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def local_files(out: Path, overlay_only: bool) -> list[LocalFile]:
+    """What a push publishes: every non-hidden file of OUT, or of OUT/glm-pack with ``overlay_only``."""
+    root = out / mf.OVERLAY_DIR if overlay_only else out
+    manifest = mf.loads((out / mf.OVERLAY_DIR / mf.MANIFEST_NAME).read_bytes())
+    known = {f"{mf.OVERLAY_DIR}/{name}": info["sha256"] for name, info in manifest["files"].items()}
+    files = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(out)
+        if any(part.startswith(".") for part in rel.parts) or not path.is_file():
+            continue
+        key = rel.as_posix()
+        files.append(LocalFile(key, path, path.stat().st_size, known.get(key)))
+    return files
+
+
+def _last(path: str) -> bool:
+    """Files that go in the final commit: the manifest (marks the overlay complete) and the cards."""
+    return path in (
+        f"{mf.OVERLAY_DIR}/{mf.MANIFEST_NAME}",
+        "README.md",
+        SOURCE_README,
+        f"{mf.OVERLAY_DIR}/README.md",
+    )
+
+
+def group_commits(uploads: list[Upload], max_bytes: int, max_files: int) -> list[list[Upload]]:
+    """Split uploads into commits of at most ``max_files`` files and ``max_bytes`` bytes (larger files alone).
+
+    Order: every other file by path, then the manifest and the cards together in the last commit.
+    """
+    body = [u for u in uploads if not _last(u.file.path_in_repo)]
+    tail = [u for u in uploads if _last(u.file.path_in_repo)]
+    commits: list[list[Upload]] = []
+    current: list[Upload] = []
+    size = 0
+    for u in body:
+        if current and (len(current) >= max_files or size + u.file.size > max_bytes):
+            commits.append(current)
+            current, size = [], 0
+        current.append(u)
+        size += u.file.size
+    if current:
+        commits.append(current)
+    if tail:
+        commits.append(tail)
+    return commits
+
+
+def _same(local: LocalFile, remote) -> bool:
+    if remote.size != local.size:
+        return False
+    if remote.lfs is not None:
+        return (local.sha256 or file_sha256(local.local)) == remote.lfs.sha256
+    return git_blob_id(local.local) == remote.blob_id
+
+
+def plan_push(
+    api, repo_id: str, files: list[LocalFile], options: PushOptions, repo_exists: bool = True
+) -> PushPlan:
+    """Compare local files with the revision's paths info; plan uploads of what is missing or different."""
+    plan = PushPlan(repo_id, options.revision)
+    remote = {}
+    if repo_exists:
+        paths = [f.path_in_repo for f in files]
+        for i in range(0, len(paths), PATHS_INFO_CHUNK):
+            for entry in api.get_paths_info(
+                repo_id, paths[i : i + PATHS_INFO_CHUNK], revision=options.revision
+            ):
+                remote[entry.path] = entry
+    for f in files:
+        r = remote.get(f.path_in_repo)
+        if r is None or not hasattr(r, "size"):  # missing, or a folder where a file should be
+            plan.uploads.append(Upload(f, "new"))
+        elif _same(f, r):
+            plan.unchanged.append(f.path_in_repo)
+        else:
+            plan.uploads.append(Upload(f, "changed"))
+    plan.commits = group_commits(plan.uploads, options.max_commit_bytes, options.max_commit_files)
+    return plan
+
+
+def _token() -> str | None:
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
+def _check_out(out: Path, overlay_only: bool) -> None:
+    from .verify import verify
+
+    report = verify(out)
+    if not report.ok:
+        first = report.problems[0] if report.problems else "unknown problem"
+        more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
+        raise VerifyError(
+            f"refusing to push {out}: verify rejects it: {first}{more}; run `glm-pack verify {out}`"
+        )
+    if not overlay_only and not (out / "config.json").is_file():
+        raise PlanError(
+            f"{out} holds no original files (converted with --files none): push it with --overlay-only",
+            file=out,
+        )
+
+
+def _ensure_target(api, repo_id: str, options: PushOptions) -> None:
+    api.create_repo(repo_id, private=options.private, exist_ok=True)
+    if options.revision != "main":
+        api.create_branch(repo_id, branch=options.revision, exist_ok=True)
+
+
+def _remote_exists(api, repo_id: str, revision: str) -> bool:
+    """For a dry run: does the revision exist (without creating anything)?"""
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        api.repo_info(repo_id, revision=revision)
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        return False
+    return True
+
+
+def push(
+    out: str | os.PathLike,
+    repo_id: str,
+    options: PushOptions = PushOptions(),
+    progress: Callable[[int, int, int], None] | None = None,
+) -> PushReport:
+    """Verify OUT, refresh its card, upload what the revision lacks; raises HubError/VerifyError/PlanError.
+
+    ``progress(files_done, files_total, bytes_done)`` is called after each commit. A dry run refreshes the
+    local card and plans, but creates and uploads nothing (it needs no token for a public repo).
+    """
+    from huggingface_hub import HfApi
+
+    out = Path(out)
+    endpoint = resolve_endpoint(options.endpoint)
+    _check_out(out, options.overlay_only)
+    card = write_card(out, overlay_only=options.overlay_only, base_model=options.base_model)
+    token = _token()
+    if token is None and not options.dry_run:
+        raise HubError("no Hugging Face token: set HF_TOKEN or run `hf auth login`")
+    api = HfApi(endpoint=endpoint, token=token)
+    files = local_files(out, options.overlay_only)
+    report = PushReport(
+        plan=PushPlan(repo_id, options.revision), dry_run=options.dry_run, endpoint=endpoint, card=card
+    )
+    what = "glm-pack overlay" if options.overlay_only else "glm-pack converted checkpoint"
+    message = options.commit_message or f"Upload {what}"
+    try:
+        if options.dry_run:
+            exists = _remote_exists(api, repo_id, options.revision)
+        else:
+            _ensure_target(api, repo_id, options)
+            exists = True
+        plan = plan_push(api, repo_id, files, options, repo_exists=exists)
+        report.plan = plan
+        if options.dry_run:
+            return report
+        total = len(plan.uploads)
+        for i, commit in enumerate(plan.commits):
+            ops = [_operation(u.file) for u in commit]
+            suffix = f" ({i + 1}/{len(plan.commits)})" if len(plan.commits) > 1 else ""
+            info = api.create_commit(repo_id, ops, commit_message=message + suffix, revision=options.revision)
+            report.commit_urls.append(info.commit_url)
+            report.uploaded_files += len(commit)
+            report.uploaded_bytes += sum(u.file.size for u in commit)
+            if progress is not None:
+                progress(report.uploaded_files, total, report.uploaded_bytes)
+    except KeyboardInterrupt:
+        raise HubError(_interrupted(report, "interrupted by the user")) from None
+    except Exception as err:
+        raise hub_error(err, repo_id, endpoint, options.revision, report) from err
+    return report
+
+
+def _operation(f: LocalFile):
+    from huggingface_hub import CommitOperationAdd
+
+    op = CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=str(f.local))
+    if f.sha256 is not None:  # known from the verified manifest: spare the client a second read
+        op.upload_info.sha256 = bytes.fromhex(f.sha256)
+    return op
+
+
+def _interrupted(report: PushReport, why: str) -> str:
+    total = len(report.plan.uploads)
+    return (
+        f"upload interrupted ({why}) after {report.uploaded_files} of {total} files were committed; "
+        "run the same command again to upload the rest"
+    )
+
+
+def _chain(err: BaseException):
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def _is(err: BaseException, *names: str) -> bool:
+    return any(cls.__name__ in names for cls in type(err).__mro__)
+
+
+def hub_error(err: Exception, repo_id: str, endpoint: str, revision: str, report: PushReport) -> Exception:
+    """Turn a client exception into one clear HubError line (never containing the token)."""
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    if isinstance(err, HubError):
+        return err
+    for e in _chain(err):
+        if isinstance(e, RepositoryNotFoundError):
+            return HubError(f"repository {repo_id} not found at {endpoint}, or the token cannot see it")
+        if isinstance(e, RevisionNotFoundError):
+            return HubError(f"revision {revision!r} not found in {repo_id} at {endpoint}")
+        if isinstance(e, HfHubHTTPError) and e.response is not None:
+            status = e.response.status_code
+            if status == 401:
+                return HubError(
+                    f"authentication failed (401) at {endpoint}: the token was rejected; "
+                    "check HF_TOKEN or run `hf auth login`"
+                )
+            if status == 403:
+                return HubError(
+                    f"permission denied (403): the token may not write to {repo_id} at {endpoint}"
+                )
+            if status == 429:
+                return HubError(
+                    f"rate limited (429) by {endpoint}; wait and run the same command again "
+                    f"({report.uploaded_files} of {len(report.plan.uploads)} files committed so far are kept)"
+                )
+            return HubError(f"the Hub answered {status} for {repo_id} at {endpoint}: {_first_line(e)}")
+        if _is(e, "ConnectError", "ConnectionRefusedError") and report.uploaded_files == 0:
+            return HubError(f"cannot connect to {endpoint}: connection refused or unreachable")
+        if _is(e, "TimeoutException", "TimeoutError"):
+            return HubError(_interrupted(report, f"timed out talking to {endpoint}"))
+        if _is(e, "TransportError", "ConnectionError", "OSError"):
+            return HubError(_interrupted(report, f"connection to {endpoint} lost"))
+        if isinstance(e, ValueError) and "Invalid metadata in README.md" in str(e):
+            return HubError(f"the Hub rejected the model card metadata: {_first_line(e, skip=1)}")
+    return HubError(f"push to {repo_id} at {endpoint} failed: {type(err).__name__}: {_first_line(err)}")
+
+
+def _first_line(err: BaseException, skip: int = 0) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[min(skip, len(lines) - 1)] if lines else type(err).__name__

@@ -1,0 +1,466 @@
+"""A small in-memory Hugging Face Hub on 127.0.0.1 for tests: the real ``huggingface_hub`` client talks to it.
+
+Start it with ``with FakeHub() as hub:`` and point the client at ``hub.endpoint``. It answers the
+endpoints the client calls for model repos (Xet disabled, i.e. ``HF_HUB_DISABLE_XET=1``)::
+
+    POST /api/repos/create                          create (409 when it exists)
+    GET  /api/models/{repo}[/revision/{rev}]        repo info (sha, siblings)
+    POST /api/models/{repo}/branch/{branch}         create a branch (409 when it exists)
+    POST /api/models/{repo}/paths-info/{rev}        size, git blob id, lfs {oid=sha256, size}
+    POST /api/models/{repo}/preupload/{rev}         uploadMode "lfs" when size >= lfs_threshold else "regular"
+    POST /{repo}.git/info/lfs/objects/batch         basic transfer; no "actions" for objects already stored
+    PUT  /_lfs/{oid}                                the bytes of one LFS object (sha256 checked)
+    POST /api/models/{repo}/commit/{rev}            NDJSON header / file / lfsFile / deletedFile lines
+    POST /api/validate-yaml                         README front matter must be a YAML mapping with sane types
+    GET|HEAD /{repo}/resolve/{rev}/{path}           bytes, ETag / X-Repo-Commit / X-Linked-*; Range: 206
+
+Every request needs ``Authorization: Bearer <token>`` (else 401). Every request is recorded in
+``hub.requests`` (method, kind, path, body size; never headers, so tokens are not kept).
+Errors are injected with :meth:`FakeHub.fail`: an HTTP status (optionally with ``X-Error-Code``) or a
+dropped connection, on one kind of request, once ``after_files`` files have been committed in total.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+import socket
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import yaml
+
+KINDS = (
+    "create",
+    "repo_info",
+    "branch",
+    "paths_info",
+    "preupload",
+    "lfs_batch",
+    "lfs_put",
+    "commit",
+    "validate_yaml",
+    "resolve",
+)
+
+_ROUTES = [
+    ("POST", re.compile(r"^/api/repos/create$"), "create"),
+    ("GET", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?$"), "repo_info"),
+    ("POST", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/branch/(?P<rev>[^/]+)$"), "branch"),
+    ("POST", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/paths-info/(?P<rev>[^/]+)$"), "paths_info"),
+    ("POST", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/preupload/(?P<rev>[^/]+)$"), "preupload"),
+    ("POST", re.compile(r"^/(?P<repo>[^/]+/[^/]+)\.git/info/lfs/objects/batch$"), "lfs_batch"),
+    ("PUT", re.compile(r"^/_lfs/(?P<oid>[0-9a-f]{64})$"), "lfs_put"),
+    ("POST", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/commit/(?P<rev>[^/]+)$"), "commit"),
+    ("POST", re.compile(r"^/api/validate-yaml$"), "validate_yaml"),
+    ("GET", re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$"), "resolve"),
+    ("HEAD", re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$"), "resolve"),
+]
+
+
+def git_blob_id(data: bytes) -> str:
+    """The git blob sha1 the Hub reports as ``oid`` for a file."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@dataclass
+class Blob:
+    data: bytes
+    lfs: bool
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+    def info(self, path: str) -> dict:
+        entry = {"type": "file", "path": path, "size": len(self.data), "oid": git_blob_id(self.data)}
+        if self.lfs:
+            entry["lfs"] = {"oid": self.sha256, "size": len(self.data), "pointerSize": 134}
+        return entry
+
+
+@dataclass
+class Repo:
+    private: bool
+    branches: dict[str, dict[str, Blob]] = field(default_factory=lambda: {"main": {}})
+    heads: dict[str, str] = field(default_factory=lambda: {"main": "0" * 40})
+    commits: list[dict] = field(default_factory=list)  # {"branch", "summary", "files": [paths]}
+
+
+@dataclass
+class Request:
+    method: str
+    kind: str | None
+    path: str
+    body_bytes: int
+    status: int = 0
+
+
+@dataclass
+class Fault:
+    kind: str
+    status: int | None  # HTTP status to answer; None with drop=True
+    drop: bool
+    after_files: int
+    times: int | None  # None: every matching request
+    error_code: str | None
+    headers: dict
+
+
+class HubHTTPError(Exception):
+    def __init__(self, status: int, message: str, error_code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.error_code = status, message, error_code
+
+
+class FakeHub:
+    """In-memory Hub; see the module docstring for the endpoints. Thread-safe under one lock."""
+
+    def __init__(
+        self, token: str = "hf_fake_token_for_tests", lfs_threshold: int = 1024, user: str = "tester"
+    ):
+        self.token = token
+        self.lfs_threshold = lfs_threshold
+        self.user = user
+        self.repos: dict[str, Repo] = {}
+        self.lfs_objects: dict[str, bytes] = {}
+        self.requests: list[Request] = []
+        self.faults: list[Fault] = []
+        self.committed_files = 0
+        self.lock = threading.RLock()
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    @property
+    def endpoint(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> FakeHub:
+        hub = self
+
+        class Handler(_Handler):
+            pass
+
+        Handler.hub = hub
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def __enter__(self) -> FakeHub:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- test helpers ----------------------------------------------------------------------------
+    def fail(
+        self,
+        kind: str,
+        status: int | None = None,
+        *,
+        drop: bool = False,
+        after_files: int = 0,
+        times: int | None = None,
+        error_code: str | None = None,
+        headers: dict | None = None,
+    ) -> None:
+        """Answer ``kind`` requests with ``status`` (or drop the connection) after ``after_files`` commits."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown request kind {kind!r}; one of {KINDS}")
+        if (status is None) == (not drop):
+            raise ValueError("give exactly one of status= or drop=True")
+        with self.lock:
+            self.faults.append(Fault(kind, status, drop, after_files, times, error_code, dict(headers or {})))
+
+    def clear_faults(self) -> None:
+        with self.lock:
+            self.faults.clear()
+
+    def files(self, repo_id: str, branch: str = "main") -> dict[str, bytes]:
+        """The current content of a branch: {path: bytes}."""
+        with self.lock:
+            return {p: b.data for p, b in self.repos[repo_id].branches[branch].items()}
+
+    def lfs_paths(self, repo_id: str, branch: str = "main") -> set[str]:
+        with self.lock:
+            return {p for p, b in self.repos[repo_id].branches[branch].items() if b.lfs}
+
+    def kinds(self, kind: str) -> list[Request]:
+        with self.lock:
+            return [r for r in self.requests if r.kind == kind]
+
+    def reset_requests(self) -> None:
+        with self.lock:
+            self.requests.clear()
+
+    # -- request handling (called from the handler under the lock) --------------------------------
+    def _fault_for(self, kind: str) -> Fault | None:
+        for fault in self.faults:
+            if fault.kind == kind and self.committed_files >= fault.after_files and fault.times != 0:
+                if fault.times is not None:
+                    fault.times -= 1
+                return fault
+        return None
+
+    def _repo(self, repo_id: str) -> Repo:
+        repo = self.repos.get(repo_id)
+        if repo is None:
+            raise HubHTTPError(404, "Repository not found", "RepoNotFound")
+        return repo
+
+    def _branch(self, repo: Repo, rev: str) -> dict[str, Blob]:
+        rev = unquote(rev)
+        if rev not in repo.branches:
+            raise HubHTTPError(404, f"Invalid rev id: {rev}", "RevisionNotFound")
+        return repo.branches[rev]
+
+    def handle(self, kind: str, m: dict, query: dict, body: bytes, base: str):
+        """Return (status, headers, body bytes) for a routed request."""
+        if kind == "create":
+            req = json.loads(body)
+            repo_id = f"{req.get('organization') or self.user}/{req['name']}"
+            if repo_id in self.repos:  # the real Hub names the existing repo's url in its 409 answer
+                return _json(
+                    409, {"error": "You already created this model repo", "url": f"{base}/{repo_id}"}
+                )
+            self.repos[repo_id] = Repo(private=req.get("visibility") == "private")
+            return _json(200, {"url": f"{base}/{repo_id}", "name": repo_id})
+        repo_id = m.get("repo")
+        if kind == "repo_info":
+            repo = self._repo(repo_id)
+            rev = unquote(m.get("rev") or "main")
+            files = self._branch(repo, rev)
+            siblings = [{"rfilename": p} for p in sorted(files)]
+            return _json(
+                200, {"id": repo_id, "sha": repo.heads[rev], "private": repo.private, "siblings": siblings}
+            )
+        if kind == "branch":
+            repo = self._repo(repo_id)
+            name = unquote(m["rev"])
+            if name in repo.branches:
+                raise HubHTTPError(409, f"Reference already exists: refs/heads/{name}")
+            start = (json.loads(body) if body else {}).get("startingPoint", "main")
+            repo.branches[name] = dict(self._branch(repo, start))
+            repo.heads[name] = repo.heads.get(start, "0" * 40)
+            return _json(200, {})
+        if kind == "paths_info":
+            files = self._branch(self._repo(repo_id), m["rev"])
+            form = parse_qs(body.decode())
+            return _json(200, [files[p].info(p) for p in form.get("paths", []) if p in files])
+        if kind == "preupload":
+            files = self._branch(self._repo(repo_id), m["rev"])
+            answer = []
+            for f in json.loads(body)["files"]:
+                mode = "lfs" if f["size"] >= self.lfs_threshold else "regular"
+                old = files.get(f["path"])
+                answer.append(
+                    {
+                        "path": f["path"],
+                        "uploadMode": mode,
+                        "shouldIgnore": False,
+                        "oid": None if old is None else (old.sha256 if old.lfs else git_blob_id(old.data)),
+                    }
+                )
+            return _json(200, {"files": answer, "commitOid": "0" * 40})
+        if kind == "lfs_batch":
+            self._repo(repo_id)
+            req = json.loads(body)
+            objects = []
+            for obj in req["objects"]:
+                entry = {"oid": obj["oid"], "size": obj["size"], "authenticated": True}
+                if obj["oid"] not in self.lfs_objects:
+                    entry["actions"] = {"upload": {"href": f"{base}/_lfs/{obj['oid']}", "expires_in": 3600}}
+                objects.append(entry)
+            return _json(200, {"transfer": "basic", "objects": objects}, "application/vnd.git-lfs+json")
+        if kind == "lfs_put":
+            if hashlib.sha256(body).hexdigest() != m["oid"]:
+                raise HubHTTPError(400, "sha256 of the uploaded bytes does not match the object id")
+            self.lfs_objects[m["oid"]] = body
+            return 200, {}, b""
+        if kind == "commit":
+            return self._commit(repo_id, m["rev"], body, base)
+        if kind == "validate_yaml":
+            return self._validate_yaml(json.loads(body)["content"])
+        if kind == "resolve":
+            return self._resolve(repo_id, m["rev"], unquote(m["path"]), query)
+        raise HubHTTPError(404, "no such endpoint")
+
+    def _commit(self, repo_id: str, rev: str, body: bytes, base: str):
+        repo = self._repo(repo_id)
+        files = self._branch(repo, rev)
+        lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+        if not lines or lines[0].get("key") != "header":
+            raise HubHTTPError(400, "commit payload must start with a header line")
+        staged = dict(files)
+        touched = []
+        for line in lines[1:]:
+            key, value = line["key"], line["value"]
+            if key == "file":
+                staged[value["path"]] = Blob(base64.b64decode(value["content"]), lfs=False)
+            elif key == "lfsFile":
+                data = self.lfs_objects.get(value["oid"])
+                if data is None:
+                    raise HubHTTPError(
+                        400, f"LFS object {value['oid']} for {value['path']} was never uploaded"
+                    )
+                staged[value["path"]] = Blob(data, lfs=True)
+            elif key == "deletedFile":
+                if staged.pop(value["path"], None) is None:
+                    raise HubHTTPError(404, "A file with this name doesn't exist", "EntryNotFound")
+            else:
+                raise HubHTTPError(400, f"unsupported commit line {key!r}")
+            touched.append(value["path"])
+        branch = unquote(rev)
+        repo.branches[branch] = staged
+        oid = hashlib.sha1(f"{repo_id}:{len(repo.commits)}".encode()).hexdigest()
+        repo.heads[branch] = oid
+        repo.commits.append({"branch": branch, "summary": lines[0]["value"]["summary"], "files": touched})
+        self.committed_files += len(touched)
+        return _json(
+            200, {"commitUrl": f"{base}/{repo_id}/commit/{oid}", "commitOid": oid, "pullRequestUrl": None}
+        )
+
+    @staticmethod
+    def _validate_yaml(content: str):
+        errors = []
+        match = re.match(r"^---\s*\n(.*?)\n---\s*\n", content, re.S)
+        meta = None
+        if match:
+            try:
+                meta = yaml.safe_load(match.group(1))
+            except yaml.YAMLError as err:
+                errors.append(f"YAML front matter does not parse: {err}")
+        if match and not errors:
+            if not isinstance(meta, dict):
+                errors.append("YAML front matter must be a mapping")
+            else:
+                for key in ("license", "library_name", "pipeline_tag", "base_model_relation"):
+                    if key in meta and not isinstance(meta[key], str):
+                        errors.append(f'"{key}" must be a string')
+                for key in ("tags", "base_model"):
+                    v = meta.get(key)
+                    if v is not None and not (isinstance(v, str) or all(isinstance(t, str) for t in v)):
+                        errors.append(f'"{key}" must be a string or a list of strings')
+        if errors:
+            return _json(400, {"errors": [{"message": e} for e in errors], "warnings": []})
+        warnings = [] if match else [{"message": "empty or missing yaml metadata in repo card"}]
+        return _json(200, {"errors": [], "warnings": warnings})
+
+    def _resolve(self, repo_id: str, rev: str, path: str, query: dict):
+        repo = self._repo(repo_id)
+        blob = self._branch(repo, rev).get(path)
+        if blob is None:
+            raise HubHTTPError(404, "Entry not found", "EntryNotFound")
+        etag = blob.sha256 if blob.lfs else git_blob_id(blob.data)
+        headers = {"ETag": f'"{etag}"', "X-Repo-Commit": repo.heads[unquote(rev)], "Accept-Ranges": "bytes"}
+        if blob.lfs:
+            headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(blob.data))})
+        rng = query.get("range")
+        if rng is None:
+            return 200, headers, blob.data
+        size = len(blob.data)
+        got = re.fullmatch(r"bytes=(\d*)-(\d*)", rng.strip())
+        if not got or got.groups() == ("", ""):
+            raise HubHTTPError(416, "bad Range header")
+        start, end = got.groups()
+        if start == "":  # suffix range: last N bytes
+            first, last = max(size - int(end), 0), size - 1
+        else:
+            first, last = int(start), min(int(end) if end else size - 1, size - 1)
+        if first >= size or first > last:
+            return 416, {"Content-Range": f"bytes */{size}"}, b""
+        headers["Content-Range"] = f"bytes {first}-{last}/{size}"
+        return 206, headers, blob.data[first : last + 1]
+
+
+def _json(status: int, obj, content_type: str = "application/json"):
+    return status, {"Content-Type": content_type}, json.dumps(obj).encode()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    hub: FakeHub
+
+    def log_message(self, *args) -> None:  # keep test output quiet
+        pass
+
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            chunks = []
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+                if size == 0:
+                    self.rfile.readline()
+                    return b"".join(chunks)
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def _dispatch(self) -> None:
+        hub = self.hub
+        url = urlsplit(self.path)
+        body = self._body()
+        kind, match = None, {}
+        for method, pattern, name in _ROUTES:
+            got = pattern.match(url.path)
+            if got and method == self.command:
+                kind, match = name, got.groupdict()
+                break
+        record = Request(self.command, kind, url.path, len(body))
+        with hub.lock:
+            hub.requests.append(record)
+            if self.headers.get("Authorization") != f"Bearer {hub.token}" and kind != "lfs_put":
+                status, headers, payload = (
+                    401,
+                    {"X-Error-Message": "Invalid credentials in Authorization header"},
+                    b"",
+                )
+                payload = json.dumps({"error": "Invalid credentials in Authorization header"}).encode()
+            elif kind is None:
+                status, headers, payload = 404, {}, b'{"error": "Not Found"}'
+            else:
+                fault = hub._fault_for(kind)
+                if fault is not None and fault.drop:
+                    record.status = -1
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if fault is not None:
+                    headers = {"X-Error-Message": f"injected {fault.status}", **fault.headers}
+                    if fault.error_code:
+                        headers["X-Error-Code"] = fault.error_code
+                    status, payload = fault.status, json.dumps({"error": f"injected {fault.status}"}).encode()
+                else:
+                    try:
+                        query = {"range": self.headers.get("Range")} if self.headers.get("Range") else {}
+                        status, headers, payload = hub.handle(kind, match, query, body, hub.endpoint)
+                    except HubHTTPError as err:
+                        headers = {"X-Error-Message": err.message}
+                        if err.error_code:
+                            headers["X-Error-Code"] = err.error_code
+                        status, payload = err.status, json.dumps({"error": err.message}).encode()
+            record.status = status
+        self.send_response(status)
+        headers.setdefault("Content-Type", "application/json")
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(payload)
+
+    do_GET = do_POST = do_PUT = do_HEAD = _dispatch
