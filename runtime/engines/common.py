@@ -1,0 +1,221 @@
+"""What the vLLM and SGLang adapters share: select and find the overlay, check that it belongs to the
+checkpoint being served (source fingerprint, geometry, this rank's TP slice), and turn a loaded
+projection into the float or MXFP4 tensors an engine keeps.
+
+Selection: ``GLM_PACK_OVERLAY`` unset, empty or ``0`` = off (the engines rebuild as usual); ``1`` = the
+overlay beside the served checkpoint (``<model dir>/glm-pack/manifest.json``; for a Hub id, the local HF
+cache snapshot); any other value = the directory that holds ``glm-pack/``.
+``GLM_PACK_OVERLAY_CHECK``: ``full`` (default) = config.json sha256 + sha256 of every source kv_b_proj
+tensor in the served files + a per-layer comparison of the overlay with the engine's own loaded
+kv_b_proj slice; ``fast`` = the same without hashing the tensor bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from glm_pack.packing.errors import BackendError, GlmPackError, VerifyError
+from glm_pack.packing.mla import MlaGeometry, split_kv_b
+from glm_pack.packing.mxfp4 import dequantize
+from glm_pack.runtime.layer import MlaLayer, ProjectionWeights
+from glm_pack.runtime.loader import PackedModel, open_packed
+
+ENV = "GLM_PACK_OVERLAY"
+ENV_CHECK = "GLM_PACK_OVERLAY_CHECK"
+CHECKS = ("full", "fast")
+_OFF = ("", "0", "false", "off", "no")
+_BESIDE = ("1", "true", "on", "yes", "auto")
+_FLOAT = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def overlay_setting(environ=None) -> str | None:
+    """The overlay selection from the environment: None (off), ``"beside"`` or a directory path."""
+    value = (environ if environ is not None else os.environ).get(ENV, "").strip()
+    if value.lower() in _OFF:
+        return None
+    return "beside" if value.lower() in _BESIDE else value
+
+
+def check_level(environ=None) -> str:
+    level = (environ if environ is not None else os.environ).get(ENV_CHECK, "full").strip().lower() or "full"
+    if level not in CHECKS:
+        raise GlmPackError(f"{ENV_CHECK}={level!r} is not one of {', '.join(CHECKS)}")
+    return level
+
+
+def checkpoint_dir(model: str, revision: str | None = None) -> Path:
+    """The local directory of the served checkpoint: ``model`` itself, or its HF cache snapshot (no network)."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception as err:
+        raise GlmPackError(
+            f"cannot find the checkpoint {model!r} locally for the glm-pack overlay ({err}); "
+            f"download it first (`hf download {model}`) or set {ENV}=<directory holding glm-pack/>"
+        ) from err
+
+
+def overlay_root(setting: str, served: Path) -> Path:
+    return served if setting == "beside" else Path(setting)
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _tensor_files(served: Path) -> dict[str, Path]:
+    """Source tensor name -> the served safetensors file holding it (from the index, or the single file)."""
+    index = served / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: served / file for name, file in weight_map.items()}
+    single = served / "model.safetensors"
+    return {name: single for name in _header(single)} if single.is_file() else {}
+
+
+def _header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def raw_tensor_sha256(path: Path, name: str) -> str:
+    """sha256 of one tensor's stored bytes in a safetensors file (the fingerprint the converter records)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        info = json.loads(f.read(n)).get(name)
+        if info is None:
+            raise VerifyError("the served checkpoint lacks a tensor the overlay was built from", file=path, tensor=name)
+        begin, end = info["data_offsets"]
+        f.seek(8 + n + begin)
+        h = hashlib.sha256()
+        left = end - begin
+        while left:
+            block = f.read(min(left, 16 << 20))
+            if not block:
+                raise VerifyError("safetensors file is truncated", file=path, tensor=name)
+            h.update(block)
+            left -= len(block)
+    return h.hexdigest()
+
+
+def check_source(manifest: dict, served: Path, level: str) -> None:
+    """Raise VerifyError unless the served checkpoint is the one the overlay was converted from."""
+    source = manifest.get("source") or {}
+    config = served / "config.json"
+    if not config.is_file():
+        raise VerifyError("the served checkpoint has no config.json to check the overlay against", file=config)
+    if _sha256_file(config) != source.get("config_sha256"):
+        raise VerifyError(
+            "config.json differs from the one the glm-pack overlay was converted from: the overlay belongs to "
+            "another checkpoint (reconvert, or unset " + ENV + ")",
+            file=config,
+        )
+    if level != "full":
+        return
+    files = _tensor_files(served)
+    kv_b = {e["source"]["tensor"].rsplit(".", 1)[0] + "." for e in manifest["mla"]}
+    for name, digest in sorted((source.get("tensors") or {}).items()):
+        if not any(name.startswith(p) for p in kv_b):
+            continue
+        if name not in files:
+            raise VerifyError("the served checkpoint's index lacks a source tensor of the overlay", tensor=name)
+        if raw_tensor_sha256(files[name], name) != digest:
+            raise VerifyError(
+                "tensor differs from the one the glm-pack overlay was converted from (reconvert, or unset " + ENV + ")",
+                file=files[name],
+                tensor=name,
+            )
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """One process's opened overlay: this rank's tensors plus the check level for per-layer checks."""
+
+    model: PackedModel
+    level: str
+
+    def layer(self, layer_id: int, engine_geometry: MlaGeometry) -> MlaLayer | None:
+        """This rank's MLA layer, or None when the overlay has no such layer; the engine's per-rank geometry
+        must equal the overlay's."""
+        if layer_id not in self.model.layers:
+            return None
+        local = self.model.local_geometry
+        if engine_geometry != local:
+            raise VerifyError(
+                f"layer {layer_id}: the engine's attention geometry per rank {engine_geometry.as_dict()} differs "
+                f"from the overlay's {local.as_dict()} at tp_size={self.model.tp_size}",
+                file=str(self.model.root),
+            )
+        return self.model.mla(layer_id)
+
+
+_OPEN: dict[tuple, Overlay] = {}
+
+
+def open_overlay(setting: str, served: Path, *, tp_rank: int, tp_size: int, device, level: str) -> Overlay:
+    """Open (once per process and rank) the overlay selected by ``setting`` for the checkpoint ``served``."""
+    root = overlay_root(setting, served)
+    key = (str(root.resolve()), str(served.resolve()), tp_rank, tp_size, str(device), level)
+    if key not in _OPEN:
+        model = open_packed(root, device=device, backend="torch", tp_rank=tp_rank, tp_size=tp_size)
+        check_source(model.manifest, served, level)
+        _OPEN[key] = Overlay(model, level)
+    return _OPEN[key]
+
+
+def require_unpadded(proj: ProjectionWeights, engine: str, layer_id: int) -> None:
+    """The engines pass only the nope part of q to the K-up GEMM, so a K-padded w_kc would meet a q row
+    narrower than its K (aiter does not check and returns garbage)."""
+    if proj.k_stored != proj.k_logical:
+        raise BackendError(
+            f"layer {layer_id}: the overlay stores w_kc with K padded {proj.k_logical} -> {proj.k_stored}, but "
+            f"{engine} passes only the {proj.k_logical}-wide q_nope to the K-up GEMM; reconvert with "
+            "`glm-pack convert --k-pad none` for this engine"
+        )
+
+
+def as_float(proj: ProjectionWeights, dtype: torch.dtype) -> torch.Tensor:
+    """The projection's values ``[H, N, k_logical]`` in ``dtype`` (MXFP4 dequantized exactly), contiguous."""
+    if proj.precision == "mxfp4":
+        values = dequantize(proj.weight, proj.scale, axis=-1, dtype=torch.float32)
+    else:
+        values = proj.weight
+    return values[..., : proj.k_logical].to(dtype).contiguous()
+
+
+def check_slice(mla: MlaLayer, kv_b_local: torch.Tensor, what: str) -> None:
+    """Compare the overlay's layer with the engine's loaded kv_b_proj slice ``[H_local*(nope+v), kv_lora]``.
+
+    Catches a wrong checkpoint, layer numbering or TP slice: the relative error must stay near the one the
+    converter recorded (a mismatch gives about 1.4). Skipped when the engine's weight is not a float tensor.
+    """
+    if kv_b_local.dtype not in _FLOAT:
+        return
+    w_kc, w_vc = split_kv_b(kv_b_local.float(), mla.geometry)
+    for name, proj, ref in (("w_kc", mla.w_kc, w_kc), ("w_vc", mla.w_vc, w_vc)):
+        got = as_float(proj, torch.float32)
+        err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+        bound = 1.5 * proj.rel_error + 0.02
+        if not err <= bound:
+            raise VerifyError(
+                f"layer {mla.layer} {name}: the overlay differs from the engine's loaded {what} on this rank "
+                f"(relative error {err:.3g} > {bound:.3g}): wrong checkpoint, layer or tensor-parallel slice"
+            )

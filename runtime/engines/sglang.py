@@ -1,0 +1,163 @@
+"""SGLang adapter: set DeepseekV2 MLA's ``w_kc`` / ``w_vc`` (+ ``w_scale_k`` / ``w_scale_v``) from a glm-pack
+overlay instead of rebuilding them in ``post_load_weights``.
+
+Written against SGLang main: ``python/sglang/srt/models/deepseek_common/deepseek_weight_loader.py`` at
+commit 0201c04e983820f371aedd97154d07453badd814 (``DeepseekV2WeightLoaderMixin.post_load_weights``),
+``.../attention_forward_methods/forward_mla.py`` (ROCm K-up / V-up calls), ``quark/utils.py``
+(``quark_post_load_weights``), ``models/glm4_moe.py`` (``GlmMoeDsaForCausalLM(DeepseekV2ForCausalLM)``),
+``models/deepseek_nextn.py`` and ``models/registry.py`` (``SGLANG_EXTERNAL_MODEL_PACKAGE`` is registered with
+``overwrite=True``; each module's ``EntryClass`` replaces the built-in class of the same ``__name__``).
+
+SGLang's attributes (per rank, H = local heads, L = kv_lora, P = nope, V = v):
+
+* MXFP4 (taken by the forward when ``_use_aiter_gfx95`` and ``w_kc.dtype == uint8``): ``w_kc`` u8 logical
+  ``[H, P/2, L]`` stored ``[H, L, P/2]`` (``.transpose(1, 2).contiguous().transpose(1, 2)``), ``w_scale_k``
+  logical ``[H, P/32, L]`` stored ``[H, L, P/32]``, ``w_vc`` logical ``[H, L/2, V]`` stored ``[H, V, L/2]``,
+  ``w_scale_v`` logical ``[H, L/32, V]`` stored ``[H, V, L/32]``; the forward calls
+  ``batched_gemm_afp4wfp4_pre_quant(q_nope.transpose(0, 1), w_kc.transpose(-2, -1),
+  w_scale_k.transpose(-2, -1), bf16, out[H, T, w_kc.shape[2]])`` and the same for V-up.
+  On main only DeepseekV3 Quark checkpoints take this path at load; for GLM's BF16 kv_b_proj the engine
+  requantizes to per-tensor FP8. The overlay's ``bmm_nk`` tensors are exactly the stored layouts above.
+* BF16: ``w_kc`` logical ``[H, P, L]`` stored ``[H, L, P]``, ``w_vc`` logical ``[H, L, V]`` stored
+  ``[H, V, L]``, ``w_scale = 1.0`` (ROCm multiplies by it), used by ``torch.bmm``.
+
+K padding: SGLang passes only q_nope to the K-up GEMM, so a K-padded w_kc is refused (``--k-pad none``).
+
+Hook: ``SGLANG_EXTERNAL_MODEL_PACKAGE=glm_pack.runtime.engines`` makes SGLang import this module and read
+``EntryClass`` (built lazily, so importing glm_pack never imports SGLang): subclasses of
+``GlmMoeDsaForCausalLM`` and ``DeepseekV3ForCausalLMNextN`` whose ``post_load_weights`` set overlay layers
+when ``GLM_PACK_OVERLAY`` is set and hand every other layer to SGLang's own rebuild.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from glm_pack.packing.errors import BackendError
+from glm_pack.packing.mla import MlaGeometry
+from glm_pack.runtime.layer import MlaLayer
+
+from . import common
+
+log = logging.getLogger("glm_pack.sglang")
+ENGINE = "SGLang"
+
+
+def engine_geometry(self_attn) -> MlaGeometry:
+    return MlaGeometry(
+        self_attn.num_local_heads,
+        self_attn.kv_lora_rank,
+        self_attn.qk_nope_head_dim,
+        self_attn.qk_rope_head_dim,
+        self_attn.v_head_dim,
+    )
+
+
+def absorbed_attributes(mla: MlaLayer, *, fp4_path: bool) -> dict:
+    """The attributes SGLang's forward reads, built from one overlay layer (see the module docstring)."""
+    kc, vc = mla.w_kc, mla.w_vc
+    if kc.precision == "mxfp4" and vc.precision == "mxfp4":
+        if not fp4_path:
+            raise BackendError(
+                f"layer {mla.layer}: the overlay holds MXFP4 w_kc/w_vc but SGLang is not on ROCm gfx950 with aiter "
+                "(its only MXFP4 BMM path); convert with --mla-precision bf16 for this setup"
+            )
+        common.require_unpadded(kc, ENGINE, mla.layer)
+        return {
+            "w_kc": kc.weight.transpose(1, 2),
+            "w_scale_k": kc.scale.transpose(1, 2),
+            "w_vc": vc.weight.transpose(1, 2),
+            "w_scale_v": vc.scale.transpose(1, 2),
+        }
+    return {
+        "w_kc": common.as_float(kc, torch.bfloat16).transpose(1, 2),
+        "w_vc": common.as_float(vc, torch.bfloat16).transpose(1, 2),
+        "w_scale": 1.0,
+    }
+
+
+def apply(self_attn, layer_id: int, overlay: common.Overlay, *, fp4_path: bool) -> bool:
+    """Set one attention module's absorbed weights; False when the overlay lacks the layer."""
+    mla = overlay.layer(layer_id, engine_geometry(self_attn))
+    if mla is None:
+        return False
+    weight = getattr(self_attn.kv_b_proj, "weight", None)
+    if weight is not None:
+        common.check_slice(mla, weight, "kv_b_proj")
+    for name, value in absorbed_attributes(mla, fp4_path=fp4_path).items():
+        setattr(self_attn, name, value)
+    return True
+
+
+def apply_model(model, overlay: common.Overlay, is_nextn: bool, weight_names, *, fp4_path: bool):
+    """Apply the overlay to the layers SGLang's ``post_load_weights`` would rebuild (same layer selection);
+    returns the arguments for SGLang's own rebuild of what is left, or None when nothing is left."""
+    if is_nextn:
+        layer_id = model.config.num_hidden_layers
+        return None if apply(model.model.decoder.self_attn, layer_id, overlay, fp4_path=fp4_path) else {}
+    if weight_names is None:
+        layer_ids = range(model.model.start_layer, model.model.end_layer)
+    else:
+        layer_ids = sorted(
+            {int(n.split(".")[2]) for n in weight_names if "kv_b_proj" in n}
+            & set(range(model.model.start_layer, model.model.end_layer))
+        )
+    left = []
+    for layer_id in layer_ids:
+        self_attn = model.model.layers[layer_id].self_attn
+        if not hasattr(self_attn, "kv_b_proj") or not apply(self_attn, layer_id, overlay, fp4_path=fp4_path):
+            left.append(f"model.layers.{layer_id}.self_attn.kv_b_proj.weight")
+    return {"weight_names": left} if left else None
+
+
+def _overlay(model) -> common.Overlay | None:
+    setting = common.overlay_setting()
+    if setting is None:
+        return None
+    from sglang.srt.layers.dp_attention import get_attention_tp_rank, get_attention_tp_size
+    from sglang.srt.server_args import get_global_server_args
+
+    args = get_global_server_args()
+    served = common.checkpoint_dir(args.model_path, getattr(args, "revision", None))
+    return common.open_overlay(
+        setting,
+        served,
+        tp_rank=get_attention_tp_rank(),
+        tp_size=get_attention_tp_size(),
+        device=next(model.parameters()).device,
+        level=common.check_level(),
+    )
+
+
+def _with_overlay(base: type) -> type:
+    """A subclass of SGLang's model class ``base`` (same ``__name__``) that loads MLA weights from the overlay."""
+
+    def post_load_weights(self, is_nextn=False, weight_names=None):
+        overlay = _overlay(self)
+        if overlay is None:
+            return base.post_load_weights(self, is_nextn=is_nextn, weight_names=weight_names)
+        from sglang.srt.models.deepseek_common.utils import _use_aiter_gfx95
+
+        rest = apply_model(self, overlay, is_nextn, weight_names, fp4_path=bool(_use_aiter_gfx95))
+        if rest is not None:
+            return base.post_load_weights(self, is_nextn=is_nextn, **rest)
+        return None
+
+    return type(base.__name__, (base,), {"post_load_weights": post_load_weights, "__module__": __name__})
+
+
+@functools.cache
+def _entry_classes() -> list[type]:
+    from sglang.srt.models.deepseek_nextn import DeepseekV3ForCausalLMNextN
+    from sglang.srt.models.glm4_moe import GlmMoeDsaForCausalLM
+
+    return [_with_overlay(GlmMoeDsaForCausalLM), _with_overlay(DeepseekV3ForCausalLMNextN)]
+
+
+def __getattr__(name: str):
+    if name == "EntryClass":  # read by SGLang's registry (hasattr/getattr), built only then
+        return _entry_classes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

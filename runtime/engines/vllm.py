@@ -1,0 +1,143 @@
+"""vLLM adapter: set ``MLAAttention``'s absorbed weights from a glm-pack overlay instead of rebuilding them.
+
+Written against vLLM main, ``vllm/model_executor/layers/attention/mla_attention.py`` at commit
+0014ca6b9929614f1b72c4bb11e5238de49cba89 (also ``vllm/model_executor/model_loader/utils.py``, which calls
+``module.process_weights_after_loading(model_config.dtype)`` on every ``MLAAttention`` after the quant
+methods, and ``vllm/plugins/__init__.py``: ``vllm.general_plugins`` entry points run in every process).
+
+vLLM's own rebuild (``MLAAttention.process_weights_after_loading``): dequantize kv_b_proj to
+``[L, H*(P+V)]``, view ``[L, H, P+V]``, split into ``W_UK [L, H, P]`` / ``W_UV [L, H, V]``, then
+
+* gfx950 FP4 path (``is_aiter_triton_fp4_bmm_enabled``: aiter FP4 BMM on and a BF16 kv_b_proj):
+  ``W_K`` u8 ``[H, L, P/2]`` + ``W_K_scale`` u8 ``[H, L, P/32]``, ``W_V`` u8 ``[H, V, L/2]`` +
+  ``W_V_scale`` u8 ``[H, V, L/32]`` (aiter even-rule ``dynamic_mxfp4_quant``); the forward calls
+  ``batched_gemm_a16wfp4(q_nope [H, T, P], W_K, W_K_scale, transpose_bm=True, prequant=True)`` and
+  ``batched_gemm_a16wfp4(x [H, T, L], W_V, W_V_scale, out, transpose_bm=True, prequant=True)``;
+* otherwise ``W_UK_T = W_UK.permute(1, 2, 0)`` ``[H, P, L]`` and ``W_UV = W_UV.transpose(0, 1)``
+  ``[H, L, V]`` in the model dtype, used by ``torch.bmm``;
+
+then, when the layer loads no quant scales, ``set_default_quant_scales(self, register_buffer=False)``.
+
+The adapter replaces that method (only while ``GLM_PACK_OVERLAY`` is set): overlay layers get their
+tensors from the overlay, others fall back to vLLM's rebuild. K padding: vLLM hands the K-up GEMM the
+``P``-wide q_nope only, so a K-padded w_kc is refused (convert with ``--k-pad none``). An MXFP4 overlay
+needs vLLM's FP4 path (else refused); a BF16-policy overlay (or one BF16 projection) takes the torch.bmm
+path with both aiter BMM flags turned off for that layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+
+from glm_pack.packing.errors import BackendError, GlmPackError
+from glm_pack.packing.mla import MlaGeometry
+from glm_pack.runtime.layer import MlaLayer
+
+from . import common
+
+log = logging.getLogger("glm_pack.vllm")
+ENGINE = "vLLM"
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_ORIGINAL = "_glm_pack_original_process_weights_after_loading"
+
+
+def layer_index(layer_name: str) -> int:
+    """``model.layers.7.self_attn.attn`` -> 7."""
+    match = _LAYER.search(layer_name + ".")
+    if match is None:
+        raise GlmPackError(f"cannot tell the decoder layer of vLLM attention module {layer_name!r}")
+    return int(match.group(1))
+
+
+def engine_geometry(layer) -> MlaGeometry:
+    return MlaGeometry(
+        layer.num_heads, layer.kv_lora_rank, layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim
+    )
+
+
+def absorbed_attributes(mla: MlaLayer, *, fp4_path: bool, act_dtype: torch.dtype) -> dict:
+    """The attributes vLLM's forward reads, built from one overlay layer (see the module docstring)."""
+    kc, vc = mla.w_kc, mla.w_vc
+    if kc.precision == "mxfp4" and vc.precision == "mxfp4":
+        if not fp4_path:
+            raise BackendError(
+                f"layer {mla.layer}: the overlay holds MXFP4 w_kc/w_vc but vLLM is not on its gfx950 FP4 BMM path "
+                "(needs ROCm gfx950, VLLM_ROCM_USE_AITER=1, VLLM_ROCM_USE_AITER_FP4BMM=1 and a BF16 kv_b_proj); "
+                "convert with --mla-precision bf16 for this setup"
+            )
+        common.require_unpadded(kc, ENGINE, mla.layer)
+        return {
+            "W_K": kc.weight,
+            "W_K_scale": kc.scale,
+            "W_V": vc.weight,
+            "W_V_scale": vc.scale,
+            "is_aiter_triton_fp4_bmm_enabled": True,
+        }
+    return {
+        "W_UK_T": common.as_float(kc, act_dtype).transpose(1, 2),  # [H, L, P] -> [H, P, L]
+        "W_UV": common.as_float(vc, act_dtype).transpose(1, 2),  # [H, V, L] -> [H, L, V]
+        "is_aiter_triton_fp4_bmm_enabled": False,
+        "is_aiter_triton_fp8_bmm_enabled": False,
+    }
+
+
+def apply(layer, overlay: common.Overlay, act_dtype: torch.dtype) -> bool:
+    """Set one ``MLAAttention``'s absorbed weights from ``overlay``; False when the overlay lacks the layer."""
+    layer_id = layer_index(layer.layer_name)
+    mla = overlay.layer(layer_id, engine_geometry(layer))
+    if mla is None:
+        return False
+    weight = getattr(layer.kv_b_proj, "weight", None)
+    if weight is not None:
+        common.check_slice(mla, weight, "kv_b_proj")
+    for name, value in absorbed_attributes(
+        mla, fp4_path=bool(layer.is_aiter_triton_fp4_bmm_enabled), act_dtype=act_dtype
+    ).items():
+        setattr(layer, name, value)
+    return True
+
+
+def _overlay_for(layer) -> common.Overlay | None:
+    setting = common.overlay_setting()
+    if setting is None:
+        return None
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    model_config = layer._vllm_config.model_config  # captured by MLAAttention.__init__
+    served = common.checkpoint_dir(model_config.model, getattr(model_config, "revision", None))
+    return common.open_overlay(
+        setting,
+        served,
+        tp_rank=get_tensor_model_parallel_rank(),
+        tp_size=get_tensor_model_parallel_world_size(),
+        device=layer.kv_b_proj.weight.device,
+        level=common.check_level(),
+    )
+
+
+def _process_weights_after_loading(self, act_dtype: torch.dtype):
+    overlay = _overlay_for(self)
+    if overlay is None or not apply(self, overlay, act_dtype):
+        return getattr(type(self), _ORIGINAL)(self, act_dtype)
+    from vllm.model_executor.layers.attention.attention import set_default_quant_scales, should_load_quant_weights
+
+    quant_method = self.quant_config.get_quant_method(self, prefix=self.layer_name) if self.quant_config else None
+    if not should_load_quant_weights(quant_method):
+        set_default_quant_scales(self, register_buffer=False)
+    return None
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: when ``GLM_PACK_OVERLAY`` is set, route
+    ``MLAAttention.process_weights_after_loading`` through the overlay (idempotent; vLLM may call it often)."""
+    if common.overlay_setting() is None:
+        return
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    if not hasattr(MLAAttention, _ORIGINAL):
+        setattr(MLAAttention, _ORIGINAL, MLAAttention.process_weights_after_loading)
+        MLAAttention.process_weights_after_loading = _process_weights_after_loading
+        log.info("glm-pack: MLA weights come from the overlay (%s=%s)", common.ENV, common.overlay_setting())

@@ -1,0 +1,102 @@
+"""Stand-in for vLLM's ``MLAAttention`` (mla_attention.py at 0014ca6b): the attributes the adapter reads and
+writes, ``process_weights_after_loading`` (the rebuild from kv_b_proj, unquantized kv_b_proj case), and the
+decode forward's K-up / V-up calls (``forward_impl`` MQA branch and ``_v_up_proj``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from glm_pack.packing.mxfp4 import quantize
+from glm_pack.runtime.reference import bmm_a16wfp4
+
+REBUILDS = []  # layer names whose engine rebuild ran
+
+
+def batched_gemm_a16wfp4(x, w, w_scales, dtype=torch.bfloat16, y=None, transpose_bm=False, prequant=True, **_):
+    """aiter's kernel: x (B, M, K) bf16, w (B, N, K/2) u8, scales (B, N, K/32) u8 -> (B, M, N), or (M, B, N)
+    with ``transpose_bm``. aiter does not check K; the stand-in does, so a contract break fails loudly."""
+    assert prequant and x.dim() == 3 and w.dtype == torch.uint8 and w_scales.dtype == torch.uint8
+    assert x.shape[-1] == 2 * w.shape[-1] == 32 * w_scales.shape[-1], (x.shape, w.shape, w_scales.shape)
+    assert w.shape[:2] == w_scales.shape[:2] == (x.shape[0], w.shape[1])
+    assert all(s > 0 for s in (*w.stride(), *w_scales.stride()))
+    out = bmm_a16wfp4(x.contiguous(), w.contiguous(), w_scales.contiguous()).to(dtype)
+    out = out.transpose(0, 1) if transpose_bm else out
+    if y is None:
+        return out.contiguous()
+    y.copy_(out)
+    return y
+
+
+def rocm_aiter_batched_gemm_a16wfp4(X, WQ, w_scale, Y, transpose_bm=False, prequant=True, y_scale=None):
+    """``rocm_aiter_ops.batched_gemm_a16wfp4``: vLLM's wrapper, output tensor as 4th positional argument."""
+    return batched_gemm_a16wfp4(X, WQ, w_scale, y=Y, transpose_bm=transpose_bm, prequant=prequant)
+
+
+def quark_quantize_weight_to_mxfp4(w):
+    """vLLM's helper: aiter ``dynamic_mxfp4_quant`` (even rule) along the last dim of a bf16 tensor."""
+    assert w.dtype == torch.bfloat16
+    return quantize(w, mode="even", axis=-1)
+
+
+class MLAAttention:
+    def __init__(self, layer_name, geom, kv_b_weight, *, fp4: bool, tp_rank=0, tp_size=1, model="."):
+        heads = geom.num_heads // tp_size
+        rows = heads * (geom.qk_nope_head_dim + geom.v_head_dim)
+        self.layer_name = layer_name
+        self.num_heads = heads
+        self.kv_lora_rank = geom.kv_lora_rank
+        self.qk_nope_head_dim = geom.qk_nope_head_dim
+        self.qk_rope_head_dim = geom.qk_rope_head_dim
+        self.v_head_dim = geom.v_head_dim
+        self.kv_b_proj = SimpleNamespace(weight=kv_b_weight[tp_rank * rows : (tp_rank + 1) * rows])
+        self.quant_config = None
+        self.is_aiter_triton_fp8_bmm_enabled = False
+        self.is_aiter_triton_fp4_bmm_enabled = fp4 and self.kv_b_proj.weight.dtype == torch.bfloat16
+        self._vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=str(model), revision=None))
+        self.default_scales_set = False
+
+    def process_weights_after_loading(self, act_dtype):
+        REBUILDS.append(self.layer_name)
+        kv_b = self.kv_b_proj.weight.to(act_dtype).T  # get_and_maybe_dequant_weights(...).T
+        kv_b = kv_b.view(self.kv_lora_rank, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        W_UK, W_UV = kv_b.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        if self.is_aiter_triton_fp4_bmm_enabled:
+            self.W_K, self.W_K_scale = quark_quantize_weight_to_mxfp4(W_UK)
+            self.W_K = self.W_K.transpose(0, 1)
+            self.W_K_scale = self.W_K_scale.transpose(0, 1)
+            self.W_V, self.W_V_scale = quark_quantize_weight_to_mxfp4(W_UV.permute(1, 2, 0))
+        else:
+            self.W_UV = W_UV.transpose(0, 1)
+            self.W_UK_T = W_UK.permute(1, 2, 0)
+        self.default_scales_set = True  # set_default_quant_scales (no quant config)
+
+    def decode(self, q: torch.Tensor, attn_out: torch.Tensor):
+        """The forward's absorbed projections for decode tokens: q ``[T, H, P+R]`` -> ql_nope ``[T, H, L]``;
+        attention output ``[T, H, L]`` -> ``[T, H*V]``."""
+        mqa_q_nope, _ = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        mqa_q_nope = mqa_q_nope.transpose(0, 1)
+        if self.is_aiter_triton_fp4_bmm_enabled:
+            ql_nope = batched_gemm_a16wfp4(mqa_q_nope, self.W_K, self.W_K_scale, transpose_bm=True, prequant=True)
+        else:
+            N, B, P = mqa_q_nope.shape
+            ql_nope = mqa_q_nope.new_empty((N, B, self.W_UK_T.shape[2]))
+            torch.bmm(mqa_q_nope, self.W_UK_T, out=ql_nope)
+            ql_nope = ql_nope.transpose(0, 1)
+        out = torch.empty(q.shape[0], self.num_heads * self.v_head_dim, dtype=q.dtype)
+        x = attn_out.view(-1, self.num_heads, self.kv_lora_rank).transpose(0, 1)
+        o = out.view(-1, self.num_heads, self.v_head_dim)
+        if self.is_aiter_triton_fp4_bmm_enabled:
+            rocm_aiter_batched_gemm_a16wfp4(x, self.W_V, self.W_V_scale, o, transpose_bm=True, prequant=True)
+        else:
+            torch.bmm(x, self.W_UV, out=o.transpose(0, 1))
+        return ql_nope, out
+
+
+def set_default_quant_scales(layer, register_buffer=False):
+    layer.default_scales_set = True
+
+
+def should_load_quant_weights(quant_method) -> bool:
+    return quant_method is not None

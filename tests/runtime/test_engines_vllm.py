@@ -1,0 +1,193 @@
+"""vLLM adapter against a stand-in of vLLM's MLAAttention (vLLM cannot be installed here; see
+engine_standins/__init__.py): the overlay's attributes must be what the engine's own rebuild makes and
+give the same decode projections; mismatching overlays must be refused clearly."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+from engine_standins import vllm_mla
+from engine_standins.overlay_fixture import GEOM, kv_b_name, make_served
+
+from glm_pack.packing.errors import BackendError, VerifyError
+from glm_pack.runtime.engines import common, vllm
+
+P, L, V, R = GEOM.qk_nope_head_dim, GEOM.kv_lora_rank, GEOM.v_head_dim, GEOM.qk_rope_head_dim
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    common._OPEN.clear()
+    vllm_mla.REBUILDS.clear()
+    yield
+    common._OPEN.clear()
+
+
+def overlay(root, *, tp_rank=0, tp_size=1, level="full"):
+    return common.open_overlay(str(root), root, tp_rank=tp_rank, tp_size=tp_size, device="cpu", level=level)
+
+
+def engine_pair(weights, layer, *, fp4, tp_rank=0, tp_size=1):
+    """(layer rebuilt by the engine, fresh layer for the adapter) on the same kv_b_proj slice."""
+    args = (f"model.layers.{layer}.self_attn.attn", GEOM, weights[kv_b_name(layer)])
+    ref = vllm_mla.MLAAttention(*args, fp4=fp4, tp_rank=tp_rank, tp_size=tp_size)
+    ref.process_weights_after_loading(torch.bfloat16)
+    return ref, vllm_mla.MLAAttention(*args, fp4=fp4, tp_rank=tp_rank, tp_size=tp_size)
+
+
+def decode_inputs(heads, T=5, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, heads, P + R, generator=g).bfloat16()
+    return q, torch.randn(T, heads, L, generator=g).bfloat16()
+
+
+def float_reference(kv_b, q, attn_out, heads):
+    w = kv_b.double().view(heads, P + V, L)
+    return torch.einsum("thp,hpl->thl", q[..., :P].double(), w[:, :P]), torch.einsum(
+        "thl,hvl->thv", attn_out.double(), w[:, P:]
+    ).reshape(q.shape[0], -1)
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("tp_rank,tp_size", [(0, 1), (1, 2)])
+def test_fp4_path_attributes_and_decode_match_the_engine_rebuild(tmp_path, tp_rank, tp_size):
+    weights = make_served(tmp_path)
+    ref, layer = engine_pair(weights, 1, fp4=True, tp_rank=tp_rank, tp_size=tp_size)
+    assert vllm.apply(layer, overlay(tmp_path, tp_rank=tp_rank, tp_size=tp_size), torch.bfloat16)
+    H = GEOM.num_heads // tp_size
+    for name, shape in (("W_K", (H, L, P // 2)), ("W_K_scale", (H, L, P // 32))):
+        assert getattr(layer, name).shape == shape and getattr(layer, name).dtype == torch.uint8
+    for name, shape in (("W_V", (H, V, L // 2)), ("W_V_scale", (H, V, L // 32))):
+        assert getattr(layer, name).shape == shape and getattr(layer, name).dtype == torch.uint8
+    # A BF16 source quantized with the same even rule: the overlay is byte-identical to vLLM's rebuild.
+    for name in ("W_K", "W_K_scale", "W_V", "W_V_scale"):
+        assert torch.equal(getattr(layer, name), getattr(ref, name)), name
+    q, attn_out = decode_inputs(H)
+    got, want = layer.decode(q, attn_out), ref.decode(q, attn_out)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    exact = float_reference(layer.kv_b_proj.weight, q, attn_out, H)
+    assert rel(got[0], exact[0]) < 0.2 and rel(got[1], exact[1]) < 0.2  # MXFP4 weights and activations
+
+
+def test_bf16_policy_gives_the_torch_bmm_attributes(tmp_path):
+    weights = make_served(tmp_path, policy="bf16")
+    ref, layer = engine_pair(weights, 0, fp4=True)
+    ref_bf16, _ = engine_pair(weights, 0, fp4=False)
+    vllm.apply(layer, overlay(tmp_path), torch.bfloat16)
+    assert not layer.is_aiter_triton_fp4_bmm_enabled and not layer.is_aiter_triton_fp8_bmm_enabled
+    assert layer.W_UK_T.shape == (GEOM.num_heads, P, L) and layer.W_UK_T.dtype == torch.bfloat16
+    assert layer.W_UV.shape == (GEOM.num_heads, L, V) and layer.W_UV.dtype == torch.bfloat16
+    assert torch.equal(layer.W_UK_T, ref_bf16.W_UK_T) and torch.equal(layer.W_UV, ref_bf16.W_UV)
+    q, attn_out = decode_inputs(GEOM.num_heads)
+    got, want = layer.decode(q, attn_out), ref_bf16.decode(q, attn_out)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_padded_w_kc_is_refused_with_the_fix(tmp_path):
+    weights = make_served(tmp_path, k_stored=96)
+    _, layer = engine_pair(weights, 0, fp4=True)
+    with pytest.raises(BackendError, match="--k-pad none"):
+        vllm.apply(layer, overlay(tmp_path), torch.bfloat16)
+
+
+def test_mxfp4_overlay_needs_the_fp4_path(tmp_path):
+    weights = make_served(tmp_path)
+    _, layer = engine_pair(weights, 0, fp4=False)
+    with pytest.raises(BackendError, match="FP4 BMM path"):
+        vllm.apply(layer, overlay(tmp_path), torch.bfloat16)
+
+
+def test_other_checkpoint_config_is_refused(tmp_path):
+    make_served(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_theta"] = 1.0
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(VerifyError, match="config.json differs") as err:
+        overlay(tmp_path)
+    assert "config.json" in str(err.value)
+
+
+def test_changed_kv_b_tensor_is_refused(tmp_path):
+    weights = make_served(tmp_path)
+    from safetensors.torch import save_file
+
+    changed = dict(weights)
+    changed[kv_b_name(1)] = (weights[kv_b_name(1)].float() * -1).bfloat16()
+    save_file(changed, str(tmp_path / "model-00001-of-00001.safetensors"))
+    with pytest.raises(VerifyError, match="tensor differs") as err:
+        overlay(tmp_path, level="full")
+    assert kv_b_name(1) in str(err.value)
+    # Without hashing, the per-layer comparison with the engine's loaded weight still catches it.
+    _, layer = engine_pair(changed, 1, fp4=True)
+    with pytest.raises(VerifyError, match="layer 1 w_kc"):
+        vllm.apply(layer, overlay(tmp_path, level="fast"), torch.bfloat16)
+
+
+def test_wrong_tp_slice_and_tp_size_are_refused(tmp_path):
+    weights = make_served(tmp_path)
+    _, layer = engine_pair(weights, 0, fp4=True, tp_rank=0, tp_size=2)
+    with pytest.raises(VerifyError, match="tensor-parallel slice"):
+        vllm.apply(layer, overlay(tmp_path, tp_rank=1, tp_size=2), torch.bfloat16)
+    common._OPEN.clear()
+    with pytest.raises(VerifyError, match="geometry per rank"):
+        vllm.apply(layer, overlay(tmp_path, tp_rank=0, tp_size=1), torch.bfloat16)
+
+
+def test_layer_index_from_vllm_prefix():
+    assert vllm.layer_index("model.layers.78.self_attn.attn") == 78
+    assert vllm.layer_index("language_model.model.layers.3.self_attn.mla_attn") == 3
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """vLLM's import paths the plugin uses, served by the stand-in."""
+
+    class MLAAttention(vllm_mla.MLAAttention):
+        pass
+
+    mods = {
+        "vllm": types.ModuleType("vllm"),
+        "vllm.model_executor.layers.attention.mla_attention": types.SimpleNamespace(MLAAttention=MLAAttention),
+        "vllm.model_executor.layers.attention.attention": vllm_mla,
+        "vllm.distributed": types.SimpleNamespace(
+            get_tensor_model_parallel_rank=lambda: 0, get_tensor_model_parallel_world_size=lambda: 1
+        ),
+    }
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    return MLAAttention
+
+
+def test_plugin_is_inert_without_the_variable(fake_vllm, monkeypatch):
+    monkeypatch.delenv(common.ENV, raising=False)
+    original = fake_vllm.process_weights_after_loading
+    vllm.register()
+    assert fake_vllm.process_weights_after_loading is original
+
+
+def test_plugin_loads_overlay_layers_and_rebuilds_the_rest(tmp_path, fake_vllm, monkeypatch):
+    weights = make_served(tmp_path)
+    manifest = tmp_path / "glm-pack" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["mla"] = [e for e in data["mla"] if e["layer"] == 1]  # overlay for layer 1 only
+    manifest.write_text(json.dumps(data))
+    monkeypatch.setenv(common.ENV, "1")
+    vllm.register()
+    vllm.register()  # idempotent
+    layers = [
+        fake_vllm(f"model.layers.{i}.self_attn.attn", GEOM, weights[kv_b_name(i)], fp4=True, model=tmp_path)
+        for i in (0, 1)
+    ]
+    for layer in layers:
+        layer.process_weights_after_loading(torch.bfloat16)
+    assert vllm_mla.REBUILDS == ["model.layers.0.self_attn.attn"]
+    assert all(layer.default_scales_set for layer in layers)
+    ref, _ = engine_pair(weights, 1, fp4=True)
+    assert torch.equal(layers[1].W_K, ref.W_K) and torch.equal(layers[1].W_V_scale, ref.W_V_scale)
