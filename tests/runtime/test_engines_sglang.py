@@ -1,0 +1,162 @@
+"""SGLang adapter against a stand-in of SGLang's DeepseekV2 MLA (SGLang cannot be installed here; see
+engine_standins/__init__.py): attributes with the engine's names, shapes, dtypes and strides, the same
+decode projections as the engine's rebuild, SGLang's layer selection, and the EntryClass hook."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+from engine_standins import sglang_mla
+from engine_standins.overlay_fixture import GEOM, LAYERS, make_served
+
+from glm_pack.packing.errors import BackendError, VerifyError
+from glm_pack.runtime.engines import common, sglang
+
+P, L, V, R = GEOM.qk_nope_head_dim, GEOM.kv_lora_rank, GEOM.v_head_dim, GEOM.qk_rope_head_dim
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    common._OPEN.clear()
+    yield
+    common._OPEN.clear()
+
+
+def overlay(root, *, tp_rank=0, tp_size=1):
+    return common.open_overlay(str(root), root, tp_rank=tp_rank, tp_size=tp_size, device="cpu", level="full")
+
+
+def decode_inputs(heads, T=4, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, heads, P + R, generator=g).bfloat16(), torch.randn(T, heads, L, generator=g).bfloat16()
+
+
+@pytest.mark.parametrize("tp_rank,tp_size", [(0, 1), (1, 2)])
+def test_mxfp4_attributes_equal_the_engine_rebuild_including_strides(tmp_path, tp_rank, tp_size):
+    weights = make_served(tmp_path)
+    kv_b = weights["model.layers.0.self_attn.kv_b_proj.weight"]
+    ref = sglang_mla.SelfAttn(GEOM, kv_b, tp_rank=tp_rank, tp_size=tp_size)
+    ref.rebuild(fp4=True)
+    attn = sglang_mla.SelfAttn(GEOM, kv_b, tp_rank=tp_rank, tp_size=tp_size)
+    assert sglang.apply(attn, 0, overlay(tmp_path, tp_rank=tp_rank, tp_size=tp_size), fp4_path=True)
+    H = GEOM.num_heads // tp_size
+    expect = {
+        "w_kc": (H, P // 2, L),
+        "w_scale_k": (H, P // 32, L),
+        "w_vc": (H, L // 2, V),
+        "w_scale_v": (H, L // 32, V),
+    }
+    for name, shape in expect.items():
+        got, want = getattr(attn, name), getattr(ref, name)
+        assert got.shape == shape and got.dtype == torch.uint8, name
+        assert got.stride() == want.stride(), name  # same physical layout as SGLang's own tensors
+        assert torch.equal(got, want), name  # BF16 source, same even rule: byte-identical
+    q, o = decode_inputs(H)
+    got, want = attn.decode(q, o, gfx95=True), ref.decode(q, o, gfx95=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    w = kv_b.double().view(GEOM.num_heads, P + V, L)[tp_rank * H : (tp_rank + 1) * H]
+    exact = torch.einsum("thp,hpl->htl", q[..., :P].double(), w[:, :P])
+    assert float((got[0].double() - exact).norm() / exact.norm()) < 0.2
+
+
+def test_bf16_policy_attributes_match_the_bf16_rebuild(tmp_path):
+    weights = make_served(tmp_path, policy="bf16")
+    kv_b = weights["model.layers.1.self_attn.kv_b_proj.weight"]
+    ref, attn = sglang_mla.SelfAttn(GEOM, kv_b), sglang_mla.SelfAttn(GEOM, kv_b)
+    ref.rebuild(fp4=False)
+    attn.w_scale = torch.tensor(3.0)  # a stale per-tensor FP8 scale must not survive
+    sglang.apply(attn, 1, overlay(tmp_path), fp4_path=True)
+    for name in ("w_kc", "w_vc"):
+        got, want = getattr(attn, name), getattr(ref, name)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape and torch.equal(got, want), name
+    assert attn.w_scale == 1.0
+    q, o = decode_inputs(GEOM.num_heads)
+    got, want = attn.decode(q, o, gfx95=True), ref.decode(q, o, gfx95=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_padded_w_kc_and_missing_fp4_path_are_refused(tmp_path):
+    weights = make_served(tmp_path, k_stored=96)
+    attn = sglang_mla.SelfAttn(GEOM, weights["model.layers.0.self_attn.kv_b_proj.weight"])
+    with pytest.raises(BackendError, match="--k-pad none"):
+        sglang.apply(attn, 0, overlay(tmp_path), fp4_path=True)
+    with pytest.raises(BackendError, match="gfx950"):
+        sglang.apply(attn, 0, overlay(tmp_path), fp4_path=False)
+
+
+def test_wrong_slice_is_refused(tmp_path):
+    weights = make_served(tmp_path)
+    attn = sglang_mla.SelfAttn(GEOM, weights["model.layers.0.self_attn.kv_b_proj.weight"], tp_rank=1, tp_size=2)
+    with pytest.raises(VerifyError, match="tensor-parallel slice"):
+        sglang.apply(attn, 0, overlay(tmp_path, tp_rank=0, tp_size=2), fp4_path=True)
+
+
+def test_model_level_selection_hands_uncovered_layers_to_the_engine(tmp_path):
+    weights = make_served(tmp_path)
+    model = sglang_mla.Model(GEOM, weights, layers=LAYERS)
+    packed = overlay(tmp_path)
+    assert sglang.apply_model(model, packed, False, None, fp4_path=True) is None
+    assert model.model.layers[1].self_attn.w_kc.dtype == torch.uint8
+    model.config.num_hidden_layers = 2
+    model.model.end_layer = 3  # a layer the overlay lacks
+    model.model.layers[2] = types.SimpleNamespace(self_attn=sglang_mla.SelfAttn(GEOM, weights[next(iter(weights))]))
+    rest = sglang.apply_model(
+        model, packed, False, ["model.layers.2.self_attn.kv_b_proj.weight", "x.y.z"], fp4_path=True
+    )
+    assert rest == {"weight_names": ["model.layers.2.self_attn.kv_b_proj.weight"]}
+    model.model.decoder.self_attn = model.model.layers[2].self_attn
+    nextn = sglang.apply_model(model, packed, True, None, fp4_path=True)  # nextn layer id 2: not in the overlay
+    assert nextn == {}
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch, tmp_path):
+    class GlmMoeDsaForCausalLM(sglang_mla.Model):
+        pass
+
+    class DeepseekV3ForCausalLMNextN(sglang_mla.Model):
+        pass
+
+    mods = {
+        "sglang.srt.models.glm4_moe": types.SimpleNamespace(GlmMoeDsaForCausalLM=GlmMoeDsaForCausalLM),
+        "sglang.srt.models.deepseek_nextn": types.SimpleNamespace(
+            DeepseekV3ForCausalLMNextN=DeepseekV3ForCausalLMNextN
+        ),
+        "sglang.srt.models.deepseek_common.utils": types.SimpleNamespace(_use_aiter_gfx95=True),
+        "sglang.srt.layers.dp_attention": types.SimpleNamespace(
+            get_attention_tp_rank=lambda: 0, get_attention_tp_size=lambda: 1
+        ),
+        "sglang.srt.server_args": types.SimpleNamespace(
+            get_global_server_args=lambda: types.SimpleNamespace(model_path=str(tmp_path), revision=None)
+        ),
+    }
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    sglang._entry_classes.cache_clear()
+    yield
+    sglang._entry_classes.cache_clear()
+
+
+def test_entry_classes_replace_by_name_and_load_the_overlay(tmp_path, fake_sglang, monkeypatch):
+    weights = make_served(tmp_path)
+    import glm_pack.runtime.engines.sglang as module
+
+    assert hasattr(module, "EntryClass")  # what SGLang's registry asks
+    glm_cls, nextn_cls = module.EntryClass
+    assert (glm_cls.__name__, nextn_cls.__name__) == ("GlmMoeDsaForCausalLM", "DeepseekV3ForCausalLMNextN")
+
+    monkeypatch.delenv(common.ENV, raising=False)
+    model = glm_cls(GEOM, weights, layers=LAYERS)
+    model.post_load_weights()
+    assert model.rebuilt == [0, 1]  # without the variable: SGLang's own rebuild
+
+    monkeypatch.setenv(common.ENV, "1")
+    model = glm_cls(GEOM, weights, layers=LAYERS)
+    model.post_load_weights()
+    assert model.rebuilt == []
+    ref = sglang_mla.SelfAttn(GEOM, weights["model.layers.0.self_attn.kv_b_proj.weight"])
+    ref.rebuild(fp4=True)
+    assert torch.equal(model.model.layers[0].self_attn.w_scale_k, ref.w_scale_k)
