@@ -1,0 +1,252 @@
+"""Open a local checkpoint directory: config, index, headers, family card; read tensors lazily, one at a time.
+
+:func:`open_checkpoint` reads config.json, ``model.safetensors.index.json`` (or a single
+``model.safetensors``), and every shard's header (never tensor data), then checks that the index and the
+shards agree and that each tensor the card knows has the shape config.json implies. Tensor bytes are
+read only on request, exactly one tensor's byte range at a time. Hugging Face cache snapshots (files that
+are symlinks to blobs) work unchanged. File access goes through a store (:class:`LocalStore`: ``exists``,
+``read_text``, ``open`` -> :class:`~.safetensors_io.ByteSource`), the seam where a Hub source plugs in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from glm_pack.packing.errors import CheckpointError, FormatError, GlmPackError
+from glm_pack.packing.mla import MlaGeometry
+
+from . import formats
+from .cards import Card, detect_card, load_card
+from .safetensors_io import Header, LocalFile, parse_header, read_tensor
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+class LocalStore:
+    """A checkpoint directory on local disk; names are relative to ``root``."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    def where(self, rel: str) -> str:
+        return str(self.root / rel)
+
+    def exists(self, rel: str) -> bool:
+        return (self.root / rel).is_file()
+
+    def read_text(self, rel: str) -> str:
+        try:
+            return (self.root / rel).read_text(encoding="utf-8")
+        except FileNotFoundError as err:
+            raise CheckpointError("file is missing", file=self.where(rel)) from err
+        except (OSError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"cannot read: {err}", file=self.where(rel)) from err
+
+    def open(self, rel: str) -> LocalFile:
+        return LocalFile(self.root / rel, name=self.where(rel))
+
+    def safetensors_files(self) -> list[str]:
+        return sorted(p.name for p in self.root.glob("*.safetensors"))
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a stored tensor lives: ``file`` relative to the root, ``begin``/``end`` absolute byte offsets."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def _load_json(store: LocalStore, rel: str) -> dict:
+    try:
+        data = json.loads(store.read_text(rel))
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"invalid JSON: {err}", file=store.where(rel)) from err
+    if not isinstance(data, dict):
+        raise CheckpointError("expected a JSON object", file=store.where(rel))
+    return data
+
+
+def _weight_map(store: LocalStore) -> tuple[dict[str, str], Path | None]:
+    if store.exists(INDEX_NAME):
+        index = _load_json(store, INDEX_NAME)
+        wm = index.get("weight_map")
+        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+            raise CheckpointError("weight_map must map tensor names to file names", file=store.where(INDEX_NAME))
+        return dict(wm), store.root / INDEX_NAME
+    names = [SINGLE_NAME] if store.exists(SINGLE_NAME) else store.safetensors_files()
+    if not names:
+        raise CheckpointError(f"no {INDEX_NAME} and no *.safetensors file", file=str(store.root))
+    wm = {}
+    for rel in names:
+        for tensor in parse_header(store.open(rel)).tensors:
+            wm.setdefault(tensor, rel)
+    return wm, None
+
+
+class Checkpoint:
+    """A local checkpoint: config, card, geometry, index, headers; tensors read lazily."""
+
+    def __init__(self, store: LocalStore, config: dict, card: Card, weight_map: dict[str, str], index_path):
+        self.store = store
+        self.root = store.root
+        self.config = config
+        self.card = card
+        self.weight_map = weight_map
+        self.index_path: Path | None = index_path
+        self.files: list[str] = list(dict.fromkeys(weight_map.values()))
+        self.quant_config: dict | None = config.get("quantization_config")
+        self.quant = formats.QuantConfig(self.quant_config)
+        self.headers: dict[str, Header] = {}
+        self._formats: dict[str, formats.WeightFormat] = {}
+        for rel in self.files:
+            first = next(t for t, f in weight_map.items() if f == rel)
+            if not store.exists(rel):
+                raise CheckpointError("shard named by the index is missing", file=store.where(rel), tensor=first)
+            self.headers[rel] = parse_header(store.open(rel))
+        for tensor, rel in weight_map.items():
+            if tensor not in self.headers[rel].tensors:
+                raise CheckpointError(
+                    "the index names this tensor but its shard lacks it", file=store.where(rel), tensor=tensor
+                )
+        self.geometry: MlaGeometry = card.geometry(config)
+        self.layer_plan = card.layer_plan(config)
+        self._check_against_card()
+
+    # ---- names and infos -----------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def info(self, name: str) -> TensorInfo:
+        rel = self.weight_map.get(name)
+        if rel is None:
+            raise CheckpointError(
+                "no such tensor in the checkpoint", file=str(self.index_path or self.root), tensor=name
+            )
+        e = self.headers[rel].tensors[name]
+        return TensorInfo(name, rel, e.dtype, e.shape, e.begin, e.end)
+
+    def file_size(self, rel: str) -> int:
+        return self.store.open(rel).size()
+
+    def mla_layers(self) -> list[int]:
+        """The card's MLA layers that this checkpoint holds (an export may drop the MTP layer)."""
+        return [layer for layer in self.layer_plan.mla if self.card.kv_b_proj(layer) in self.weight_map]
+
+    # ---- raw reads -----------------------------------------------------------------------------
+    def read_raw(self, name: str) -> torch.Tensor:
+        """The stored tensor (its dtype and shape), reading only its own bytes."""
+        info = self.info(name)
+        return read_tensor(self.store.open(info.file), self.headers[info.file].tensors[name])
+
+    def raw_sha256(self, name: str) -> str:
+        info = self.info(name)
+        return hashlib.sha256(self.store.open(info.file).read(info.begin, info.nbytes)).hexdigest()
+
+    # ---- formats -------------------------------------------------------------------------------
+    def _stored(self, name: str) -> formats.StoredTensor:
+        info = self.info(name)
+        return formats.StoredTensor(name, info.dtype, info.shape)
+
+    def format_of(self, weight_name: str) -> formats.WeightFormat:
+        if weight_name not in self._formats:
+            module = formats.module_of(weight_name)
+            scales = {
+                s: self._stored(f"{module}.{s}") for s in formats.SCALE_SUFFIXES if f"{module}.{s}" in self.weight_map
+            }
+            try:
+                self._formats[weight_name] = formats.detect(self._stored(weight_name), scales, self.quant)
+            except GlmPackError as err:
+                err.file = err.file or self.store.where(self.info(weight_name).file)
+                raise
+        return self._formats[weight_name]
+
+    def weight_format(self, weight_name: str) -> str:
+        """One of ``formats.FORMATS`` for a module weight ``<module>.weight``."""
+        return self.format_of(weight_name).name
+
+    def source_tensors(self, weight_name: str) -> list[str]:
+        """The stored tensors the module weight is decoded from: the weight and its scale, if any."""
+        return self.format_of(weight_name).tensors
+
+    def read_float(self, weight_name: str) -> torch.Tensor:
+        """The module weight dequantized exactly to float32 ``[out, in]`` (never through bf16)."""
+        fmt = self.format_of(weight_name)
+        scale = self.read_raw(fmt.scale) if fmt.scale else None
+        return formats.dequantize(fmt, self.read_raw(fmt.weight), scale)
+
+    def read_mxfp4(self, weight_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MXFP4 weight as stored: (codes u8 ``[out, in/2]``, E8M0 scales u8 ``[out, in/32]``)."""
+        fmt = self.format_of(weight_name)
+        if fmt.name != "mxfp4":
+            raise FormatError(
+                f"read_mxfp4 needs an mxfp4 weight, this one is {fmt.name}",
+                file=self.store.where(self.info(weight_name).file),
+                tensor=weight_name,
+            )
+        return self.read_raw(fmt.weight), self.read_raw(fmt.scale)
+
+    # ---- consistency with the card -------------------------------------------------------------
+    def expected_shapes(self) -> dict[str, tuple[tuple[int, ...], bool]]:
+        """Tensor name -> (logical shape from config.json, is a Linear weight) for every tensor the card knows."""
+        return {name: (shape, t.is_linear) for name, t, shape in self.card.iter_tensors(self.config)}
+
+    def _check_against_card(self) -> None:
+        for layer in self.layer_plan.mla:
+            name = self.card.kv_b_proj(layer)
+            if name not in self.weight_map and layer not in self.layer_plan.mtp:
+                raise CheckpointError(
+                    f"MLA layer {layer} has no kv_b_proj (card {self.card.name})",
+                    file=str(self.index_path or self.root),
+                    tensor=name,
+                )
+        for name, (shape, linear) in self.expected_shapes().items():
+            if name not in self.weight_map:
+                continue
+            stored = self.info(name).shape
+            want, how = shape, "from config.json"
+            if linear:
+                fmt = self.format_of(name)
+                want = formats.stored_specs(fmt.name, shape, fmt.block or formats.DEFAULT_FP8_BLOCK)["weight"][1]
+                how = f"for {fmt.name} of logical {shape} from config.json"
+            if tuple(stored) != tuple(want):
+                raise CheckpointError(
+                    f"shape {tuple(stored)} contradicts the config: expected {tuple(want)} {how}",
+                    file=self.store.where(self.info(name).file),
+                    tensor=name,
+                )
+
+
+def open_checkpoint(src: str | os.PathLike, *, card: str | None = None) -> Checkpoint:
+    """Open a local checkpoint directory; ``card`` forces a family instead of detecting it from config.json."""
+    root = Path(src)
+    if not root.is_dir():
+        raise CheckpointError("not a checkpoint directory", file=str(root))
+    store = LocalStore(root)
+    config = _load_json(store, "config.json")
+    try:
+        family = load_card(card) if card else detect_card(config)
+        weight_map, index_path = _weight_map(store)
+        return Checkpoint(store, config, family, weight_map, index_path)
+    except GlmPackError as err:
+        if err.file == "config.json":
+            err.file = store.where("config.json")
+        raise
