@@ -7,8 +7,9 @@ that token's selected rows, so each gathered row is read once for all heads of t
 the top-k axis is split across programs (flash-decoding): each split writes an unnormalised fp32 partial
 ``[L]`` plus its running max and sum, and a second kernel combines the splits.
 
-Triton is imported on first use, so importing this module never needs it; :func:`available` says why the
-kernel cannot run. Under ``TRITON_INTERPRET=1`` (set before the first call) it runs on CPU tensors.
+Importing this module never fails without Triton: :func:`available` says why the kernel cannot run. With
+``TRITON_INTERPRET=1`` set before this module is imported, the kernels run on CPU tensors (Triton's
+interpreter).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import functools
 import math
 import os
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
@@ -26,50 +26,75 @@ from glm_pack.packing.errors import BackendError
 _LOG2E = 1.4426950408889634
 _INTERPRETER_SMS = 4  # stand-in multiprocessor count when running on CPU under the interpreter
 
-
-@dataclass(frozen=True)
-class SparseMlaConfig:
-    """Launch shape. ``block_h`` heads (power of two >= 16) per program, ``block_n`` selected rows per tile
-    (power of two >= 16), ``num_splits`` programs per token along the top-k axis (1: no combine pass)."""
-
-    block_h: int
-    block_n: int
-    num_splits: int
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def available() -> tuple[bool, str]:
-    """``(True, "")`` when the kernel can run here, else ``(False, why)``."""
-    try:
-        import triton  # noqa: F401
-    except Exception as exc:  # any import failure means "unavailable"
-        return False, f"triton cannot be imported: {exc}"
-    if _interpreting():
-        return True, ""
-    if not torch.cuda.is_available():
-        return False, "no CUDA/ROCm device visible to torch (set TRITON_INTERPRET=1 to run on CPU)"
-    return True, ""
-
-
-@functools.cache
-def _kernels() -> SimpleNamespace:
-    """Define the jitted kernels (first use only: Triton reads TRITON_INTERPRET when a kernel is defined)."""
+try:
     import triton
     import triton.language as tl
 
+    _TRITON_ERROR = ""
+except Exception as exc:  # any import failure means "unavailable"
+    _TRITON_ERROR = f"triton cannot be imported: {exc}"
+
+# Triton picks interpreter or compiler when a kernel is defined, i.e. when this module is imported.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+if not _TRITON_ERROR:
+
+    @triton.jit
+    def _dot(a, b, acc, UPCAST: tl.constexpr):
+        """``acc + a @ b`` in fp32. The 3.6 interpreter multiplies bf16 bit patterns as integers, so there
+        (UPCAST) the exact bf16 values go in as fp32; bf16 x bf16 products are exact in fp32 either way."""
+        if UPCAST:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision="ieee")
+        return tl.dot(a, b, acc=acc)
+
+    @triton.jit
+    def _tile(
+        q,
+        qr,
+        kv_ptr,
+        idx_ptr,
+        off,
+        hi,
+        n_slots,
+        s_kv,
+        qk_scale,
+        m_i,
+        l_i,
+        acc,
+        L: tl.constexpr,
+        R: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        INTERPRET: tl.constexpr,
+    ):
+        """Online-softmax update of ``(m_i, l_i, acc)`` by the selected rows ``[off, min(off + BLOCK_N, hi))``."""
+        offs_n = off + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_ptr + offs_n, mask=offs_n < hi, other=-1)
+        valid = (idx >= 0) & (idx < n_slots)
+        row = tl.where(valid, idx, 0).to(tl.int64) * s_kv
+        offs_l = tl.arange(0, L)
+        c = tl.load(kv_ptr + row[:, None] + offs_l[None, :], mask=valid[:, None], other=0.0)
+        s = _dot(q, tl.trans(c), tl.zeros([q.shape[0], BLOCK_N], tl.float32), INTERPRET)
+        if R > 0:
+            offs_r = tl.arange(0, R)
+            kr = tl.load(kv_ptr + row[:, None] + L + offs_r[None, :], mask=valid[:, None], other=0.0)
+            s = _dot(qr, tl.trans(kr), s, INTERPRET)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # log2 units
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _dot(p.to(c.dtype), c, acc * alpha[:, None], INTERPRET)
+        return m_new, l_i, acc
+
     @triton.jit(do_not_specialize=["n_slots", "n_idx", "num_splits"])
-    def fwd(
+    def _fwd(
         q_ptr, qr_ptr, kv_ptr, indptr_ptr, idx_ptr,
         out_ptr, lse_ptr, part_ptr, pm_ptr, pl_ptr,
         H, n_slots, n_idx, num_splits, n_hblocks, qk_scale,
         s_qt, s_qh, s_qd, s_rt, s_rh, s_rd, s_kv, s_ot, s_oh, s_od,
         L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr, RETURN_LSE: tl.constexpr,
+        SPLIT: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
     ):  # fmt: skip
         # Head blocks vary fastest so the programs sharing one token's rows run side by side (L2 reuse).
         pid = tl.program_id(0)
@@ -88,34 +113,29 @@ def _kernels() -> SimpleNamespace:
         offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = offs_h < H
         offs_l = tl.arange(0, L)
-        q = tl.load(q_ptr + t * s_qt + offs_h[:, None] * s_qh + offs_l[None, :] * s_qd,
-                    mask=hmask[:, None], other=0.0)
+        q = tl.load(q_ptr + t * s_qt + offs_h[:, None] * s_qh + offs_l[None, :] * s_qd, mask=hmask[:, None], other=0.0)
+        qr = q  # placeholder operand when rope-free
         if R > 0:
             offs_r = tl.arange(0, R)
-            qr = tl.load(qr_ptr + t * s_rt + offs_h[:, None] * s_rh + offs_r[None, :] * s_rd,
-                         mask=hmask[:, None], other=0.0)
+            qr = tl.load(
+                qr_ptr + t * s_rt + offs_h[:, None] * s_rh + offs_r[None, :] * s_rd, mask=hmask[:, None], other=0.0
+            )
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, L], tl.float32)
-        for off in range(lo, hi, BLOCK_N):
-            offs_n = off + tl.arange(0, BLOCK_N)
-            idx = tl.load(idx_ptr + offs_n, mask=offs_n < hi, other=-1)
-            valid = (idx >= 0) & (idx < n_slots)
-            row = tl.where(valid, idx, 0).to(tl.int64) * s_kv
-            c = tl.load(kv_ptr + row[:, None] + offs_l[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(c))
-            if R > 0:
-                kr = tl.load(kv_ptr + row[:, None] + L + offs_r[None, :], mask=valid[:, None], other=0.0)
-                s = tl.dot(qr, tl.trans(kr), acc=s)
-            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # log2 units
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_ref)
-            p = tl.exp2(s - m_ref[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(c.dtype), c, acc=acc * alpha[:, None])
-            m_i = m_new
+        if INTERPRET:  # the 3.6 interpreter cannot index range() by a tensor under numpy >= 2.4
+            off = lo
+            while off < hi:
+                m_i, l_i, acc = _tile(
+                    q, qr, kv_ptr, idx_ptr, off, hi, n_slots, s_kv, qk_scale, m_i, l_i, acc, L, R, BLOCK_N, INTERPRET
+                )
+                off += BLOCK_N
+        else:
+            for off in range(lo, hi, BLOCK_N):
+                m_i, l_i, acc = _tile(
+                    q, qr, kv_ptr, idx_ptr, off, hi, n_slots, s_kv, qk_scale, m_i, l_i, acc, L, R, BLOCK_N, INTERPRET
+                )
 
         if SPLIT:
             row_ml = (t * num_splits + split) * H + offs_h
@@ -123,16 +143,19 @@ def _kernels() -> SimpleNamespace:
             tl.store(pl_ptr + row_ml, l_i, mask=hmask)
             tl.store(part_ptr + row_ml[:, None] * L + offs_l[None, :], acc, mask=hmask[:, None])
         else:
-            inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-            o = acc * inv[:, None]
-            tl.store(out_ptr + t * s_ot + offs_h[:, None] * s_oh + offs_l[None, :] * s_od,
-                     o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+            l_safe = tl.where(l_i > 0, l_i, 1.0)  # acc is all zeros where l_i == 0 (no valid row)
+            o = acc / l_safe[:, None]
+            tl.store(
+                out_ptr + t * s_ot + offs_h[:, None] * s_oh + offs_l[None, :] * s_od,
+                o.to(out_ptr.dtype.element_ty),
+                mask=hmask[:, None],
+            )
             if RETURN_LSE:
-                lse = tl.where(l_i > 0, (m_i + tl.log2(l_i)) / 1.4426950408889634, float("-inf"))
+                lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
                 tl.store(lse_ptr + t * H + offs_h, lse, mask=hmask)
 
     @triton.jit(do_not_specialize=["num_splits"])
-    def combine(
+    def _combine(
         part_ptr, pm_ptr, pl_ptr, out_ptr, lse_ptr,
         H, num_splits, s_ot, s_oh, s_od,
         L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr, RETURN_LSE: tl.constexpr,
@@ -150,17 +173,36 @@ def _kernels() -> SimpleNamespace:
         m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
         w = tl.exp2(m - m_ref)
         denom = tl.sum(w * lsum, 0)
-        inv = tl.where(denom > 0, 1.0 / denom, 0.0)
+        d_safe = tl.where(denom > 0, denom, 1.0)  # every partial is zero where denom == 0
         offs_l = lb * BLOCK_L + tl.arange(0, BLOCK_L)
         part = tl.load(part_ptr + rows[:, None] * L + offs_l[None, :], mask=smask[:, None], other=0.0)
-        o = tl.sum(part * w[:, None], 0) * inv
+        o = tl.sum(part * w[:, None], 0) / d_safe
         tl.store(out_ptr + t * s_ot + h * s_oh + offs_l * s_od, o.to(out_ptr.dtype.element_ty))
         if RETURN_LSE:
             if lb == 0:
-                lse = tl.where(denom > 0, (m_max + tl.log2(denom)) / 1.4426950408889634, float("-inf"))
+                lse = tl.where(denom > 0, (m_max + tl.log2(d_safe)) / 1.4426950408889634, float("-inf"))
                 tl.store(lse_ptr + pid, lse)
 
-    return SimpleNamespace(fwd=fwd, combine=combine, next_power_of_2=triton.next_power_of_2)
+
+@dataclass(frozen=True)
+class SparseMlaConfig:
+    """Launch shape. ``block_h`` heads (power of two >= 16) per program, ``block_n`` selected rows per tile
+    (power of two >= 16), ``num_splits`` programs per token along the top-k axis (1: no combine pass)."""
+
+    block_h: int
+    block_n: int
+    num_splits: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def available() -> tuple[bool, str]:
+    """``(True, "")`` when the kernel can run here, else ``(False, why)``."""
+    if _TRITON_ERROR:
+        return False, _TRITON_ERROR
+    if not _INTERPRETED and not torch.cuda.is_available():
+        return False, "no CUDA/ROCm device visible to torch (or import with TRITON_INTERPRET=1 to run on CPU)"
+    return True, ""
 
 
 @functools.cache
@@ -173,15 +215,15 @@ def _sm_count(device: torch.device) -> int:
 def default_config(T: int, H: int, n_indices: int, device: torch.device) -> SparseMlaConfig:
     """Launch shape for ``T`` tokens, ``H`` heads and ``n_indices`` selected rows in all (host values only,
     so the choice never syncs and CUDA-graph capture works)."""
-    block_h = 16 if H <= 16 else 32
-    block_n = 64
+    block_h = 16 if H <= 16 else 32 if H <= 32 else 64
+    block_n = 32
     num_warps = 4 if block_h == 16 else 8
     programs = T * -(-H // block_h)
     rows_per_token = max(1, n_indices // max(T, 1))
     max_splits = max(1, -(-rows_per_token // block_n))
     target = 2 * _sm_count(device)
     num_splits = min(max_splits, max(1, -(-target // programs)))
-    return SparseMlaConfig(block_h, block_n, num_splits, num_warps=num_warps, num_stages=2)
+    return SparseMlaConfig(block_h, block_n, num_splits, num_warps=num_warps, num_stages=3)
 
 
 def _is_pow2_at_least_16(x: int) -> bool:
@@ -255,7 +297,7 @@ def _validate(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, 
             raise BackendError(
                 f"triton sparse MLA: {name} is on {x.device}, q_latent on {q_latent.device}", tensor=name
             )
-    if q_latent.device.type != "cuda" and not _interpreting():
+    if q_latent.device.type != "cuda" and not _INTERPRETED:
         raise BackendError(
             f"triton sparse MLA needs GPU tensors (got {q_latent.device}); set TRITON_INTERPRET=1 to run on CPU",
             tensor="q_latent",
@@ -301,7 +343,6 @@ def sparse_mla(
     cfg = config or default_config(T, H, kv_indices.numel(), dev)
     if not (_is_pow2_at_least_16(cfg.block_h) and _is_pow2_at_least_16(cfg.block_n) and cfg.num_splits >= 1):
         raise BackendError(f"triton sparse MLA: bad config {cfg}")
-    k = _kernels()
     n_hblocks = -(-H // cfg.block_h)
     split = cfg.num_splits > 1
     if split:
@@ -312,18 +353,18 @@ def sparse_mla(
         part = pm = pl = out  # unused pointers
     qr = q_latent if q_rope is None else q_rope  # an unused pointer when rope-free
     lse_arg = lse if lse is not None else out
-    k.fwd[(T * cfg.num_splits * n_hblocks,)](
+    _fwd[(T * cfg.num_splits * n_hblocks,)](
         q_latent, qr, rows, kv_indptr, kv_indices, out, lse_arg, part, pm, pl,
         H, rows.shape[0], kv_indices.numel(), cfg.num_splits, n_hblocks, float(softmax_scale) * _LOG2E,
         *q_latent.stride(), *qr.stride(), rows.stride(0), *out.stride(),
-        L=L, R=R, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPLIT=split, RETURN_LSE=return_lse,
+        L=L, R=R, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPLIT=split, RETURN_LSE=return_lse, INTERPRET=_INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:
         block_l = min(L, 128)
-        k.combine[(T * H, L // block_l)](
+        _combine[(T * H, L // block_l)](
             part, pm, pl, out, lse_arg, H, cfg.num_splits, *out.stride(),
-            L=L, BLOCK_S=k.next_power_of_2(cfg.num_splits), BLOCK_L=block_l, RETURN_LSE=return_lse,
+            L=L, BLOCK_S=triton.next_power_of_2(cfg.num_splits), BLOCK_L=block_l, RETURN_LSE=return_lse,
             num_warps=4,
         )  # fmt: skip
     return out, lse
