@@ -16,7 +16,9 @@ What the engines do at load time on gfx950 (checked in the sources below):
 2. Weights: ``aiter.ops.shuffle.shuffle_weight(w, layout=(16, 16))`` on the whole 3-D tensor. It views
    ``(-1, N/16, 16, Kb/32, 2, 16)`` and permutes ``(0, 1, 3, 4, 2, 5)``, so every expert and every 16-row
    tile is independent: byte (n, kb) of a matrix goes to ``(n//16)*16*Kb + (kb//16)*256 + (n%16)*16 + kb%16``
-   (``layouts.shuffle_weight``). Tensors are then flagged ``is_shuffled = True``.
+   (``layouts.shuffle_weight``). Tensors are then flagged ``is_shuffled = True``: a Python attribute that
+   ``fused_moe`` reads to pick kernels/configs and safetensors does not keep, so a loader of this overlay
+   must set it on the stacked ``w13`` / ``w2`` itself.
 3. Scales: ``aiter.utility.fp4_utils.e8m0_shuffle(s.view(E*N, K/32))`` (= ``shuffle_scale`` without
    ``is_guinterleave``) on the 2-D stack of all experts, viewed back to ``[E, N, K/32]``. It works in
    independent 32-row groups (``layouts.shuffle_scale``), padding rows to 256 and columns to 8 at the end.
