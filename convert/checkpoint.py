@@ -55,6 +55,16 @@ class LocalStore:
     def safetensors_files(self) -> list[str]:
         return sorted(p.name for p in self.root.glob("*.safetensors"))
 
+    def list_files(self) -> list[tuple[str, int]]:
+        """Every regular file under the root (symlinks followed; hidden and ``glm-pack/`` skipped), with sizes."""
+        out = []
+        for path in sorted(self.root.rglob("*")):
+            rel = path.relative_to(self.root)
+            if any(part.startswith(".") for part in rel.parts) or rel.parts[0] == "glm-pack" or not path.is_file():
+                continue
+            out.append((rel.as_posix(), path.stat().st_size))
+        return out
+
 
 @dataclass(frozen=True)
 class TensorInfo:

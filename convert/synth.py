@@ -19,7 +19,8 @@ assumptions (``[synth.assumptions]``). Source formats (``FORMATS``):
 Weights: normal, std 0.02, with a few outlier rows scaled by 8; norms near 1. Each tensor's values come
 from a generator seeded by (seed, tensor name): same arguments -> same bytes, and a tensor does not change
 when other tensors are added. Shards are written tensor by tensor (memory: one module at a time);
-the first weight that has a scale ends a shard, so its scale lives in the next shard.
+the first kv_b_proj weight that has a scale (else the first scaled weight) ends a shard, so its
+scale lives in the next shard.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
 import torch
 
 from glm_pack.packing.errors import PlanError
@@ -206,7 +208,8 @@ def values(name: str, role: str, shape: tuple[int, ...], seed: int) -> torch.Ten
 
 
 def _shards(entries: list[_Entry], shard_bytes: int) -> list[list[_Entry]]:
-    split_after = next((e.name for e in entries if e.part == "weight" and e.fmt not in ("bf16", "fp16", "fp32")), None)
+    scaled = [e.name for e in entries if e.part == "weight" and e.fmt not in ("bf16", "fp16", "fp32")]
+    split_after = next((n for n in scaled if n.endswith("kv_b_proj.weight")), scaled[0] if scaled else None)
     shards, current, size = [], [], 0
     for e in entries:
         n = byte_size(e.dtype, e.shape)
@@ -289,3 +292,36 @@ def synthesize(
 def assumptions(card: str) -> dict[str, str]:
     """The card's documented assumptions (values no public config confirms), key -> explanation."""
     return dict(load_card(card).assumptions)
+
+
+@click.command("synth")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--card", "card_name", required=True, help="Model family card, e.g. glm-5, glm-5.2, glm-5.3-flash.")
+@click.option("--layers", type=int, required=True, help="Decoder layers (the MTP layer comes on top).")
+@click.option("--experts", type=int, required=True, help="Routed experts per MoE layer.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), required=True, help="Source format to imitate.")
+@click.option("--profile", type=click.Choice(PROFILES), default="small", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--mtp/--no-mtp", default=True, show_default=True, help="Write the MTP layer.")
+@click.option("--shard-mb", type=int, default=None, help="Target shard size in MiB (default: 48 small, 5120 full).")
+def synth_command(out, card_name, layers, experts, fmt, profile, seed, mtp, shard_mb):
+    """Write a synthetic checkpoint with the family's real names, dtypes, config and sharded index.
+
+    Example: glm-pack synth /tmp/glm5-fp8 --card glm-5 --layers 4 --experts 8 --format fp8-block
+    """
+    path = synthesize(
+        out,
+        card=card_name,
+        layers=layers,
+        experts=experts,
+        fmt=fmt,
+        profile=profile,
+        seed=seed,
+        mtp=mtp,
+        shard_bytes=None if shard_mb is None else shard_mb << 20,
+    )
+    shards = sorted(path.glob("model-*.safetensors"))
+    size = sum(p.stat().st_size for p in shards)
+    click.echo(f"wrote {path}: {len(shards)} shards, {size / 2**20:.1f} MiB ({card_name}, {fmt}, {profile})")
+    for key, why in assumptions(card_name).items():
+        click.echo(f"assumed {key}: {why}")

@@ -1,0 +1,198 @@
+"""``glm-pack inspect SRC [--json]``: family, geometry, per-layer source formats, the conversion plan, sizes.
+
+Reads config.json, the index and the shard headers only (no tensor data): seconds on a full-size checkpoint.
+
+JSON output (``--json``; schema ``glm-pack.inspect/1``, keys are stable; sizes in bytes):
+
+``schema``         ``"glm-pack.inspect/1"``
+``source``         the checkpoint directory
+``card``           ``{"name", "title"}`` of the detected model family
+``architectures``  config.json's ``architectures``; ``model_type`` its ``model_type``
+``geometry``       ``{"num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"}``
+``layers``         ``{"num_hidden_layers", "mtp", "mla", "dense", "moe", "indexer"}`` (lists of layer ids per
+                   config.json; ``mla`` lists those the checkpoint holds)
+``quantization``   ``null`` or ``{"quant_method", "exclude"}`` from ``quantization_config``
+``files``          ``[{"name", "bytes", "tensors"}]`` for each shard, in index order
+``num_tensors``    tensors in the index; ``total_bytes``: sum of the shard sizes
+``formats``        ``{format: count}`` of the Linear weights the card knows (formats: bf16, fp16, fp32,
+                   fp8-block, fp8-channel, mxfp4)
+``mla``            ``[{"layer", "tensor", "format", "dtype", "shape", "files"}]``: each kv_b_proj, its stored
+                   dtype/shape and the shard(s) holding it and its scale
+``experts``        ``[{"layer", "count", "formats"}]``: routed experts found per MoE layer and their formats
+``plan``           what ``convert`` would produce with the given options: ``card``, ``geometry``,
+                   ``quant_mode``, ``mla_precision``, ``k_multiple``, ``k_stored``, ``route``,
+                   ``kernel_configs`` ({arch: {op: {bucket: config}}}), ``files_mode``, ``jobs`` (per MLA layer:
+                   ``layer``, ``prefix``, ``source``, ``source_format``, ``source_tensors``, ``outputs``
+                   [{``name``, ``shape``, ``dtype``, ``nbytes``, ``layout``}], ``nbytes``), ``reused_files``
+                   [{``name``, ``bytes``}], ``overlay_bytes``, ``reused_bytes``
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from .checkpoint import Checkpoint, open_checkpoint
+from .plan import FILE_MODES, make_plan
+
+SCHEMA = "glm-pack.inspect/1"
+
+
+def inspect_checkpoint(src, *, k_pad="card", mla_precision: str = "mxfp4", files: str = "link") -> dict:
+    """The inspect report of ``src`` as a JSON-ready dict (keys documented in the module docstring)."""
+    ckpt = open_checkpoint(src)
+    card, plan = ckpt.card, ckpt.layer_plan
+    counts = Counter(
+        ckpt.weight_format(name) for name, t, _ in card.iter_tensors(ckpt.config) if t.is_linear and name in ckpt
+    )
+    qc = ckpt.quant_config
+    return {
+        "schema": SCHEMA,
+        "source": str(ckpt.root),
+        "card": {"name": card.name, "title": card.title},
+        "architectures": ckpt.config.get("architectures", []),
+        "model_type": ckpt.config.get("model_type"),
+        "geometry": ckpt.geometry.as_dict(),
+        "layers": {
+            "num_hidden_layers": plan.num_layers,
+            "mtp": list(plan.mtp),
+            "mla": ckpt.mla_layers(),
+            "dense": list(plan.dense),
+            "moe": list(plan.moe),
+            "indexer": list(plan.indexer),
+        },
+        "quantization": None if qc is None else {"quant_method": qc.get("quant_method"), "exclude": qc.get("exclude")},
+        "files": [
+            {"name": rel, "bytes": ckpt.file_size(rel), "tensors": len(ckpt.headers[rel].tensors)} for rel in ckpt.files
+        ],
+        "num_tensors": len(ckpt.weight_map),
+        "total_bytes": sum(ckpt.file_size(rel) for rel in ckpt.files),
+        "formats": dict(sorted(counts.items())),
+        "mla": [_mla_entry(ckpt, layer) for layer in ckpt.mla_layers()],
+        "experts": _experts(ckpt),
+        "plan": make_plan(ckpt, k_pad=k_pad, mla_precision=mla_precision, files=files).to_dict(),
+    }
+
+
+def _mla_entry(ckpt: Checkpoint, layer: int) -> dict:
+    name = ckpt.card.kv_b_proj(layer)
+    info = ckpt.info(name)
+    return {
+        "layer": layer,
+        "tensor": name,
+        "format": ckpt.weight_format(name),
+        "dtype": info.dtype,
+        "shape": list(info.shape),
+        "files": list(dict.fromkeys(ckpt.info(t).file for t in ckpt.source_tensors(name))),
+    }
+
+
+def _experts(ckpt: Checkpoint) -> list[dict]:
+    per_layer: dict[int, tuple[set, Counter]] = {}
+    for name in ckpt.names():
+        m = ckpt.card.expert_pattern.match(name)
+        if m and name.endswith(".weight"):
+            experts, fmts = per_layer.setdefault(int(m["layer"]), (set(), Counter()))
+            experts.add(int(m["expert"]))
+            fmts[ckpt.weight_format(name)] += 1
+    return [
+        {"layer": layer, "count": len(experts), "formats": dict(sorted(fmts.items()))}
+        for layer, (experts, fmts) in sorted(per_layer.items())
+    ]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+def _ranges(ids: list[int]) -> str:
+    out, start = [], None
+    for i, x in enumerate(ids):
+        start = x if start is None else start
+        if i + 1 == len(ids) or ids[i + 1] != x + 1:
+            out.append(str(x) if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(out) or "-"
+
+
+def _shape(shape) -> str:
+    return "x".join(map(str, shape))
+
+
+def _shard(name: str) -> str:
+    m = re.fullmatch(r"model-(\d+)-of-\d+\.safetensors", name)
+    return str(int(m[1])) if m else name
+
+
+def render(report: dict, console: Console) -> None:
+    """The human view of an inspect report."""
+    g, layers, plan = report["geometry"], report["layers"], report["plan"]
+    console.print(f"[bold]{report['source']}[/]: {report['card']['title']} (card {report['card']['name']})")
+    console.print(
+        f"geometry: {g['num_heads']} heads, kv_lora {g['kv_lora_rank']}, nope {g['qk_nope_head_dim']}, "
+        f"rope {g['qk_rope_head_dim']}, v {g['v_head_dim']}"
+    )
+    console.print(
+        f"layers: {layers['num_hidden_layers']} + MTP {_ranges(layers['mtp'])}; MLA {_ranges(layers['mla'])}; "
+        f"dense {_ranges(layers['dense'])}; indexer {_ranges(layers['indexer'])}"
+    )
+    fmts = ", ".join(f"{k} {v}" for k, v in report["formats"].items())
+    console.print(
+        f"{len(report['files'])} files, {report['num_tensors']} tensors, {_mib(report['total_bytes'])}; {fmts}"
+    )
+    table = Table(title="MLA layers (kv_b_proj -> w_kc / w_vc)")
+    for col in ("layer", "source", "stored", "shard", "w_kc", "w_vc", "overlay"):
+        table.add_column(col)
+    jobs = {job["layer"]: job for job in plan["jobs"]}
+    for entry in report["mla"]:
+        outs = {o["name"].rsplit(".self_attn.", 1)[1]: o for o in jobs[entry["layer"]]["outputs"]}
+        kc, vc = outs["w_kc.weight"], outs["w_vc.weight"]
+        table.add_row(
+            str(entry["layer"]),
+            entry["format"],
+            f"{entry['dtype']} {_shape(entry['shape'])}",
+            ",".join(map(_shard, entry["files"])),
+            f"{kc['dtype']} {_shape(kc['shape'])}",
+            f"{vc['dtype']} {_shape(vc['shape'])}",
+            _mib(jobs[entry["layer"]]["nbytes"]),
+        )
+    console.print(table)
+    if report["experts"]:
+        groups: dict[tuple, list[int]] = {}
+        for e in report["experts"]:
+            groups.setdefault((e["count"], tuple(e["formats"].items())), []).append(e["layer"])
+        experts = Table(title="routed experts")
+        for col in ("layers", "experts", "weight formats"):
+            experts.add_column(col)
+        for (count, fmts), ids in groups.items():
+            experts.add_row(_ranges(ids), str(count), ", ".join(f"{k} {v}" for k, v in fmts))
+        console.print(experts)
+    console.print(
+        f"plan: route {plan['route']} (K {g['qk_nope_head_dim']} -> {plan['k_stored']}), "
+        f"{plan['mla_precision']} w_kc/w_vc, quant mode {plan['quant_mode']}; overlay {_mib(plan['overlay_bytes'])} "
+        f"in {len(plan['jobs'])} layers; originals reused ({plan['files_mode']}): {len(plan['reused_files'])} files, "
+        f"{_mib(plan['reused_bytes'])}"
+    )
+
+
+@click.command("inspect")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the stable JSON report (schema glm-pack.inspect/1).")
+@click.option("--k-pad", default="card", show_default=True, help="As for convert: 'card', 'none' or a multiple.")
+@click.option("--mla-precision", type=click.Choice(["mxfp4", "bf16", "auto"]), default="mxfp4", show_default=True)
+@click.option("--files", type=click.Choice(FILE_MODES), default="link", show_default=True)
+def inspect_command(src, as_json, k_pad, mla_precision, files):
+    """Show a checkpoint's family, geometry, per-layer source formats and the plan convert would carry out.
+
+    Reads headers only. Example: glm-pack inspect ./GLM-5-FP8 --json > plan.json
+    """
+    report = inspect_checkpoint(src, k_pad=k_pad, mla_precision=mla_precision, files=files)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        render(report, Console())

@@ -1,0 +1,159 @@
+"""What ``convert`` would do to a checkpoint, computed from headers only (no tensor data is read).
+
+One :class:`MlaJob` per MLA layer the checkpoint holds: the source kv_b_proj weight and its format, the
+stored tensors it is decoded from, and the overlay tensors it produces:
+
+* ``<prefix>.self_attn.w_kc.weight`` ``[H, kv_lora, K_stored/2]`` U8 + ``.weight_scale``
+  ``[H, kv_lora, K_stored/32]`` U8 (mxfp4), or ``[H, kv_lora, K_stored]`` BF16 (bf16, no scale);
+  layout ``bmm_nk`` with ``k_logical`` = nope and ``k_stored`` = nope padded to the K multiple.
+* ``<prefix>.self_attn.w_vc.weight`` ``[H, v, kv_lora/2]`` + ``.weight_scale`` ``[H, v, kv_lora/32]``
+  (or BF16 ``[H, v, kv_lora]``); ``bmm_nk`` with ``k_logical = k_stored = kv_lora``.
+
+Precision ``auto`` is decided per projection from the measured error at conversion time; its plan lists
+the MXFP4 tensors (the smaller outcome) and says ``auto``. ``files`` says how the original files are
+reused: ``link`` (hard link, copy across filesystems), ``copy``, or ``none``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from glm_pack.packing import mxfp4
+from glm_pack.packing.absorb import POLICIES
+from glm_pack.packing.errors import PlanError
+from glm_pack.packing.layouts import bmm_nk_params, stored_k
+
+from .checkpoint import Checkpoint
+
+FILE_MODES = ("link", "copy", "none")
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype name
+    nbytes: int
+    layout: dict  # {"layout": "bmm_nk", "k_logical": ..., "k_stored": ...}
+
+
+@dataclass(frozen=True)
+class MlaJob:
+    layer: int
+    prefix: str
+    source: str  # kv_b_proj module weight name
+    source_format: str
+    source_tensors: list[str]
+    outputs: list[OutputTensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.nbytes for o in self.outputs)
+
+
+@dataclass
+class Plan:
+    card: str
+    geometry: dict
+    quant_mode: str
+    mla_precision: str
+    k_multiple: int | None
+    k_stored: int
+    route: str  # kernel route: "padded" (K_stored > nope) or "unpadded"
+    kernel_configs: dict
+    files_mode: str
+    jobs: list[MlaJob]
+    reused_files: list[tuple[str, int]] = field(default_factory=list)  # (relative name, bytes)
+
+    @property
+    def overlay_bytes(self) -> int:
+        return sum(j.nbytes for j in self.jobs)
+
+    @property
+    def reused_bytes(self) -> int:
+        return sum(size for _, size in self.reused_files)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["reused_files"] = [{"name": n, "bytes": b} for n, b in self.reused_files]
+        d["overlay_bytes"] = self.overlay_bytes
+        d["reused_bytes"] = self.reused_bytes
+        for job, obj in zip(d["jobs"], self.jobs, strict=True):
+            job["nbytes"] = obj.nbytes
+            for out in job["outputs"]:
+                out["shape"] = list(out["shape"])
+        return d
+
+
+def resolve_k_multiple(k_pad, card_default: int | None) -> int | None:
+    """``"card"`` -> the card's default, ``"none"``/None -> None, else a positive multiple of 32."""
+    if k_pad == "card":
+        return card_default
+    if k_pad in ("none", None):
+        return None
+    try:
+        value = int(k_pad)
+    except (TypeError, ValueError):
+        value = 0
+    if value <= 0 or value % mxfp4.BLOCK:
+        raise PlanError(f"k_pad must be 'card', 'none' or a positive multiple of 32, got {k_pad!r}")
+    return value
+
+
+def _projection(name: str, heads: int, n: int, k_logical: int, k_stored: int, precision: str) -> list[OutputTensor]:
+    layout = bmm_nk_params(k_logical, k_stored)
+    if precision == "bf16":
+        shape = (heads, n, k_stored)
+        return [OutputTensor(f"{name}.weight", shape, "BF16", 2 * math.prod(shape), layout)]
+    codes, scales = (heads, n, k_stored // 2), (heads, n, k_stored // mxfp4.BLOCK)
+    return [
+        OutputTensor(f"{name}.weight", codes, "U8", math.prod(codes), layout),
+        OutputTensor(f"{name}.weight_scale", scales, "U8", math.prod(scales), layout),
+    ]
+
+
+def make_plan(
+    ckpt: Checkpoint, *, quant_mode: str = "even", k_pad="card", mla_precision: str = "mxfp4", files: str = "link"
+) -> Plan:
+    """The conversion plan for ``ckpt`` (headers only); PlanError on bad options."""
+    if quant_mode not in mxfp4.MODES:
+        raise PlanError(f"unknown quant mode {quant_mode!r}; choose one of {', '.join(mxfp4.MODES)}")
+    if mla_precision not in POLICIES:
+        raise PlanError(f"unknown MLA precision {mla_precision!r}; choose one of {', '.join(POLICIES)}")
+    if files not in FILE_MODES:
+        raise PlanError(f"files must be one of {', '.join(FILE_MODES)}, got {files!r}")
+    geom = ckpt.geometry
+    k_multiple = resolve_k_multiple(k_pad, ckpt.card.default_k_pad(geom))
+    k_kc = stored_k(geom.qk_nope_head_dim, k_multiple)
+    route = "padded" if k_kc != geom.qk_nope_head_dim else "unpadded"
+    stored_precision = "mxfp4" if mla_precision == "auto" else mla_precision
+    jobs = []
+    for layer in ckpt.mla_layers():
+        prefix = ckpt.card.layer_prefix(layer)
+        source = ckpt.card.kv_b_proj(layer)
+        outputs = _projection(
+            f"{prefix}.self_attn.w_kc", geom.num_heads, geom.kv_lora_rank, geom.qk_nope_head_dim, k_kc, stored_precision
+        ) + _projection(
+            f"{prefix}.self_attn.w_vc",
+            geom.num_heads,
+            geom.v_head_dim,
+            geom.kv_lora_rank,
+            geom.kv_lora_rank,
+            stored_precision,
+        )
+        jobs.append(MlaJob(layer, prefix, source, ckpt.weight_format(source), ckpt.source_tensors(source), outputs))
+    reused = [] if files == "none" else ckpt.store.list_files()
+    return Plan(
+        card=ckpt.card.name,
+        geometry=geom.as_dict(),
+        quant_mode=quant_mode,
+        mla_precision=mla_precision,
+        k_multiple=k_multiple,
+        k_stored=k_kc,
+        route=route,
+        kernel_configs=ckpt.card.kernel_configs(route),
+        files_mode=files,
+        jobs=jobs,
+        reused_files=reused,
+    )
