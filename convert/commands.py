@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -95,8 +96,18 @@ def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> Conve
     help="Original files: hard-link (copy across filesystems), copy, or leave out.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace the contents of a non-empty OUT.")
+@click.option("--resume", is_flag=True, help="Finish an interrupted conversion (finished files are re-hashed, kept).")
+@click.option(
+    "--workers",
+    type=int,
+    default=os.cpu_count() or 1,
+    show_default="number of cores",
+    help="Worker processes, one work item (layer) each; output is identical for every count.",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar or summary.")
-def convert_command(src, out, quant_mode, k_pad, mla_precision, max_rel_error, files, overwrite, quiet):
+def convert_command(
+    src, out, quant_mode, k_pad, mla_precision, max_rel_error, files, overwrite, resume, workers, quiet
+):
     """Write the kernel-ready MLA overlay of SRC into OUT.
 
     \b
@@ -104,8 +115,12 @@ def convert_command(src, out, quant_mode, k_pad, mla_precision, max_rel_error, f
       glm-pack convert /models/GLM-5 /models/GLM-5-gfx950
       glm-pack convert ckpt out --mla-precision auto --max-rel-error 0.12 --quant-mode mse
     """
-    options = ConvertOptions(quant_mode, k_pad, mla_precision, max_rel_error, files, overwrite)
-    run_convert(src, out, options, quiet)
+    options = ConvertOptions(quant_mode, k_pad, mla_precision, max_rel_error, files, overwrite, resume, workers)
+    try:
+        run_convert(src, out, options, quiet)
+    except KeyboardInterrupt:
+        click.echo(f"glm-pack: interrupted; finished layers are kept: rerun with --resume to complete {out}", err=True)
+        raise SystemExit(130) from None
 
 
 def print_verify(report: VerifyReport, as_json: bool) -> None:
@@ -175,4 +190,3 @@ def _demo_runtime(model) -> None:
     console.print(
         f"q {tuple(q.shape)} -> latent {tuple(latent.shape)} -> attend {tuple(o.shape)} -> v {tuple(y.shape)}"
     )
-

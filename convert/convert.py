@@ -2,9 +2,13 @@
 
 Output directory::
 
-    OUT/<original files>          hard-linked, copied or left out; index.json never edited
+    OUT/<original files>                 hard-linked, copied or left out; the index is never edited
     OUT/glm-pack/layer-NNN.safetensors   one overlay file per MLA layer (w_kc/w_vc weight + weight_scale)
-    OUT/glm-pack/manifest.json    written last: its presence marks a complete conversion
+    OUT/glm-pack/manifest.json           written last: its presence marks a complete conversion
+
+Work items run in ``workers`` processes; results enter the manifest in item order, so the output is
+byte-identical for every worker count. Run state (lock, journal) is in :mod:`.state`; an interrupted run
+continues with ``resume=True``.
 """
 
 from __future__ import annotations
@@ -13,16 +17,19 @@ import hashlib
 import os
 import shutil
 import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
+from multiprocessing import get_context
 from pathlib import Path
 
 from glm_pack.packing import manifest as mf
-from glm_pack.packing.absorb import absorb_layer
 from glm_pack.packing.errors import GlmPackError, PlanError
 from glm_pack.packing.layouts import stored_k
 
-from .checkpoint import open_checkpoint
-from .writer import OutputError, sha256_tensor, write_safetensors, write_text
+from . import state
+from .checkpoint import Checkpoint, open_checkpoint
+from .items import Settings, plan_items, run_item_in_worker, run_mla_item, worker_init
+from .writer import OutputError, write_text
 
 FILE_MODES = ("link", "copy", "none")
 TOOL_VERSION = "0.1.0"
@@ -36,8 +43,11 @@ class ConvertOptions:
     max_rel_error: float | None = None
     files: str = "link"
     overwrite: bool = False
+    resume: bool = False
+    workers: int = 1
 
-    def as_dict(self, k_multiple: int | None) -> dict:
+    def recorded(self, k_multiple: int | None) -> dict:
+        """The options that shape the output (recorded in the manifest; a resume must match them)."""
         return {
             "quant_mode": self.quant_mode,
             "k_pad": k_multiple,
@@ -60,6 +70,7 @@ class ConvertReport:
     layers: list[LayerReport] = field(default_factory=list)
     overlay_bytes: int = 0
     original_files: int = 0
+    resumed_items: int = 0
     seconds: float = 0.0
 
 
@@ -69,28 +80,6 @@ def file_sha256(path: Path, chunk: int = 16 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-def overlay_file_name(layer: int) -> str:
-    return f"layer-{layer:03d}.safetensors"
-
-
-def check_locations(src: Path, out: Path, overwrite: bool) -> None:
-    """Refuse an OUT that is SRC, inside it, contains it, or already holds something (unless overwrite)."""
-    src_r, out_r = src.resolve(), out.resolve()
-    if src_r == out_r or src_r in out_r.parents or out_r in src_r.parents:
-        raise PlanError(f"output {out} must be outside the source {src} (and not contain it)", file=out)
-    if out.exists() and not out.is_dir():
-        raise PlanError(f"output {out} exists and is not a directory", file=out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise PlanError(f"output {out} is not empty; pass --overwrite to replace its contents", file=out)
-
-
-def _clear_previous(out: Path) -> None:
-    overlay = out / mf.OVERLAY_DIR
-    (overlay / mf.MANIFEST_NAME).unlink(missing_ok=True)  # first: never leave a manifest over partial files
-    if overlay.exists():
-        shutil.rmtree(overlay)
 
 
 def resolve_k_multiple(option: str, card_default: int | None) -> int | None:
@@ -105,6 +94,46 @@ def resolve_k_multiple(option: str, card_default: int | None) -> int | None:
     if value <= 0 or value % 32:
         raise PlanError(f"--k-pad must be 'card', 'none' or a positive multiple of 32, got {option!r}")
     return value
+
+
+def check_locations(src: Path, out: Path) -> None:
+    """Refuse an OUT that is SRC, inside it, or contains it."""
+    src_r, out_r = src.resolve(), out.resolve()
+    if src_r == out_r or src_r in out_r.parents or out_r in src_r.parents:
+        raise PlanError(f"output {out} must be outside the source {src} (and not contain it)", file=out)
+    if out.exists() and not out.is_dir():
+        raise PlanError(f"output {out} exists and is not a directory", file=out)
+
+
+def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict) -> list[dict]:
+    """Decide what an existing OUT means; returns journal entries a resume may keep (re-checked later)."""
+    previous = state.read_run(overlay)
+    complete = (overlay / mf.MANIFEST_NAME).is_file()
+    if options.resume and previous is not None and not complete:
+        if previous != run:
+            raise PlanError(
+                "the interrupted run used other options or another source; rerun without --resume and with "
+                "--overwrite to start over",
+                file=overlay / state.RUN_NAME,
+            )
+        return state.Journal(overlay).entries()
+    if options.resume and complete:
+        raise PlanError("the output is already complete; nothing to resume", file=overlay / mf.MANIFEST_NAME)
+    if previous is not None and not complete and not options.overwrite:
+        raise PlanError(
+            "the output holds an interrupted conversion; rerun with --resume to finish it, "
+            "or --overwrite to start over",
+            file=out,
+        )
+    leftovers = [p for p in out.iterdir() if p.name != state.LOCK_NAME] if out.exists() else []
+    if leftovers and not options.overwrite:
+        raise PlanError(f"output {out} is not empty; pass --overwrite to replace its contents", file=out)
+    (overlay / mf.MANIFEST_NAME).unlink(missing_ok=True)  # first: never a manifest over partial files
+    if overlay.exists():
+        shutil.rmtree(overlay)
+    overlay.mkdir(parents=True)
+    state.write_run(overlay, run)
+    return []
 
 
 def place_original(src_file: Path, dst: Path, mode: str) -> None:
@@ -123,6 +152,8 @@ def place_original(src_file: Path, dst: Path, mode: str) -> None:
         os.replace(tmp, dst)
     except OSError as err:
         tmp.unlink(missing_ok=True)
+        if err.errno == 28:
+            raise OutputError(f"no space left on device while placing {dst}", file=dst) from err
         raise OutputError(f"cannot place {dst}: {err.strerror or err}", file=dst) from err
 
 
@@ -138,107 +169,123 @@ def original_files(root: Path) -> list[Path]:
     return found
 
 
-def _stat_key(path: Path) -> tuple[int, int]:
-    st = path.stat()
-    return st.st_size, st.st_mtime_ns
+def source_stats(root: Path, files: list[Path]) -> dict[str, list[int]]:
+    """{file: [size, mtime_ns]} of the source files: a conversion refuses to finish if these change."""
+    out = {}
+    for rel in files:
+        st = (root / rel).stat()
+        out[str(rel)] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def _kept(entries: list[dict], overlay: Path, wanted: set[str]) -> dict[str, dict]:
+    """Journalled items whose file still hashes to the journalled sha256 (others are redone)."""
+    kept = {}
+    for entry in entries:
+        path = overlay / entry["file"]
+        if entry["file"] in wanted and path.is_file() and file_sha256(path) == entry["sha256"]:
+            kept[entry["file"]] = entry
+    return kept
+
+
+def _run_items(ckpt: Checkpoint, todo, settings: Settings, overlay: Path, workers: int, on_done) -> None:
+    if workers <= 1 or len(todo) <= 1:
+        for item in todo:
+            on_done(run_mla_item(ckpt, item, settings, overlay))
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    ctx = get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=worker_init, initargs=(threads,)) as pool:
+        pending = {pool.submit(run_item_in_worker, str(ckpt.root), item, settings, str(overlay)) for item in todo}
+        try:
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    on_done(fut.result())
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            raise
 
 
 def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOptions, progress=None) -> ConvertReport:
-    """Run the whole conversion; raises a GlmPackError subclass on any problem (no manifest is written then)."""
+    """Run the whole conversion; raises a GlmPackError subclass on any problem (no manifest is written then).
+
+    ``progress(done, total, nbytes)`` is called after each finished work item.
+    """
     started = time.monotonic()
     if options.files not in FILE_MODES:
         raise PlanError(f"--files must be one of {', '.join(FILE_MODES)}, got {options.files!r}")
+    if options.workers < 1:
+        raise PlanError(f"--workers must be at least 1, got {options.workers}")
     ckpt = open_checkpoint(src)
     out = Path(out)
-    check_locations(ckpt.root, out, options.overwrite)
-    card, geom = ckpt.card, ckpt.geometry
-    k_multiple = resolve_k_multiple(options.k_pad, card.default_k_pad(geom))
-    k_kc = stored_k(geom.qk_nope_head_dim, k_multiple)
+    check_locations(ckpt.root, out)
+    geom = ckpt.geometry
+    k_multiple = resolve_k_multiple(options.k_pad, ckpt.card.default_k_pad(geom))
+    settings = Settings(
+        stored_k(geom.qk_nope_head_dim, k_multiple), options.quant_mode, options.mla_precision, options.max_rel_error
+    )
     originals = original_files(ckpt.root)
-    before = {str(rel): _stat_key(ckpt.root / rel) for rel in originals}
-
-    out.mkdir(parents=True, exist_ok=True)
-    _clear_previous(out)
+    stats = source_stats(ckpt.root, originals)
+    run = {
+        "tool": TOOL_VERSION,
+        "options": options.recorded(k_multiple),
+        "source": str(ckpt.root.resolve()),
+        "stats": stats,
+    }
     overlay = out / mf.OVERLAY_DIR
-    overlay.mkdir()
+    items = plan_items(ckpt)
     report = ConvertReport(out=out)
-    tensors: dict[str, dict] = {}
-    files: dict[str, dict] = {}
-    source_tensors: dict[str, str] = {}
-    mla_entries = []
-    layers = card.mla_layers(ckpt.config)
-    for i, layer in enumerate(layers):
-        prefix = card.layer_prefix(layer)
-        kv_b_name = card.kv_b_proj(layer)
-        fmt = ckpt.weight_format(kv_b_name)
-        try:
-            kv_b = ckpt.read_float(kv_b_name)
-            vc_source = None
-            if fmt == "mxfp4":
-                from glm_pack.packing.mla import split_kv_b_mxfp4_vc
+    with state.OutputLock(out):
+        journal_entries = prepare_output(out, overlay, options, run)
+        journal = state.Journal(overlay)
+        results = _kept(journal_entries, overlay, {i.file for i in items})
+        journal.rewrite(list(results.values()))
+        report.resumed_items = len(results)
+        todo = [i for i in items if i.file not in results]
 
-                vc_source = split_kv_b_mxfp4_vc(*ckpt.read_mxfp4(kv_b_name), geom)
-            kc, vc = absorb_layer(
-                kv_b,
-                geom,
-                k_stored=k_kc,
-                quant_mode=options.quant_mode,
-                policy=options.mla_precision,
-                max_rel_error=options.max_rel_error,
-                vc_mxfp4_source=vc_source,
-            )
-        except GlmPackError as err:
-            if err.tensor is None:
-                err.tensor = kv_b_name
-            if err.file is None:
-                err.file = str(ckpt.root / ckpt.info(kv_b_name).file)
-            raise
-        for name in ckpt.source_tensors(kv_b_name):
-            source_tensors[name] = ckpt.raw_sha256(name)
-        file_name = overlay_file_name(layer)
-        layer_tensors = {}
-        entry = {"layer": layer, "prefix": prefix, "source": {"tensor": kv_b_name, "format": fmt}}
-        for proj_name, stored in (("w_kc", kc), ("w_vc", vc)):
-            weight = f"{prefix}.self_attn.{proj_name}.weight"
-            scale = f"{prefix}.self_attn.{proj_name}.weight_scale" if stored.scale is not None else None
-            layer_tensors[weight] = stored.weight
-            if scale:
-                layer_tensors[scale] = stored.scale
-            entry[proj_name] = mf.projection_entry(stored, weight, scale)
-        for name, t in layer_tensors.items():
-            tensors[name] = {
-                "file": file_name,
-                "dtype": "U8" if t.dtype.is_floating_point is False else "BF16",
-                "shape": list(t.shape),
-                "sha256": sha256_tensor(t),
-            }
-        digest = write_safetensors(overlay / file_name, layer_tensors, {"format": "pt", "producer": "glm-pack"})
-        size = (overlay / file_name).stat().st_size
-        files[file_name] = {"size": size, "sha256": digest}
-        report.overlay_bytes += size
-        mla_entries.append(entry)
+        def on_done(entry: dict) -> None:
+            journal.append(entry)
+            results[entry["file"]] = entry
+            if progress is not None:
+                progress(len(results), len(items), entry["size"])
+
+        if progress is not None:
+            progress(len(results), len(items), 0)
+        _run_items(ckpt, todo, settings, overlay, options.workers, on_done)
+        if options.files != "none":
+            for rel in originals:
+                place_original(ckpt.root / rel, out / rel, options.files)
+            report.original_files = len(originals)
+        if source_stats(ckpt.root, originals) != stats:
+            raise GlmPackError("source files changed during conversion; no manifest written", file=ckpt.root)
+        ordered = [results[i.file] for i in items]
+        manifest = build_manifest(ckpt, options, k_multiple, settings, ordered, stats)
+        mf.parse_mla(manifest)  # never write a manifest the runtime would refuse
+        write_text(overlay / mf.MANIFEST_NAME, mf.dumps(manifest))
+        state.clear_run(overlay)
+    for entry in ordered:
+        m = entry["mla"]
         report.layers.append(
             LayerReport(
-                layer,
-                (kc.precision, kc.rel_error, kc.mxfp4_rel_error),
-                (vc.precision, vc.rel_error, vc.mxfp4_rel_error),
+                m["layer"], *((m[p]["precision"], m[p]["rel_error"], m[p]["mxfp4_rel_error"]) for p in ("w_kc", "w_vc"))
             )
         )
-        if progress is not None:
-            progress(i + 1, len(layers), size)
+        report.overlay_bytes += entry["size"]
+    report.seconds = time.monotonic() - started
+    return report
 
-    if options.files != "none":
-        for rel in originals:
-            place_original(ckpt.root / rel, out / rel, options.files)
-        report.original_files = len(originals)
 
-    after = {str(rel): _stat_key(ckpt.root / rel) for rel in originals}
-    changed = sorted(name for name in before if before[name] != after.get(name))
-    if changed:
-        raise GlmPackError(
-            f"source changed during conversion ({', '.join(changed[:3])}); no manifest written", file=ckpt.root
-        )
-    manifest = {
+def build_manifest(ckpt: Checkpoint, options: ConvertOptions, k_multiple, settings: Settings, entries, stats) -> dict:
+    geom = ckpt.geometry
+    route = "padded" if settings.k_kc != geom.qk_nope_head_dim else "unpadded"
+    source_tensors: dict[str, str] = {}
+    tensors: dict[str, dict] = {}
+    for entry in entries:
+        source_tensors.update(entry["source_tensors"])
+        tensors.update(entry["tensors"])
+    return {
         "schema": mf.SCHEMA,
         "schema_version": mf.SCHEMA_VERSION,
         "tool": {"name": "glm-pack", "version": TOOL_VERSION},
@@ -250,25 +297,19 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
             "revision": None,
             "config_sha256": file_sha256(ckpt.root / "config.json"),
             "index_sha256": file_sha256(ckpt.index_path) if ckpt.index_path else None,
-            "files": {name: {"size": size} for name, (size, _) in sorted(before.items())},
-            "tensors": source_tensors,
+            "files": {name: {"size": size} for name, (size, _) in sorted(stats.items())},
+            "tensors": dict(sorted(source_tensors.items())),
         },
         "model": {
-            "card": card.name,
+            "card": ckpt.card.name,
             "architectures": ckpt.config.get("architectures", []),
             "model_type": ckpt.config.get("model_type"),
             "geometry": geom.as_dict(),
         },
-        "options": options.as_dict(k_multiple),
-        "mla": mla_entries,
+        "options": options.recorded(k_multiple),
+        "mla": [e["mla"] for e in entries],
         "tensors": tensors,
-        "files": files,
-        "kernel_configs": {
-            "route": "padded" if k_kc != geom.qk_nope_head_dim else "unpadded",
-            "configs": card.kernel_configs("padded" if k_kc != geom.qk_nope_head_dim else "unpadded"),
-        },
+        "files": {e["file"]: {"size": e["size"], "sha256": e["sha256"]} for e in entries},
+        "kernel_configs": {"route": route, "configs": ckpt.card.kernel_configs(route)},
     }
-    mf.parse_mla(manifest)  # never write a manifest the runtime would refuse
-    write_text(overlay / mf.MANIFEST_NAME, mf.dumps(manifest))
-    report.seconds = time.monotonic() - started
-    return report
+

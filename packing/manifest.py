@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from .errors import ManifestError
 from .mla import MlaGeometry
+from .mxfp4 import MODES
 
 SCHEMA = "glm-pack/manifest"
 SCHEMA_VERSION = 1
@@ -46,6 +47,7 @@ MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_JSON_DEPTH = 32
 KNOWN_LAYOUTS = ("bmm_nk", "aiter_shuffle_16x16", "aiter_e8m0_shuffle")
 KNOWN_DTYPES = ("U8", "BF16", "F16", "F32")
+QUANT_MODES = (*MODES, "source")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class Projection:
     k_stored: int
     rel_error: float
     mxfp4_rel_error: float
+    quant_mode: str | None  # MXFP4 scale rule ("even", "mse", ...) or "source" (bytes kept); None for bf16
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,11 @@ def _projection(obj: dict, name: str, where: str, tensors: dict) -> Projection:
         if not math.isfinite(v) or v < 0:
             _fail(f"{where}.{key} must be a finite non-negative number, got {v}")
         errors.append(float(v))
-    return Projection(name, precision, weight, scale, k_logical, k_stored, errors[0], errors[1])
+    quant = _get(p, "quant", dict, where)
+    mode = quant.get("mode") if precision == "mxfp4" else None
+    if precision == "mxfp4" and mode not in QUANT_MODES:
+        _fail(f"{where}.quant.mode {mode!r} is not one of {QUANT_MODES}")
+    return Projection(name, precision, weight, scale, k_logical, k_stored, errors[0], errors[1], mode)
 
 
 def parse_tensors(manifest: dict) -> dict[str, TensorEntry]:

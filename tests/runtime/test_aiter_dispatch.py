@@ -8,7 +8,6 @@ the result independently of glm-pack's codec: a per-element Python even-rule qua
 from __future__ import annotations
 
 import logging
-import math
 
 import pytest
 import torch
@@ -21,25 +20,23 @@ from glm_pack.runtime.backends import aiter_backend as ab
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
-def even_round_trip(values: list[float]) -> list[float]:
-    """One 32-block through the even rule, element by element (written from notes/mxfp4.md)."""
-    amax = max(abs(v) for v in values)
-    if amax == 0:
-        return [0.0 * v for v in values]
-    m, e2 = math.frexp(amax)  # amax = m * 2**e2, m in [0.5, 1)
-    floor_log2 = e2 - 1 + (1 if 2 * m >= 1.75 else 0)  # mantissa rounded to 1 bit first
-    e = max(-127, min(127, floor_log2 - 2))
-    out = []
-    for v in values:
-        a = min(abs(v) / 2.0**e, 6.0)
-        best = min(range(8), key=lambda i: (abs(a - E2M1[i]), i % 2))  # ties to the even code
-        out.append(math.copysign(E2M1[best] * 2.0**e, v))
-    return out
+def even_round_trip(values: torch.Tensor) -> torch.Tensor:
+    """32-blocks ``[..., 32]`` through the even rule, from notes/mxfp4.md with frexp and a nearest-grid search
+    (deliberately not the bit tricks of glm_pack.packing.mxfp4)."""
+    v = values.double()
+    amax = v.abs().amax(-1, keepdim=True)
+    m, e2 = torch.frexp(amax)  # amax = m * 2**e2, m in [0.5, 1)
+    floor_log2 = e2 - 1 + (2 * m >= 1.75).long()  # mantissa rounded to 1 bit first
+    e = torch.where(amax == 0, -127, (floor_log2 - 2).clamp(-127, 127)).double()
+    a = (v.abs() / 2.0**e).clamp(max=6.0)
+    grid = torch.tensor(E2M1, dtype=torch.float64)
+    dist = (a.unsqueeze(-1) - grid).abs() + torch.arange(8) % 2 * 1e-9  # ties go to the even code
+    q = grid[dist.argmin(-1)] * 2.0**e
+    return torch.where(torch.signbit(v), -q, q)
 
 
 def act_quant(x: torch.Tensor) -> torch.Tensor:
-    rows = x.float().reshape(-1, 32).tolist()
-    return torch.tensor([even_round_trip(r) for r in rows], dtype=torch.float64).reshape(x.shape)
+    return even_round_trip(x.reshape(*x.shape[:-1], -1, 32)).reshape(x.shape)
 
 
 def weight_dequant(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -71,14 +68,14 @@ class Recorder:
         B, M, _ = x.shape
         assert y.shape == (M, B, w.shape[1]), "transpose_bm wants y as [M, B, N]"
         y.copy_(self.compute(x, w, w_scales).transpose(0, 1))
-        self.calls.append(("a16wfp4", M, x.shape[-1], config["BLOCK_SIZE_M"]))
+        self.calls.append(("a16wfp4", M, x.shape[-1], config["BLOCK_SIZE_M"], config["BLOCK_SIZE_K"]))
         return y
 
     def pre_quant(self, x, w, w_scales, dtype, y, config):
         self.check_common(x, w, w_scales, config)
         assert y.shape == (x.shape[0], x.shape[1], w.shape[1]) and all(s > 0 for s in y.stride())
         y.copy_(self.compute(x, w, w_scales))
-        self.calls.append(("pre_quant", x.shape[1], x.shape[-1], config["BLOCK_SIZE_M"]))
+        self.calls.append(("pre_quant", x.shape[1], x.shape[-1], config["BLOCK_SIZE_M"], config["BLOCK_SIZE_K"]))
         return y
 
     def sparse_mla_fwd(
@@ -142,7 +139,7 @@ def test_aiter_dispatch_end_to_end(packed_dirs, fake_aiter, kind):
     geom = model.local_geometry
     q, cache, indptr, indices = _inputs(geom, T=3)
     latent = layer.k_up(q)
-    assert rec.calls[-1] == (kind, 3, 256, 16)  # full padded row, M<=16 bucket
+    assert rec.calls[-1] == (kind, 3, 256, 16, 256)  # full padded row (K=256 route), M<=16 bucket
     expect = rec.compute(q.transpose(0, 1), ref.w_kc.weight, ref.w_kc.scale).transpose(0, 1)
     assert torch.equal(latent, expect.bfloat16())
     torch.testing.assert_close(latent, ref.k_up(q), rtol=1e-2, atol=1e-2)
@@ -151,7 +148,7 @@ def test_aiter_dispatch_end_to_end(packed_dirs, fake_aiter, kind):
     torch.testing.assert_close(o, ref.attend(latent, cache, indptr, indices, 0.06, q_rope=q[..., 192:]))
     big = torch.randn(300, 8, 512).bfloat16()
     y = layer.v_up(big)
-    assert rec.calls[-1] == (kind, 300, 512, 256)  # "any" bucket for M > 256
+    assert rec.calls[-1] == (kind, 300, 512, 128, 128)  # the seed's V-up tuning for M > 256: BM 128, BK 128
     torch.testing.assert_close(y, ref.v_up(big), rtol=1e-2, atol=1e-2)
 
 
@@ -208,7 +205,8 @@ def test_act_quant_none_is_refused_on_aiter(packed_dirs, fake_aiter):
 
 def test_independent_even_rule_matches_hand_vectors():
     # Hand-checked: amax 6 -> e = 0; ties 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
-    block = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.75] + [0.0] * 23
-    assert even_round_trip(block)[:9] == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -1.0]
+    block = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.75] + [0.0] * 23)
+    assert even_round_trip(block)[:9].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -1.0]
     # amax 7 = 1.75 * 4 rounds up to 8, so e = 1; 7 / 2 = 3.5 ties to 4, i.e. 8.
-    assert even_round_trip([7.0] + [0.0] * 31)[0] == 8.0
+    assert even_round_trip(torch.tensor([7.0] + [0.0] * 31))[0] == 8.0
+    assert even_round_trip(torch.zeros(32)).abs().sum() == 0

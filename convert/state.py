@@ -1,0 +1,107 @@
+"""Run state of a conversion in progress: the lock, the run descriptor and the progress journal.
+
+* ``OUT/.glm-pack.lock``: an ``flock``-held lock file; a second run on the same OUT is refused while the
+  first holds it. The kernel drops the lock when its process dies, so a crashed run's lock is stale by
+  construction and the next run takes it (the pid inside is only for the message).
+* ``OUT/glm-pack/.run.json``: what the interrupted run was doing (options, source fingerprint). Its presence
+  without a manifest means "interrupted": a new run must say ``--resume`` (or ``--overwrite``).
+* ``OUT/glm-pack/.journal.jsonl``: one fsynced JSON line per finished work item (file, size, sha256 and its
+  manifest fragments). ``--resume`` keeps an item only if its file still hashes to the journalled sha256.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+from glm_pack.packing.errors import PlanError
+
+from .writer import OutputError, _write_all, atomic_write
+
+LOCK_NAME = ".glm-pack.lock"
+RUN_NAME = ".run.json"
+JOURNAL_NAME = ".journal.jsonl"
+
+
+class OutputLock:
+    """Exclusive lock on an output directory for the duration of a ``with`` block."""
+
+    def __init__(self, out: Path):
+        self.path = Path(out) / LOCK_NAME
+        self.fd: int | None = None
+
+    def __enter__(self) -> OutputLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise PlanError(
+                f"another glm-pack run (pid {holder}) is writing this output; wait for it or stop it", file=self.path
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the flock; the file itself may stay (it is not a lock without the flock)
+            self.fd = None
+
+
+def read_run(overlay: Path) -> dict | None:
+    path = overlay / RUN_NAME
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError as err:
+        raise PlanError(f"unreadable run state ({err}); use --overwrite to start over", file=path) from err
+
+
+def write_run(overlay: Path, run: dict) -> None:
+    atomic_write(overlay / RUN_NAME, [json.dumps(run, sort_keys=True).encode()])
+
+
+class Journal:
+    """Append-only record of finished work items; each line is fsynced before the next item counts."""
+
+    def __init__(self, overlay: Path):
+        self.path = overlay / JOURNAL_NAME
+
+    def entries(self) -> list[dict]:
+        """Journalled items; a torn last line (crash mid-write) is ignored."""
+        if not self.path.is_file():
+            return []
+        out = []
+        for line in self.path.read_text(errors="replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                break
+        return out
+
+    def append(self, entry: dict) -> None:
+        line = (json.dumps(entry, sort_keys=True) + "\n").encode()
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as err:
+            raise OutputError(f"cannot write the journal: {err.strerror or err}", file=self.path) from err
+        try:
+            _write_all(fd, line, self.path)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def rewrite(self, entries: list[dict]) -> None:
+        atomic_write(self.path, [(json.dumps(e, sort_keys=True) + "\n").encode() for e in entries])
+
+
+def clear_run(overlay: Path) -> None:
+    for name in (JOURNAL_NAME, RUN_NAME):
+        (overlay / name).unlink(missing_ok=True)
