@@ -32,7 +32,8 @@ def _summary(report: ConvertReport) -> None:
     bf16 = sum((r.w_kc[0] == "bf16") + (r.w_vc[0] == "bf16") for r in report.layers)
     console.print(
         f"{len(report.layers)} MLA layers, overlay {report.overlay_bytes / 2**20:.1f} MiB, "
-        f"{report.original_files} original files placed, {bf16} tensors kept in BF16; "
+        f"{report.expert_tensors} expert tensors repacked, {report.original_files} original files placed, "
+        f"{bf16} tensors kept in BF16; "
         f"rel error w_kc max {max(kc, default=0):.4f}, w_vc max {max(vc, default=0):.4f}; {report.seconds:.1f} s"
     )
 
@@ -47,7 +48,7 @@ def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> Conve
         TimeRemainingColumn(),
     )
     with Progress(*columns, console=console, disable=quiet, transient=False) as bar:
-        task = bar.add_task("MLA layers", total=None, rate="")
+        task = bar.add_task("overlay files", total=None, rate="")
         written = [0]
         elapsed = console.get_time
 
@@ -104,9 +105,16 @@ def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> Conve
     show_default="number of cores",
     help="Worker processes, one work item (layer) each; output is identical for every count.",
 )
+@click.option(
+    "--repack-experts",
+    type=click.Choice(["none", "aiter-a4w4"]),
+    default="none",
+    show_default=True,
+    help="Also write MXFP4 routed experts in aiter's gfx950 fused-MoE a4w4 layout (shuffled).",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar or summary.")
 def convert_command(
-    src, out, quant_mode, k_pad, mla_precision, max_rel_error, files, overwrite, resume, workers, quiet
+    src, out, quant_mode, k_pad, mla_precision, max_rel_error, files, overwrite, resume, workers, repack_experts, quiet
 ):
     """Write the kernel-ready MLA overlay of SRC into OUT.
 
@@ -115,7 +123,9 @@ def convert_command(
       glm-pack convert /models/GLM-5 /models/GLM-5-gfx950
       glm-pack convert ckpt out --mla-precision auto --max-rel-error 0.12 --quant-mode mse
     """
-    options = ConvertOptions(quant_mode, k_pad, mla_precision, max_rel_error, files, overwrite, resume, workers)
+    options = ConvertOptions(
+        quant_mode, k_pad, mla_precision, max_rel_error, files, overwrite, resume, workers, repack_experts
+    )
     try:
         run_convert(src, out, options, quiet)
     except KeyboardInterrupt:

@@ -24,11 +24,12 @@ from pathlib import Path
 
 from glm_pack.packing import manifest as mf
 from glm_pack.packing.errors import GlmPackError, PlanError
+from glm_pack.packing.experts import moe_layout_description
 from glm_pack.packing.layouts import stored_k
 
 from . import state
 from .checkpoint import Checkpoint, open_checkpoint
-from .items import Settings, plan_items, run_item_in_worker, run_mla_item, worker_init
+from .items import Settings, plan_items, run_item, run_item_in_worker, worker_init
 from .writer import OutputError, write_text
 
 FILE_MODES = ("link", "copy", "none")
@@ -45,6 +46,7 @@ class ConvertOptions:
     overwrite: bool = False
     resume: bool = False
     workers: int = 1
+    repack_experts: str = "none"
 
     def recorded(self, k_multiple: int | None) -> dict:
         """The options that shape the output (recorded in the manifest; a resume must match them)."""
@@ -54,6 +56,7 @@ class ConvertOptions:
             "mla_precision": self.mla_precision,
             "max_rel_error": self.max_rel_error,
             "files": self.files,
+            "repack_experts": self.repack_experts,
         }
 
 
@@ -69,6 +72,7 @@ class ConvertReport:
     out: Path
     layers: list[LayerReport] = field(default_factory=list)
     overlay_bytes: int = 0
+    expert_tensors: int = 0
     original_files: int = 0
     resumed_items: int = 0
     seconds: float = 0.0
@@ -191,7 +195,7 @@ def _kept(entries: list[dict], overlay: Path, wanted: set[str]) -> dict[str, dic
 def _run_items(ckpt: Checkpoint, todo, settings: Settings, overlay: Path, workers: int, on_done) -> None:
     if workers <= 1 or len(todo) <= 1:
         for item in todo:
-            on_done(run_mla_item(ckpt, item, settings, overlay))
+            on_done(run_item(ckpt, item, settings, overlay))
         return
     threads = max(1, (os.cpu_count() or 1) // workers)
     ctx = get_context("spawn")
@@ -235,7 +239,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
         "stats": stats,
     }
     overlay = out / mf.OVERLAY_DIR
-    items = plan_items(ckpt)
+    items = plan_items(ckpt, options.repack_experts)
     report = ConvertReport(out=out)
     with state.OutputLock(out):
         journal_entries = prepare_output(out, overlay, options, run)
@@ -266,15 +270,23 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
         write_text(overlay / mf.MANIFEST_NAME, mf.dumps(manifest))
         state.clear_run(overlay)
     for entry in ordered:
+        report.overlay_bytes += entry["size"]
+        if "experts" in entry:
+            report.expert_tensors += len(entry["experts"]["tensors"])
+            continue
         m = entry["mla"]
         report.layers.append(
             LayerReport(
                 m["layer"], *((m[p]["precision"], m[p]["rel_error"], m[p]["mxfp4_rel_error"]) for p in ("w_kc", "w_vc"))
             )
         )
-        report.overlay_bytes += entry["size"]
     report.seconds = time.monotonic() - started
     return report
+
+
+def _experts_section(entries) -> dict:
+    groups = [e["experts"] for e in entries if "experts" in e]
+    return {"experts": {**moe_layout_description(), "groups": groups}} if groups else {}
 
 
 def build_manifest(ckpt: Checkpoint, options: ConvertOptions, k_multiple, settings: Settings, entries, stats) -> dict:
@@ -307,9 +319,9 @@ def build_manifest(ckpt: Checkpoint, options: ConvertOptions, k_multiple, settin
             "geometry": geom.as_dict(),
         },
         "options": options.recorded(k_multiple),
-        "mla": [e["mla"] for e in entries],
+        "mla": [e["mla"] for e in entries if "mla" in e],
+        **_experts_section(entries),
         "tensors": tensors,
         "files": {e["file"]: {"size": e["size"], "sha256": e["sha256"]} for e in entries},
         "kernel_configs": {"route": route, "configs": ckpt.card.kernel_configs(route)},
     }
-

@@ -1,8 +1,10 @@
 """Work items of a conversion and how one is carried out (in the main process or a worker).
 
-One item = one output file: an MLA layer's w_kc/w_vc (``layer-NNN.safetensors``). An item's result is a
-plain dict (picklable, JSON-able): it goes to the journal and, in item order, into the manifest, so the
-output is byte-identical whatever the number of workers.
+One item = one output file: an MLA layer's w_kc/w_vc (``layer-NNN.safetensors``), or a group of one layer's
+routed experts repacked for aiter (``experts-NNN-PP.safetensors``, at most :data:`EXPERT_FILE_BYTES`, tensors
+made one at a time while the file is written). An item's result is a plain dict (picklable, JSON-able): it
+goes to the journal and, in item order, into the manifest, so the output is byte-identical whatever the
+number of workers.
 """
 
 from __future__ import annotations
@@ -10,26 +12,28 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
+from glm_pack.packing import experts
 from glm_pack.packing import manifest as mf
 from glm_pack.packing.absorb import absorb_layer
-from glm_pack.packing.errors import GlmPackError
+from glm_pack.packing.errors import GlmPackError, PlanError
 from glm_pack.packing.mla import split_kv_b_mxfp4_vc
 
 from .checkpoint import Checkpoint, open_checkpoint
-from .writer import dtype_name, sha256_tensor, write_safetensors
+from .writer import LazyTensor, dtype_name, write_safetensors
 
 OVERLAY_METADATA = {"format": "pt", "producer": "glm-pack"}
+EXPERT_FILE_BYTES = 5 * 10**9  # the issue's bound; the Hub recommends <= 20 GB per file
+REPACK_MODES = ("none", "aiter-a4w4")
 
 
 @dataclass(frozen=True)
 class WorkItem:
-    kind: str  # "mla"
+    kind: str  # "mla" or "experts"
     layer: int
     file: str  # overlay file name inside glm-pack/
-
-    @property
-    def key(self) -> str:
-        return self.file
+    weights: tuple[str, ...] = ()  # experts: the source weight names this file repacks
 
 
 @dataclass(frozen=True)
@@ -42,8 +46,54 @@ class Settings:
     max_rel_error: float | None
 
 
-def plan_items(ckpt: Checkpoint) -> list[WorkItem]:
-    return [WorkItem("mla", layer, f"layer-{layer:03d}.safetensors") for layer in ckpt.card.mla_layers(ckpt.config)]
+def expert_groups(ckpt: Checkpoint) -> dict[int, list[str]]:
+    """{layer: routed-expert weight names in checkpoint order}."""
+    groups: dict[int, list[str]] = {}
+    for name in ckpt.names():
+        m = ckpt.card.expert_pattern.match(name)
+        if m and name.endswith(".weight"):
+            groups.setdefault(int(m["layer"]), []).append(name)
+    return groups
+
+
+def plan_items(ckpt: Checkpoint, repack_experts: str = "none", file_bytes: int = EXPERT_FILE_BYTES) -> list[WorkItem]:
+    """MLA items (one per MLA layer), then expert items (per layer, split to stay under ``file_bytes``)."""
+    if repack_experts not in REPACK_MODES:
+        raise PlanError(f"--repack-experts must be one of {', '.join(REPACK_MODES)}, got {repack_experts!r}")
+    items = [WorkItem("mla", layer, f"layer-{layer:03d}.safetensors") for layer in ckpt.card.mla_layers(ckpt.config)]
+    if repack_experts == "none":
+        return items
+    # Only MXFP4 experts are repacked; others (e.g. an MTP layer left in BF16 by Quark's exclude list) stay as
+    # they are in the original files.
+    groups = {
+        layer: [n for n in names if ckpt.weight_format(n) == "mxfp4"] for layer, names in expert_groups(ckpt).items()
+    }
+    groups = {layer: names for layer, names in groups.items() if names}
+    if not groups:
+        raise PlanError(
+            "--repack-experts aiter-a4w4: the checkpoint has no MXFP4 routed-expert weights", file=ckpt.root
+        )
+    for layer, names in sorted(groups.items()):
+        part: list[str] = []
+        size = 0
+        for name in names:
+            nbytes = sum(ckpt.info(t).nbytes for t in ckpt.source_tensors(name))
+            if part and size + nbytes > file_bytes:
+                items.append(WorkItem("experts", layer, "", tuple(part)))
+                part, size = [], 0
+            part.append(name)
+            size += nbytes
+        items.append(WorkItem("experts", layer, "", tuple(part)))
+    counts: dict[int, int] = {}
+    named = []
+    for item in items:
+        if item.kind == "experts":
+            counts[item.layer] = counts.get(item.layer, 0) + 1
+            item = WorkItem(
+                "experts", item.layer, f"experts-{item.layer:03d}-{counts[item.layer]:02d}.safetensors", item.weights
+            )
+        named.append(item)
+    return named
 
 
 def _locate(err: GlmPackError, ckpt: Checkpoint, name: str) -> GlmPackError:
@@ -82,19 +132,81 @@ def run_mla_item(ckpt: Checkpoint, item: WorkItem, settings: Settings, overlay: 
             tensors[scale] = stored.scale
         entry[proj_name] = mf.projection_entry(stored, weight, scale)
     path = overlay / item.file
-    digest = write_safetensors(path, tensors, OVERLAY_METADATA)
+    digest, shas = write_safetensors(path, tensors, OVERLAY_METADATA)
     return {
         "item": asdict(item),
         "file": item.file,
         "size": path.stat().st_size,
         "sha256": digest,
         "tensors": {
-            name: {"file": item.file, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "sha256": sha256_tensor(t)}
+            name: {"file": item.file, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "sha256": shas[name]}
             for name, t in tensors.items()
         },
         "source_tensors": {name: ckpt.raw_sha256(name) for name in ckpt.source_tensors(kv_b_name)},
         "mla": entry,
     }
+
+
+def _repack(ckpt: Checkpoint, weight: str) -> tuple[torch.Tensor, torch.Tensor]:
+    try:
+        return experts.repack_expert(*ckpt.read_mxfp4(weight), name=weight)
+    except GlmPackError as err:
+        raise _locate(err, ckpt, weight) from None
+
+
+def run_experts_item(ckpt: Checkpoint, item: WorkItem, overlay: Path) -> dict:
+    """Repack one group of expert weights into aiter's a4w4 layout, streaming tensor by tensor."""
+    tensors: dict[str, LazyTensor] = {}
+    layouts: dict[str, dict] = {}
+    source: dict[str, str] = {}
+    for weight in item.weights:
+        scale_name = weight + "_scale"
+        if ckpt.source_tensors(weight) != [weight, scale_name]:
+            raise PlanError(
+                "expert weight is not a weight + weight_scale MXFP4 pair",
+                file=str(ckpt.root / ckpt.info(weight).file),
+                tensor=weight,
+            )
+        memo: dict[str, torch.Tensor] = {}
+
+        def make_codes(weight=weight, memo=memo):
+            codes, memo["scales"] = _repack(ckpt, weight)
+            return codes
+
+        def make_scales(weight=weight, memo=memo):
+            return memo.pop("scales") if "scales" in memo else _repack(ckpt, weight)[1]
+
+        for name, kind, make in ((weight, "weight", make_codes), (scale_name, "weight_scale", make_scales)):
+            info = ckpt.info(name)
+            tensors[name] = LazyTensor(torch.uint8, info.shape, make)
+            layouts[name] = experts.tensor_layout(kind, info.shape)
+            source[name] = ckpt.raw_sha256(name)
+    path = overlay / item.file
+    digest, shas = write_safetensors(path, tensors, OVERLAY_METADATA)
+    return {
+        "item": asdict(item),
+        "file": item.file,
+        "size": path.stat().st_size,
+        "sha256": digest,
+        "tensors": {
+            name: {
+                "file": item.file,
+                "dtype": "U8",
+                "shape": list(t.shape),
+                "sha256": shas[name],
+                "layout": layouts[name],
+            }
+            for name, t in tensors.items()
+        },
+        "source_tensors": source,
+        "experts": {"layer": item.layer, "file": item.file, "tensors": list(tensors)},
+    }
+
+
+def run_item(ckpt: Checkpoint, item: WorkItem, settings: Settings, overlay: Path) -> dict:
+    if item.kind == "experts":
+        return run_experts_item(ckpt, item, overlay)
+    return run_mla_item(ckpt, item, settings, overlay)
 
 
 _WORKER_CKPT: dict[str, Checkpoint] = {}
@@ -117,4 +229,4 @@ def run_item_in_worker(src: str, item: WorkItem, settings: Settings, overlay: st
     """Entry point in a worker process: the checkpoint is opened once per process."""
     if src not in _WORKER_CKPT:
         _WORKER_CKPT[src] = open_checkpoint(src)
-    return run_mla_item(_WORKER_CKPT[src], item, settings, Path(overlay))
+    return run_item(_WORKER_CKPT[src], item, settings, Path(overlay))

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from glm_pack.packing import manifest as mf
 from glm_pack.packing.absorb import rel_error, store_projection
 from glm_pack.packing.errors import GlmPackError
-from glm_pack.packing.layouts import unpack_bmm_nk
+from glm_pack.packing.layouts import get_layout, unpack_bmm_nk
 from glm_pack.packing.mla import split_kv_b, split_kv_b_mxfp4_vc
 from glm_pack.packing.mxfp4 import MODES, dequantize
 
@@ -169,6 +169,14 @@ def verify(out: str | Path) -> VerifyReport:
             continue
         _check_layer(report, ckpt, layer, geom, overlay, tensors)
     report.checked.append(f"{len(layers)} MLA layers re-derived from their source and compared byte for byte")
+    groups = mf.parse_experts(manifest)
+    for _, file, names in groups:
+        if file not in bad_files:
+            _check_experts(report, ckpt, overlay, manifest, tensors, names)
+    if groups:
+        report.checked.append(
+            f"{sum(len(g[2]) for g in groups)} repacked expert tensors unshuffled to the source bytes"
+        )
     return report
 
 
@@ -200,3 +208,13 @@ def _check_layer(report: VerifyReport, ckpt, layer: mf.MlaLayer, geom, overlay: 
             report.problems.append(
                 f"{proj.weight}: error vs source {err:.6g} differs from the recorded {proj.rel_error:.6g}"
             )
+
+
+def _check_experts(report: VerifyReport, ckpt, overlay: Path, manifest: dict, tensors, names: list[str]) -> None:
+    """Each repacked expert tensor, unshuffled with its recorded layout, must equal the source tensor's bytes."""
+    for name in names:
+        params = dict(manifest["tensors"][name]["layout"])
+        layout = get_layout(params.pop("layout"))
+        restored = layout.unpack(_load_overlay_tensor(overlay, tensors[name]), **params)
+        if not torch.equal(restored, ckpt.read_raw(name)):
+            report.problems.append(f"{name}: unshuffled bytes differ from the source tensor")

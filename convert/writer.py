@@ -11,7 +11,8 @@ import errno
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -96,14 +97,34 @@ def atomic_write(path: Path, chunks: Iterable[bytes | memoryview]) -> int:
     return size
 
 
-def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
-    """Length prefix + JSON header (tensors in the given order, padded with spaces to 8 bytes)."""
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor declared up front (dtype, shape) and produced only when its bytes are written."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    make: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.empty((), dtype=self.dtype).element_size()
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _nbytes(t) -> int:
+    return t.nbytes if isinstance(t, LazyTensor) else t.numel() * t.element_size()
+
+
+def safetensors_header(tensors: dict, metadata: dict[str, str] | None = None) -> bytes:
+    """Length prefix + JSON header (tensors or LazyTensors in the given order, padded with spaces to 8 bytes)."""
     header: dict = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     offset = 0
     for name, t in tensors.items():
-        n = t.numel() * t.element_size()
+        n = _nbytes(t)
         header[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -111,21 +132,36 @@ def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     return len(text).to_bytes(8, "little") + text
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
-    """Write ``tensors`` (in order) as a safetensors file, crash-safely; returns the file's sha256."""
+def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> tuple[str, dict[str, str]]:
+    """Write ``tensors`` (in order) as a safetensors file, crash-safely.
+
+    Values are tensors or :class:`LazyTensor`s (made one at a time while writing, so memory holds one tensor).
+    Returns (sha256 of the file, {name: sha256 of the tensor's bytes}).
+    """
     digest = hashlib.sha256()
+    tensor_digests: dict[str, str] = {}
 
     def chunks():
         head = safetensors_header(tensors, metadata)
         digest.update(head)
         yield head
-        for t in tensors.values():
+        for name, t in tensors.items():
+            if isinstance(t, LazyTensor):
+                made = t.make()
+                if made.dtype != t.dtype or tuple(made.shape) != tuple(t.shape):
+                    raise OutputError(
+                        f"produced {made.dtype} {tuple(made.shape)}, declared {t.dtype} {t.shape}",
+                        file=path,
+                        tensor=name,
+                    )
+                t = made
             data = tensor_bytes(t)
             digest.update(data)
+            tensor_digests[name] = hashlib.sha256(data).hexdigest()
             yield data
 
     atomic_write(path, chunks())
-    return digest.hexdigest()
+    return digest.hexdigest(), tensor_digests
 
 
 def write_text(path: Path, text: str) -> None:

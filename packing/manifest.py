@@ -11,7 +11,10 @@ Top-level keys (schema ``glm-pack/manifest`` version 1)::
               qk_rope_head_dim, v_head_dim}}
     options  {quant_mode, k_pad, mla_precision, max_rel_error, files}
     mla      [ {layer, prefix, source {tensor, format}, w_kc: PROJ, w_vc: PROJ} ]  (one per MLA layer)
-    tensors  {overlay tensor name: {file, dtype, shape, sha256}}
+    experts  (only with --repack-experts) {layout "aiter_moe_a4w4", ...its description,
+              groups [ {layer, file, tensors [names]} ]}: routed-expert tensors under their source names,
+              each shuffled (tensors[name].layout says how, e.g. {"layout": "aiter_shuffle_16x16"})
+    tensors  {overlay tensor name: {file, dtype, shape, sha256, layout (experts only)}}
     files    {overlay file name (relative to glm-pack/): {size, sha256}}
     kernel_configs {route, configs {arch: {op: {M bucket: {config key: value}}}}}
 
@@ -45,7 +48,7 @@ PRECISIONS = ("mxfp4", "bf16")
 PROJECTIONS = ("w_kc", "w_vc")
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_JSON_DEPTH = 32
-KNOWN_LAYOUTS = ("bmm_nk", "aiter_shuffle_16x16", "aiter_e8m0_shuffle")
+SHUFFLE_LAYOUTS = ("aiter_shuffle_16x16", "aiter_e8m0_shuffle")
 KNOWN_DTYPES = ("U8", "BF16", "F16", "F32")
 QUANT_MODES = (*MODES, "source")
 
@@ -234,6 +237,29 @@ def parse_mla(manifest: dict) -> list[MlaLayer]:
             )
         )
     return layers
+
+
+def parse_experts(manifest: dict) -> list[tuple[int, str, list[str]]]:
+    """Validate the optional experts section; returns [(layer, file, tensor names)] (empty when absent)."""
+    section = manifest.get("experts")
+    if section is None:
+        return []
+    if not isinstance(section, dict) or section.get("layout") != "aiter_moe_a4w4":
+        _fail("experts.layout must be 'aiter_moe_a4w4'")
+    tensors = parse_tensors(manifest)
+    out = []
+    for i, group in enumerate(_get(section, "groups", list, "experts")):
+        where = f"experts.groups[{i}]"
+        names = _get(group, "tensors", list, where)
+        file = _get(group, "file", str, where)
+        for name in names:
+            if name not in tensors or tensors[name].file != file:
+                _fail(f"{where} names tensor {name!r} that the tensors table lacks in {file}", tensor=name)
+            layout = manifest["tensors"][name].get("layout")
+            if not isinstance(layout, dict) or layout.get("layout") not in SHUFFLE_LAYOUTS:
+                _fail(f"{where}: tensor {name!r} has no known shuffle layout", tensor=name)
+        out.append((_get(group, "layer", int, where), file, names))
+    return out
 
 
 def _check_projection_shapes(p: Projection, geom, tensors, lead: tuple[int, int], k_logical: int) -> None:
