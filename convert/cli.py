@@ -40,6 +40,11 @@ def _register() -> None:
 
 _register()
 
+from .push_commands import card_command, push_command  # noqa: E402
+
+main.add_command(push_command)
+main.add_command(card_command)
+
 from .inspect import inspect_command  # noqa: E402
 from .synth import synth_command  # noqa: E402
 

@@ -150,7 +150,8 @@ class FakeHub:
         Handler.hub = hub
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        serve = {"poll_interval": 0.05}  # quick shutdown
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs=serve, daemon=True)
         self._thread.start()
         return self
 

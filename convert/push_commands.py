@@ -1,0 +1,164 @@
+"""Click commands ``push`` and ``card``: presentation only, the work is in push.py / modelcard.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from .modelcard import write_card
+from .push import PushOptions, PushReport, push
+
+console = Console(stderr=False)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _print_report(report: PushReport, repo_id: str) -> None:
+    plan = report.plan
+    if report.dry_run:
+        table = Table(title=f"dry run: would upload to {repo_id}@{plan.revision} ({report.endpoint})")
+        for col in ("commit", "file", "size", "why"):
+            table.add_column(col, justify="right" if col in ("commit", "size") else "left")
+        for i, commit in enumerate(plan.commits):
+            for u in commit:
+                table.add_row(str(i + 1), u.file.path_in_repo, _mib(u.file.size), u.reason)
+        console.print(table)
+        console.print(
+            f"{len(plan.uploads)} files ({_mib(plan.upload_bytes)}) in {len(plan.commits)} commits would be "
+            f"uploaded; {len(plan.unchanged)} already up to date; nothing was uploaded"
+        )
+        return
+    if not plan.uploads:
+        console.print(
+            f"{repo_id}@{plan.revision} is up to date ({len(plan.unchanged)} files); nothing to upload"
+        )
+        return
+    console.print(
+        f"uploaded {report.uploaded_files} files ({_mib(report.uploaded_bytes)}) "
+        f"in {len(report.commit_urls)} commits to {repo_id}@{plan.revision}; "
+        f"{len(plan.unchanged)} were already up to date"
+    )
+    for url in report.commit_urls:
+        console.print(f"  {url}")
+
+
+def _report_json(report: PushReport, repo_id: str) -> dict:
+    plan = report.plan
+    return {
+        "repo_id": repo_id,
+        "revision": plan.revision,
+        "endpoint": report.endpoint,
+        "dry_run": report.dry_run,
+        "card": str(report.card) if report.card else None,
+        "uploads": [
+            {"path": u.file.path_in_repo, "size": u.file.size, "reason": u.reason} for u in plan.uploads
+        ],
+        "commits": [[u.file.path_in_repo for u in c] for c in plan.commits],
+        "unchanged": plan.unchanged,
+        "uploaded_files": report.uploaded_files,
+        "uploaded_bytes": report.uploaded_bytes,
+        "commit_urls": report.commit_urls,
+    }
+
+
+@click.command("push")
+@click.argument("out", type=click.Path(file_okay=False, exists=True))
+@click.argument("repo_id")
+@click.option("--revision", default="main", show_default=True, help="Branch to push to (created if missing).")
+@click.option("--private", is_flag=True, help="Create the repo private (ignored when it exists).")
+@click.option(
+    "--overlay-only",
+    is_flag=True,
+    help="Upload only glm-pack/ (its card at glm-pack/README.md); the repo's root README is left alone.",
+)
+@click.option("--dry-run", is_flag=True, help="List what would be uploaded, with sizes; upload nothing.")
+@click.option("--commit-message", default=None, help="Commit summary (a part number is appended when split).")
+@click.option(
+    "--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT, else https://huggingface.co)."
+)
+@click.option("--base-model", default=None, help="Card base_model (source repo) for a local source.")
+@click.option("--max-commit-gib", type=float, default=8.0, show_default=True, help="Commit size bound.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+def push_command(
+    out,
+    repo_id,
+    revision,
+    private,
+    overlay_only,
+    dry_run,
+    commit_message,
+    endpoint,
+    base_model,
+    max_commit_gib,
+    as_json,
+):
+    """Publish a converted OUT to the Hub repo REPO_ID, uploading only what the revision lacks.
+
+    OUT must pass `glm-pack verify`. The model card is refreshed first. Files already on the revision with
+    the same size and hash are skipped, the rest goes in commits of bounded size with the manifest and the
+    card last, so a re-run after an interruption finishes the job. Token: HF_TOKEN or `hf auth login`.
+
+    \b
+    Examples:
+      glm-pack push /models/GLM-5-gfx950 me/GLM-5-gfx950 --private
+      glm-pack push /models/GLM-5-gfx950 zai-org/GLM-5 --overlay-only --revision gfx950
+      glm-pack push /models/GLM-5-gfx950 me/GLM-5-gfx950 --dry-run
+    """
+    options = PushOptions(
+        revision=revision,
+        private=private,
+        overlay_only=overlay_only,
+        dry_run=dry_run,
+        commit_message=commit_message,
+        endpoint=endpoint,
+        base_model=base_model,
+        max_commit_bytes=max(1, int(max_commit_gib * 2**30)),
+    )
+    with _quiet_hub_progress():  # huggingface_hub's per-file bars would bury the one-line errors on stderr
+        report = push(out, repo_id, options, progress=None if as_json else _progress)
+    if as_json:
+        click.echo(json.dumps(_report_json(report, repo_id), indent=2))
+    else:
+        _print_report(report, repo_id)
+
+
+@contextlib.contextmanager
+def _quiet_hub_progress():
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_disabled = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            enable_progress_bars()
+
+
+def _progress(done: int, total: int, nbytes: int) -> None:
+    console.print(f"committed {done}/{total} files ({_mib(nbytes)})")
+
+
+@click.command("card")
+@click.argument("out", type=click.Path(file_okay=False, exists=True))
+@click.option("--overlay-only", is_flag=True, help="Write glm-pack/README.md instead of README.md.")
+@click.option("--base-model", default=None, help="base_model when the source was a local copy of a Hub repo.")
+def card_command(out, overlay_only, base_model):
+    """Write or refresh the model card of a converted OUT without pushing.
+
+    The root README.md becomes the glm-pack card; a source model card found there is kept as
+    README.source.md (its license is carried over).
+
+    \b
+    Examples:
+      glm-pack card /models/GLM-5-gfx950 --base-model zai-org/GLM-5
+      glm-pack card /models/GLM-5-gfx950 --overlay-only
+    """
+    path = write_card(out, overlay_only=overlay_only, base_model=base_model)
+    console.print(f"model card written: {path}")

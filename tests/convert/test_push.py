@@ -1,0 +1,265 @@
+"""``glm-pack push`` end to end: the real huggingface_hub client against the loopback FakeHub.
+
+The pushed OUT is a real conversion (synthetic GLM-5 checkpoint, 1 MLA layer) made once per session.
+Xet is disabled so uploads take the Hub's regular (inline) and LFS (batch + PUT) paths.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from fake_hub import FakeHub
+from huggingface_hub import CommitOperationAdd, HfApi, constants
+
+from glm_pack.convert.cli import main
+from glm_pack.convert.push import LocalFile, Upload, group_commits
+
+REPO = "tester/glm-5-small-gfx950"
+LFS_THRESHOLD = 64 * 1024  # the text files (json, md) stay regular, every safetensors file goes through LFS
+SOURCE_README = b"---\nlicense: apache-2.0\nlibrary_name: transformers\ntags:\n- glm\n---\n# GLM-5 small\n"
+SMALL_COMMIT_GIB = 12 / 1024  # 12 MiB: several commits for the ~54 MB synthetic OUT
+
+
+@pytest.fixture(scope="session", name="converted")
+def converted_fixture(tmp_path_factory) -> Path:
+    """A converted OUT made by the real converter from a synthetic checkpoint with a source README."""
+    from glm_pack.convert.convert import ConvertOptions, convert
+    from glm_pack.convert.synth import synthesize
+
+    root = tmp_path_factory.mktemp("converted")
+    src = synthesize(
+        root / "src", card="glm-5", layers=1, experts=1, fmt="bf16", seed=0, mtp=False, shard_bytes=8 << 20
+    )
+    (src / "README.md").write_bytes(SOURCE_README)
+    convert(src, root / "out", ConvertOptions())
+    return root / "out"
+
+
+@pytest.fixture(name="out")
+def out_fixture(converted, tmp_path) -> Path:
+    """A private copy of the converted OUT (hard links: tests replace files, never write through them)."""
+    dst = tmp_path / "out"
+    shutil.copytree(converted, dst, copy_function=os.link)
+    return dst
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)  # read at import time by huggingface_hub
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-login-cache" / "token"))
+    with FakeHub(lfs_threshold=LFS_THRESHOLD) as server:
+        monkeypatch.setenv("HF_TOKEN", server.token)
+        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+        yield server
+
+
+def run_cli(*args: str):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def published(out: Path, overlay_only: bool = False) -> dict[str, bytes]:
+    """What a push must publish, listed independently of push.py: the non-hidden files of OUT."""
+    root = out / "glm-pack" if overlay_only else out
+    files = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            if not name.startswith("."):
+                path = Path(dirpath) / name
+                files[path.relative_to(out).as_posix()] = path.read_bytes()
+    return files
+
+
+def assert_no_token(hub: FakeHub, result, out: Path) -> None:
+    assert hub.token not in result.output
+    for path in out.rglob("*"):
+        if path.is_file():
+            assert hub.token.encode() not in path.read_bytes(), path
+
+
+def test_full_push_uploads_everything_in_bounded_commits(hub, out):
+    result = run_cli("push", out, REPO, "--max-commit-gib", SMALL_COMMIT_GIB)
+    assert result.exit_code == 0, result.output
+    expected = published(out)
+    assert hub.files(REPO) == expected
+    assert "README.source.md" in expected and expected["README.source.md"] == SOURCE_README
+    assert expected["README.md"].startswith(b"---\n")
+    # Both upload paths: every safetensors file through LFS (batch + PUT), the text files inline.
+    assert hub.lfs_paths(REPO) == {p for p in expected if p.endswith(".safetensors")}
+    put_bytes = sum(r.body_bytes for r in hub.kinds("lfs_put"))
+    assert put_bytes == sum(len(b) for p, b in expected.items() if p.endswith(".safetensors"))
+    assert len(hub.kinds("validate_yaml")) == 1
+    commits = hub.repos[REPO].commits
+    assert len(commits) >= 3
+    bound = int(SMALL_COMMIT_GIB * 2**30)
+    for c in commits:
+        assert len(c["files"]) == 1 or sum(len(expected[p]) for p in c["files"]) <= bound
+    assert {"glm-pack/manifest.json", "README.md"} <= set(commits[-1]["files"])
+    assert sorted(p for c in commits for p in c["files"]) == sorted(expected)
+    assert_no_token(hub, result, out)
+
+
+def test_repush_of_unchanged_out_uploads_nothing(hub, out):
+    assert run_cli("push", out, REPO).exit_code == 0
+    commits = len(hub.repos[REPO].commits)
+    hub.reset_requests()
+    result = run_cli("push", out, REPO)
+    assert result.exit_code == 0, result.output
+    assert "up to date" in result.output
+    assert not hub.kinds("commit") and not hub.kinds("lfs_put") and not hub.kinds("preupload")
+    assert len(hub.repos[REPO].commits) == commits
+
+
+def test_changed_file_is_uploaded_again(hub, out):
+    assert run_cli("push", out, REPO).exit_code == 0
+    commits = len(hub.repos[REPO].commits)
+    config = out / "config.json"
+    text = config.read_bytes()
+    config.unlink()  # a hard link to the session's converted OUT: replace, do not write through
+    config.write_bytes(text.replace(b"{", b"{ ", 1))  # same JSON, different bytes, one byte longer
+    hub.reset_requests()
+    # verify refuses a changed config (it no longer matches the manifest's fingerprint) ...
+    result = run_cli("push", out, REPO)
+    assert result.exit_code == 1 and "refusing to push" in result.output
+    assert not hub.requests
+    # ... while a changed card is a plain re-upload of that one file.
+    readme = out / "README.md"
+    readme.unlink()
+    config.unlink()
+    config.write_bytes(text)
+    result = run_cli("push", out, REPO, "--base-model", "zai-org/GLM-5")
+    assert result.exit_code == 0, result.output
+    assert [c["files"] for c in hub.repos[REPO].commits[commits:]] == [["README.md"]]
+    assert b"base_model: zai-org/GLM-5" in hub.files(REPO)["README.md"]
+
+
+def test_overlay_only_push_leaves_the_repo_root_alone(hub, out):
+    api = HfApi(endpoint=hub.endpoint, token=hub.token)
+    api.create_repo(REPO)
+    original = b"---\nlicense: mit\n---\n# the original repo card\n"
+    api.create_commit(REPO, [CommitOperationAdd("README.md", original)], commit_message="original")
+    hub.reset_requests()
+    result = run_cli("push", out, REPO, "--overlay-only")
+    assert result.exit_code == 0, result.output
+    files = hub.files(REPO)
+    assert files["README.md"] == original
+    expected = published(out, overlay_only=True)
+    assert {p: files[p] for p in files if p != "README.md"} == expected
+    assert set(expected) == {"glm-pack/manifest.json", "glm-pack/README.md", "glm-pack/layer-000.safetensors"}
+    assert expected["glm-pack/README.md"].startswith(b"---\n")
+    assert not (out / "README.source.md").exists()  # overlay mode does not touch the root card
+    assert not hub.kinds("validate_yaml")  # only a root README.md is validated by the Hub
+
+
+def test_push_to_a_branch(hub, out):
+    result = run_cli("push", out, REPO, "--revision", "gfx950", "--overlay-only")
+    assert result.exit_code == 0, result.output
+    assert hub.files(REPO, "main") == {}
+    assert set(hub.files(REPO, "gfx950")) == set(published(out, overlay_only=True))
+
+
+def test_interrupted_push_resumes_and_uploads_only_the_rest(hub, out):
+    hub.fail("commit", drop=True, after_files=1)  # the first commit lands, the next one loses its connection
+    result = run_cli("push", out, REPO, "--max-commit-gib", SMALL_COMMIT_GIB)
+    assert result.exit_code == 1
+    assert "interrupted" in result.output and "run the same command again" in result.output
+    expected = published(out)  # the card was written before the first upload
+    first = hub.files(REPO)
+    assert first and set(first) < set(expected)
+    assert "glm-pack/manifest.json" not in first  # an unfinished remote overlay has no manifest
+    hub.clear_faults()
+    hub.reset_requests()
+    result = run_cli("push", out, REPO, "--max-commit-gib", SMALL_COMMIT_GIB)
+    assert result.exit_code == 0, result.output
+    assert hub.files(REPO) == expected
+    resumed = [p for c in hub.repos[REPO].commits[1:] for p in c["files"]]
+    assert sorted(resumed) == sorted(set(expected) - set(first))
+    put = sum(r.body_bytes for r in hub.kinds("lfs_put"))
+    assert put <= sum(len(expected[p]) for p in resumed if p.endswith(".safetensors"))
+
+
+def test_dry_run_lists_and_uploads_nothing(hub, out):
+    result = run_cli("push", out, REPO, "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "nothing was uploaded" in result.output
+    for path in published(out):
+        assert path in result.output
+    assert REPO not in hub.repos
+    assert not hub.kinds("create") and not hub.kinds("commit") and not hub.kinds("lfs_put")
+
+
+def test_push_refuses_an_out_verify_rejects(hub, out):
+    layer = out / "glm-pack" / "layer-000.safetensors"
+    data = bytearray(layer.read_bytes())
+    data[-1] ^= 0x01
+    layer.unlink()
+    layer.write_bytes(bytes(data))
+    result = run_cli("push", out, REPO)
+    assert result.exit_code == 1
+    assert "refusing to push" in result.output and "verify" in result.output
+    assert not hub.requests
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+ERRORS = {
+    "no token": (lambda hub, mp: mp.delenv("HF_TOKEN"), "no Hugging Face token"),
+    "401": (lambda hub, mp: mp.setenv("HF_TOKEN", "hf_wrong_token_value"), "authentication failed (401)"),
+    "403": (lambda hub, mp: hub.fail("create", 403), "permission denied (403)"),
+    "repo not found": (lambda hub, mp: hub.fail("paths_info", 404, error_code="RepoNotFound"), "not found"),
+    "rate limit": (lambda hub, mp: hub.fail("commit", 429, after_files=1), "rate limited (429)"),
+    "network refused": (
+        lambda hub, mp: mp.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}"),
+        "cannot connect",
+    ),
+    "interrupted": (lambda hub, mp: hub.fail("commit", drop=True, after_files=1), "upload interrupted"),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_errors_give_one_clear_line(hub, out, monkeypatch, case):
+    setup, expected = ERRORS[case]
+    setup(hub, monkeypatch)
+    result = CliRunner().invoke(main, ["push", str(out), REPO, "--max-commit-gib", str(SMALL_COMMIT_GIB)])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("glm-pack: error: ") and expected in lines[0], lines[0]
+    assert "Traceback" not in result.output
+    assert_no_token(hub, result, out)
+
+
+def _upload(path: str, size: int) -> Upload:
+    return Upload(LocalFile(path, Path(path), size), "new")
+
+
+def test_group_commits_bounds_and_order():
+    uploads = [
+        _upload("README.md", 10),
+        _upload("a.safetensors", 40),
+        _upload("b.safetensors", 40),
+        _upload("c.safetensors", 150),
+        _upload("d.safetensors", 10),
+        _upload("glm-pack/manifest.json", 5),
+        _upload("glm-pack/layer-000.safetensors", 30),
+    ]
+    commits = [[u.file.path_in_repo for u in c] for c in group_commits(uploads, max_bytes=100, max_files=2)]
+    assert commits == [
+        ["a.safetensors", "b.safetensors"],
+        ["c.safetensors"],  # larger than the bound: alone
+        ["d.safetensors", "glm-pack/layer-000.safetensors"],
+        ["README.md", "glm-pack/manifest.json"],
+    ]
