@@ -1,0 +1,364 @@
+"""Safetensors header parsing, lazy reads and the Checkpoint API, including every bad input of issue 3."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from glm_pack.convert import safetensors_io as sio
+from glm_pack.convert.checkpoint import open_checkpoint
+from glm_pack.convert.cli import main
+from glm_pack.packing.errors import CheckpointError
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "a.weight": torch.randn(5, 7, generator=g).to(torch.bfloat16),
+        "b.weight": torch.randn(4, 64, generator=g).to(torch.float8_e4m3fn),
+        "b.weight_scale_inv": torch.rand(1, 1, generator=g),
+        "c.codes": torch.randint(0, 256, (3, 16), generator=g, dtype=torch.uint8),
+        "d.empty": torch.empty(0, 3),
+        "e.half": torch.randn(6, generator=g).half(),
+    }
+
+
+def _raw(path: Path) -> tuple[dict, bytes]:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def _rewrite(path: Path, header: dict, buffer: bytes, length: int | None = None) -> None:
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text) if length is None else length) + text + buffer)
+
+
+def test_parse_and_read_match_the_safetensors_library(tmp_path):
+    path = tmp_path / "x.safetensors"
+    tensors = _tensors()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    header = sio.parse_header(sio.LocalFile(path))
+    assert header.metadata == {"format": "pt"}
+    assert set(header.tensors) == set(tensors)
+    with safe_open(str(path), framework="pt") as f:
+        for name, t in tensors.items():
+            entry = header.tensors[name]
+            got = sio.read_tensor(sio.LocalFile(path), entry)
+            assert got.dtype == t.dtype and tuple(got.shape) == tuple(t.shape) == entry.shape
+            assert torch.equal(got.view(torch.uint8), f.get_tensor(name).view(torch.uint8))
+
+
+def test_encode_header_is_readable_by_the_library(tmp_path):
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    u = torch.arange(5, dtype=torch.uint8)
+    head = sio.encode_header([("t", "F32", (3, 4)), ("u", "U8", (5,))], {"k": "v"})
+    assert (len(head) - 8) % 8 == 0  # padded like the official writer
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(head + t.numpy().tobytes() + u.numpy().tobytes())
+    with safe_open(str(path), framework="pt") as f:
+        assert torch.equal(f.get_tensor("t"), t) and torch.equal(f.get_tensor("u"), u)
+        assert f.metadata() == {"k": "v"}
+
+
+def _last(h: dict) -> str:
+    return max((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"][1])
+
+
+def _corrupt_cases():
+    """(id, mutate(header, buffer) -> (header, buffer, length or None, tensor or None), message)."""
+
+    def overlap(h, b):
+        name = _last(h)
+        h[name]["data_offsets"] = [o - 2 for o in h[name]["data_offsets"]]
+        return h, b, None, name
+
+    def out_of_range(h, b):
+        name = _last(h)
+        e = h[name]
+        row = (e["data_offsets"][1] - e["data_offsets"][0]) // e["shape"][0]
+        e["shape"][0] += 1
+        e["data_offsets"][1] += row
+        return h, b, None, name
+
+    def trailing(h, b):
+        return h, b + b"\0" * 4, None, None
+
+    def gap(h, b):
+        for k, e in h.items():
+            if k != "__metadata__":
+                e["data_offsets"] = [o + 4 for o in e["data_offsets"]]
+        return h, b"\0" * 4 + b, None, None
+
+    def wrong_size(h, b):
+        h["a.weight"]["shape"] = [5, 8]
+        return h, b, None, "a.weight"
+
+    def bad_dtype(h, b):
+        h["a.weight"]["dtype"] = "BF17"
+        return h, b, None, "a.weight"
+
+    def bad_shape(h, b):
+        h["a.weight"]["shape"] = [5, -7]
+        return h, b, None, "a.weight"
+
+    def metadata_not_str(h, b):
+        h["__metadata__"] = {"format": 1}
+        return h, b, None, None
+
+    def too_long(h, b):
+        return h, b, 200_000_000, None
+
+    def past_end(h, b):
+        return h, b[:0], len(json.dumps(h)) + 100, None
+
+    return [
+        ("overlap", overlap, "overlap"),
+        ("out_of_range", out_of_range, "truncated"),
+        ("trailing_bytes", trailing, "trailing bytes"),
+        ("gap", gap, "gap"),
+        ("size_mismatch", wrong_size, "needs 80 bytes"),
+        ("unknown_dtype", bad_dtype, "unknown dtype"),
+        ("bad_shape", bad_shape, "not a list of sizes"),
+        ("metadata", metadata_not_str, "__metadata__"),
+        ("header_too_long", too_long, "100 MB"),
+        ("header_past_end", past_end, "past the end"),
+    ]
+
+
+@pytest.mark.parametrize("case", _corrupt_cases(), ids=lambda c: c[0])
+def test_corrupt_headers_raise_checkpoint_error_naming_file_and_tensor(tmp_path, case):
+    _, mutate, message = case
+    path = tmp_path / "x.safetensors"
+    save_file(_tensors(), str(path))
+    header, buffer = _raw(path)
+    header, buffer, length, tensor = mutate(header, buffer)
+    _rewrite(path, header, buffer, length)
+    with pytest.raises(CheckpointError, match=message) as err:
+        sio.parse_header(sio.LocalFile(path))
+    assert err.value.file == str(path)
+    if tensor is not None:
+        assert err.value.tensor == tensor
+    # the reference implementation refuses the same file
+    with pytest.raises(Exception):  # noqa: B017
+        with safe_open(str(path), framework="pt") as f:
+            [f.get_tensor(k) for k in f.keys()]
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b"\x01\x02", "not even the 8-byte"),
+        (struct.pack("<Q", 5) + b"{nope", "invalid JSON"),
+        (struct.pack("<Q", 2) + b"[]", "not an object"),
+        (struct.pack("<Q", 2) + b"\xff\xfe", "invalid JSON"),
+        (struct.pack("<Q", 19) + b'{"__metadata__":{},', "invalid JSON"),
+    ],
+)
+def test_unreadable_headers(tmp_path, raw, message):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(raw)
+    with pytest.raises(CheckpointError, match=message) as err:
+        sio.parse_header(sio.LocalFile(path))
+    assert err.value.file == str(path)
+
+
+def test_duplicate_keys_are_refused(tmp_path):
+    path = tmp_path / "dup.safetensors"
+    text = b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"\0")
+    with pytest.raises(CheckpointError, match="duplicate key"):
+        sio.parse_header(sio.LocalFile(path))
+
+
+# ---- Checkpoint API ---------------------------------------------------------------------------------
+
+
+def test_checkpoint_api_on_a_sharded_checkpoint(synth_ckpt):
+    path = synth_ckpt("glm-5", "fp8-block")
+    ck = open_checkpoint(path)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert ck.root == path and ck.index_path == path / "model.safetensors.index.json"
+    assert ck.weight_map == index["weight_map"]
+    assert ck.files == list(dict.fromkeys(index["weight_map"].values())) and len(ck.files) > 1
+    assert ck.names() == list(index["weight_map"])
+    assert ck.card.name == "glm-5" and ck.quant_config["quant_method"] == "fp8"
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    info = ck.info(name)
+    assert (info.dtype, info.shape, info.end - info.begin) == ("F8_E4M3", (28672, 512), 28672 * 512)
+    with safe_open(str(path / info.file), framework="pt") as f:
+        ref = f.get_tensor(name)
+    raw = ck.read_raw(name)
+    assert raw.dtype == torch.float8_e4m3fn and torch.equal(raw.view(torch.uint8), ref.view(torch.uint8))
+    assert ck.source_tensors(name) == [name, "model.layers.0.self_attn.kv_b_proj.weight_scale_inv"]
+    import hashlib
+
+    assert ck.raw_sha256(name) == hashlib.sha256(ref.view(torch.uint8).numpy().tobytes()).hexdigest()
+    with pytest.raises(CheckpointError, match="no such tensor"):
+        ck.info("model.layers.0.nothing.weight")
+
+
+def test_reads_touch_only_the_tensor_bytes(synth_ckpt, monkeypatch):
+    ck = open_checkpoint(synth_ckpt("glm-5", "fp8-block"))
+    calls = []
+    original = sio.LocalFile.read
+
+    def spy(self, offset, length):
+        calls.append((offset, length))
+        return original(self, offset, length)
+
+    monkeypatch.setattr(sio.LocalFile, "read", spy)
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    ck.read_float(name)
+    spans = {(ck.info(t).begin, ck.info(t).nbytes) for t in ck.source_tensors(name)}
+    assert set(calls) == spans
+
+
+def test_weight_and_scale_in_different_shards(synth_ckpt):
+    ck = open_checkpoint(synth_ckpt("glm-5", "fp8-block"))
+    split = [
+        n
+        for n in ck.names()
+        if n.endswith(".weight")
+        and ck.weight_format(n) == "fp8-block"
+        and len({ck.info(t).file for t in ck.source_tensors(n)}) == 2
+    ]
+    assert "model.layers.0.self_attn.kv_b_proj.weight" in split
+    w, s = (ck.read_raw(t) for t in ck.source_tensors(split[0]))
+    ref = w.float() * s.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
+    assert torch.equal(ck.read_float(split[0]), ref)
+
+
+def test_single_file_checkpoint(synth_ckpt, tmp_path):
+    src = synth_ckpt("deepseek-v3", "bf16", layers=1, mtp=False)
+    ck_src = open_checkpoint(src)
+    tensors = {n: ck_src.read_raw(n) for n in ck_src.names()}
+    out = tmp_path / "single"
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_bytes((src / "config.json").read_bytes())
+    ck = open_checkpoint(out)
+    assert ck.files == ["model.safetensors"] and ck.index_path is None
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    assert torch.equal(ck.read_float(name), ck_src.read_float(name))
+    assert ck.mla_layers() == [0]
+
+
+def test_hf_cache_snapshot_of_symlinks(synth_ckpt, ckpt_copy):
+    src = synth_ckpt("glm-5", "bf16")
+    snap = ckpt_copy(src)
+    assert all(p.is_symlink() for p in snap.iterdir())
+    ck = open_checkpoint(snap)
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    assert torch.equal(ck.read_float(name), open_checkpoint(src).read_float(name))
+
+
+# ---- bad checkpoints: Python API and CLI ------------------------------------------------------------
+
+
+def _replace(path: Path, data: bytes) -> None:
+    path.unlink()
+    path.write_bytes(data)
+
+
+def _kv_b_shard(ck_dir: Path) -> tuple[str, str]:
+    wm = json.loads((ck_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    return name, wm[name]
+
+
+def _missing_shard(d: Path):
+    name, shard = _kv_b_shard(d)
+    (d / shard).unlink()
+    return "missing", shard, None
+
+
+def _truncated_shard(d: Path):
+    name, shard = _kv_b_shard(d)
+    data = (d / shard).resolve().read_bytes()
+    _replace(d / shard, data[:-1000])
+    return "truncated", shard, None
+
+
+def _bad_header_length(d: Path):
+    _, shard = _kv_b_shard(d)
+    data = (d / shard).resolve().read_bytes()
+    _replace(d / shard, struct.pack("<Q", 1 << 40) + data[8:])
+    return "100 MB", shard, None
+
+
+def _invalid_json(d: Path):
+    _, shard = _kv_b_shard(d)
+    data = bytearray((d / shard).resolve().read_bytes())
+    data[8] = ord("[")
+    _replace(d / shard, bytes(data))
+    return "invalid JSON", shard, None
+
+
+def _offsets_overlap(d: Path):
+    _, shard = _kv_b_shard(d)
+    header, buffer = _raw((d / shard).resolve())
+    name = _last(header)
+    header[name]["data_offsets"] = [o - 2 for o in header[name]["data_offsets"]]
+    text = json.dumps(header).encode()
+    _replace(d / shard, struct.pack("<Q", len(text)) + text + buffer)
+    return "overlap", shard, name
+
+
+def _index_names_absent_tensor(d: Path):
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    name = "model.layers.0.input_layernorm.weight"
+    others = [f for f in dict.fromkeys(index["weight_map"].values()) if f != index["weight_map"][name]]
+    index["weight_map"][name] = others[0]
+    _replace(d / "model.safetensors.index.json", json.dumps(index).encode())
+    return "shard lacks it", others[0], name
+
+
+def _shape_contradicts_config(d: Path):
+    config = json.loads((d / "config.json").read_text())
+    config["v_head_dim"] = 128
+    _replace(d / "config.json", json.dumps(config).encode())
+    name, shard = _kv_b_shard(d)
+    return "contradicts the config", None, "model.layers.0.self_attn.kv_b_proj.weight"
+
+
+def _unknown_architecture(d: Path):
+    config = json.loads((d / "config.json").read_text())
+    config["architectures"], config["model_type"] = ["LlamaForCausalLM"], "llama"
+    _replace(d / "config.json", json.dumps(config).encode())
+    return "unknown architecture LlamaForCausalLM", "config.json", None
+
+
+BAD = [
+    _missing_shard,
+    _truncated_shard,
+    _bad_header_length,
+    _invalid_json,
+    _offsets_overlap,
+    _index_names_absent_tensor,
+    _shape_contradicts_config,
+    _unknown_architecture,
+]
+
+
+@pytest.mark.parametrize("break_it", BAD, ids=lambda f: f.__name__.strip("_"))
+def test_bad_checkpoints_fail_clearly(synth_ckpt, ckpt_copy, break_it):
+    d = ckpt_copy(synth_ckpt("glm-5", "bf16"))
+    message, file, tensor = break_it(d)
+    with pytest.raises(CheckpointError, match=message) as err:
+        open_checkpoint(d)
+    if file is not None:
+        assert err.value.file == str(d / file)
+    if tensor is not None:
+        assert err.value.tensor == tensor
+    result = CliRunner().invoke(main, ["inspect", str(d)])
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("glm-pack: error: ") and str(err.value) in lines[0]
