@@ -215,7 +215,7 @@ def _audience_fields(name: str, overlay_only: bool) -> dict:
     }
 
 
-def _body_fields(manifest: dict, overlay_only: bool, has_source_readme: bool) -> dict:
+def _body_fields(manifest: dict, overlay_only: bool, has_source_readme: bool, repo_id: str | None) -> dict:
     layers = mf.parse_mla(manifest)
     geom = mf.parse_geometry(manifest)
     options, source = manifest["options"], manifest["source"]
@@ -228,6 +228,7 @@ def _body_fields(manifest: dict, overlay_only: bool, has_source_readme: bool) ->
     names = sorted({lay.source_tensor for lay in layers})
     return {
         "marker": CARD_MARKER,
+        "repo_id": repo_id or "<this repo>",
         "title": f"{name} — glm-pack MXFP4 MLA overlay for gfx950",
         "n_layers": len(layers),
         "layer_list": _layer_list([lay.layer for lay in layers]),
@@ -263,7 +264,9 @@ def _template() -> Template:
     return Template(resources.files("glm_pack.cards").joinpath("model_card.md").read_text(encoding="utf-8"))
 
 
-def render_card(out: str | Path, *, overlay_only: bool = False, base_model: str | None = None) -> str:
+def render_card(
+    out: str | Path, *, overlay_only: bool = False, base_model: str | None = None, repo_id: str | None = None
+) -> str:
     """The card text (``---`` YAML ``---`` + body) of a converted OUT; reads only the manifest and cards."""
     from .verify import read_manifest
 
@@ -274,11 +277,13 @@ def render_card(out: str | Path, *, overlay_only: bool = False, base_model: str 
         manifest, source_metadata(source_text), overlay_only=overlay_only, base_model=base_model
     )
     has_source = not overlay_only and source_text is not None
-    body = _template().substitute(_body_fields(manifest, overlay_only, has_source))
+    body = _template().substitute(_body_fields(manifest, overlay_only, has_source, repo_id))
     return f"---\n{data.to_yaml()}\n---\n{body.rstrip()}\n"
 
 
-def write_card(out: str | Path, *, overlay_only: bool = False, base_model: str | None = None) -> Path:
+def write_card(
+    out: str | Path, *, overlay_only: bool = False, base_model: str | None = None, repo_id: str | None = None
+) -> Path:
     """Write (or refresh) the card; in full mode first keep a source README.md as README.source.md.
 
     Files are replaced by rename, never written through: an original README.md hard-linked from the
@@ -298,7 +303,7 @@ def write_card(out: str | Path, *, overlay_only: bool = False, base_model: str |
                         file=readme,
                     )
                 atomic_write(kept, [data])
-    text = render_card(out, overlay_only=overlay_only, base_model=base_model)
+    text = render_card(out, overlay_only=overlay_only, base_model=base_model, repo_id=repo_id)
     if not target.is_file() or target.read_text(encoding="utf-8") != text:
         write_text(target, text)
     return target

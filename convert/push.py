@@ -232,8 +232,12 @@ def push(
 
     out = Path(out)
     endpoint = resolve_endpoint(options.endpoint)
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode():
+        raise HubError("HF_HUB_OFFLINE is set: unset it to push")
     _check_out(out, options.overlay_only)
-    card = write_card(out, overlay_only=options.overlay_only, base_model=options.base_model)
+    card = write_card(out, overlay_only=options.overlay_only, base_model=options.base_model, repo_id=repo_id)
     token = _token()
     if token is None and not options.dry_run:
         raise HubError("no Hugging Face token: set HF_TOKEN or run `hf auth login`")
@@ -332,7 +336,7 @@ def hub_error(err: Exception, repo_id: str, endpoint: str, revision: str, report
             return HubError(f"cannot connect to {endpoint}: connection refused or unreachable")
         if _is(e, "TimeoutException", "TimeoutError"):
             return HubError(_interrupted(report, f"timed out talking to {endpoint}"))
-        if _is(e, "TransportError", "ConnectionError", "OSError"):
+        if _is(e, "TransportError", "ConnectionError"):
             return HubError(_interrupted(report, f"connection to {endpoint} lost"))
         if isinstance(e, ValueError) and "Invalid metadata in README.md" in str(e):
             return HubError(f"the Hub rejected the model card metadata: {_first_line(e, skip=1)}")

@@ -149,7 +149,8 @@ def _progress(done: int, total: int, nbytes: int) -> None:
 @click.argument("out", type=click.Path(file_okay=False, exists=True))
 @click.option("--overlay-only", is_flag=True, help="Write glm-pack/README.md instead of README.md.")
 @click.option("--base-model", default=None, help="base_model when the source was a local copy of a Hub repo.")
-def card_command(out, overlay_only, base_model):
+@click.option("--repo-id", default=None, help="The repo the card will live in (used in the loading example).")
+def card_command(out, overlay_only, base_model, repo_id):
     """Write or refresh the model card of a converted OUT without pushing.
 
     The root README.md becomes the glm-pack card; a source model card found there is kept as
@@ -160,5 +161,5 @@ def card_command(out, overlay_only, base_model):
       glm-pack card /models/GLM-5-gfx950 --base-model zai-org/GLM-5
       glm-pack card /models/GLM-5-gfx950 --overlay-only
     """
-    path = write_card(out, overlay_only=overlay_only, base_model=base_model)
+    path = write_card(out, overlay_only=overlay_only, base_model=base_model, repo_id=repo_id)
     console.print(f"model card written: {path}")

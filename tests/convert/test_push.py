@@ -92,6 +92,7 @@ def test_full_push_uploads_everything_in_bounded_commits(hub, out):
     assert hub.files(REPO) == expected
     assert "README.source.md" in expected and expected["README.source.md"] == SOURCE_README
     assert expected["README.md"].startswith(b"---\n")
+    assert f'snapshot_download("{REPO}")'.encode() in expected["README.md"]
     # Both upload paths: every safetensors file through LFS (batch + PUT), the text files inline.
     assert hub.lfs_paths(REPO) == {p for p in expected if p.endswith(".safetensors")}
     put_bytes = sum(r.body_bytes for r in hub.kinds("lfs_put"))
@@ -159,9 +160,10 @@ def test_overlay_only_push_leaves_the_repo_root_alone(hub, out):
     assert not hub.kinds("validate_yaml")  # only a root README.md is validated by the Hub
 
 
-def test_push_to_a_branch(hub, out):
-    result = run_cli("push", out, REPO, "--revision", "gfx950", "--overlay-only")
+def test_push_to_a_private_repo_branch(hub, out):
+    result = run_cli("push", out, REPO, "--revision", "gfx950", "--overlay-only", "--private")
     assert result.exit_code == 0, result.output
+    assert hub.repos[REPO].private
     assert hub.files(REPO, "main") == {}
     assert set(hub.files(REPO, "gfx950")) == set(published(out, overlay_only=True))
 
@@ -263,3 +265,20 @@ def test_group_commits_bounds_and_order():
         ["d.safetensors", "glm-pack/layer-000.safetensors"],
         ["README.md", "glm-pack/manifest.json"],
     ]
+
+
+def test_fake_hub_serves_byte_ranges(hub, out):
+    """The loopback Hub answers Range reads like the Hub's resolve endpoint (for later byte-range readers)."""
+    from urllib.request import Request, urlopen
+
+    assert run_cli("push", out, REPO, "--overlay-only").exit_code == 0
+    data = (out / "glm-pack" / "layer-000.safetensors").read_bytes()
+    url = f"{hub.endpoint}/{REPO}/resolve/main/glm-pack/layer-000.safetensors"
+    auth = {"Authorization": f"Bearer {hub.token}"}
+    for rng, want in (("bytes=0-7", data[:8]), ("bytes=100-", data[100:]), ("bytes=-16", data[-16:])):
+        with urlopen(Request(url, headers={**auth, "Range": rng})) as resp:
+            assert resp.status == 206 and resp.read() == want
+            first = len(data) - len(want) if rng.startswith("bytes=-") else int(rng[6:].split("-")[0])
+            assert resp.headers["Content-Range"] == f"bytes {first}-{first + len(want) - 1}/{len(data)}"
+    with urlopen(Request(url, headers=auth)) as resp:
+        assert resp.status == 200 and resp.read() == data
