@@ -27,6 +27,7 @@ import operator
 import re
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
 try:
     import tomllib
@@ -317,8 +318,11 @@ def list_cards() -> list[str]:
 
 @functools.cache
 def load_card(name: str) -> Card:
+    """A bundled card by name, or a card file by path (``*.toml``): a new family needs a card, not code."""
     ref = resources.files("glm_pack.cards") / f"{name}.toml"
-    if not ref.is_file():
+    if name.endswith(".toml") and Path(name).is_file():
+        ref = Path(name)
+    elif not ref.is_file():
         raise PlanError(f"unknown card {name!r}; known cards: {', '.join(list_cards())}")
     text = ref.read_text(encoding="utf-8")
     try:

@@ -1,0 +1,163 @@
+"""Cards: recognition, geometry, layer sets, names, kernel configs; format detection on every card x format."""
+
+from __future__ import annotations
+
+import pytest
+
+from glm_pack.convert import cards, formats, synth
+from glm_pack.convert.checkpoint import open_checkpoint
+from glm_pack.packing.errors import CheckpointError, PlanError
+
+ALL = ["deepseek-v3", "glm-5", "glm-5.2", "glm-5.3-flash"]
+
+
+def test_bundled_cards():
+    assert cards.list_cards() == ALL
+    with pytest.raises(PlanError, match="unknown card 'nope'"):
+        cards.load_card("nope")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_each_card_recognises_its_own_config(name):
+    card = cards.load_card(name)
+    assert cards.detect_card(card.synth["config"]) is card
+
+
+def test_glm5_and_glm52_share_an_architecture_but_not_a_card():
+    base = dict(cards.load_card("glm-5").synth["config"])
+    assert cards.detect_card(base).name == "glm-5"
+    assert cards.detect_card({**base, "index_topk_freq": 4}).name == "glm-5.2"
+    assert cards.detect_card({**base, "indexer_types": ["full"]}).name == "glm-5.2"
+    with pytest.raises(CheckpointError, match="unknown architecture LlamaForCausalLM"):
+        cards.detect_card({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+
+
+@pytest.mark.parametrize(
+    "name, geometry, kv_b_rows, k_pad",
+    [
+        ("glm-5", (64, 512, 192, 64, 256), 28672, 256),
+        ("glm-5.2", (64, 512, 192, 64, 256), 28672, 256),
+        ("deepseek-v3", (128, 512, 128, 64, 128), 32768, None),
+        ("glm-5.3-flash", (64, 512, 256, 0, 256), 32768, None),
+    ],
+)
+def test_geometry_from_config(name, geometry, kv_b_rows, k_pad):
+    card = cards.load_card(name)
+    g = card.geometry(card.synth["config"])
+    assert (g.num_heads, g.kv_lora_rank, g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim) == geometry
+    assert g.kv_b_rows == kv_b_rows and card.default_k_pad(g) == k_pad
+
+
+def test_geometry_never_uses_head_dim():
+    card = cards.load_card("glm-5")
+    config = {**card.synth["config"], "head_dim": 999}
+    assert card.geometry(config).qk_nope_head_dim == 192
+    with pytest.raises(CheckpointError, match="qk_nope_head_dim"):
+        card.geometry({k: v for k, v in config.items() if k != "qk_nope_head_dim"})
+
+
+def test_layer_sets_of_the_full_configs():
+    glm5 = cards.load_card("glm-5")
+    assert glm5.mla_layers(glm5.synth["config"]) == list(range(79))
+    plan52 = cards.load_card("glm-5.2").layer_plan(cards.load_card("glm-5.2").synth["config"])
+    # IndexShare, freq 4, offset 3: layers 0, 1, 2 then every 4th from 6 (21 layers) + the MTP layer 78
+    assert plan52.indexer == (0, 1, 2, *range(6, 78, 4), 78) and len(plan52.indexer) == 22
+    flash = cards.load_card("glm-5.3-flash")
+    config = flash.synth["config"]
+    assert flash.mla_layers(config) == [*range(3, 45, 4), 45]  # 11 DSA layers + MTP layer 45
+    listed = {**config, "text_config": {**config["text_config"], "full_attn_layers": [1, 5]}}
+    assert flash.mla_layers(listed) == [1, 5, 45]
+    ds = cards.load_card("deepseek-v3").layer_plan(cards.load_card("deepseek-v3").synth["config"])
+    assert ds.mtp == (61,) and ds.dense == (0, 1, 2) and ds.indexer == ()
+
+
+def test_names():
+    flash = cards.load_card("glm-5.3-flash")
+    assert flash.layer_prefix(7) == "model.language_model.layers.7"
+    assert flash.kv_b_proj(7) == "model.language_model.layers.7.self_attn.kv_b_proj.weight"
+    glm5 = cards.load_card("glm-5")
+    assert glm5.expert_weights(5, 2) == [
+        "model.layers.5.mlp.experts.0.gate_proj.weight",
+        "model.layers.5.mlp.experts.0.up_proj.weight",
+        "model.layers.5.mlp.experts.0.down_proj.weight",
+        "model.layers.5.mlp.experts.1.gate_proj.weight",
+        "model.layers.5.mlp.experts.1.up_proj.weight",
+        "model.layers.5.mlp.experts.1.down_proj.weight",
+    ]
+    m = glm5.expert_pattern.match("model.layers.5.mlp.experts.17.down_proj.weight_scale")
+    assert (m["layer"], m["expert"], m["proj"]) == ("5", "17", "down_proj")
+    assert glm5.expert_pattern.match("model.layers.5.mlp.shared_experts.down_proj.weight") is None
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_kernel_configs_are_complete(name):
+    card = cards.load_card(name)
+    padded, unpadded = card.kernel_configs("padded")["gfx950"], card.kernel_configs("unpadded")["gfx950"]
+    for route in (padded, unpadded):
+        assert set(route) == {"k_up", "v_up"}
+        for op in route.values():
+            assert set(op) == {"M_LEQ_16", "M_LEQ_32", "M_LEQ_64", "M_LEQ_128", "M_LEQ_256", "any"}
+            for cfg in op.values():
+                assert tuple(cfg) == cards.KERNEL_KEYS and cfg["NUM_KSPLIT"] == 1
+    assert all(c["BLOCK_SIZE_K"] == 256 for c in padded["k_up"].values())
+    assert all(c["BLOCK_SIZE_K"] == 64 for c in unpadded["k_up"].values())
+    for route in (padded, unpadded):
+        assert (route["v_up"]["any"]["BLOCK_SIZE_M"], route["v_up"]["any"]["BLOCK_SIZE_K"]) == (128, 128)
+        assert route["v_up"]["M_LEQ_16"] == padded["k_up"]["M_LEQ_16"]  # small-M: aiter's defaults
+    assert padded["k_up"]["any"]["cache_modifier"] is None and padded["k_up"]["M_LEQ_16"]["cache_modifier"] == ".cg"
+    with pytest.raises(PlanError, match="unknown kernel route"):
+        card.kernel_configs("fast")
+
+
+def test_a_new_family_needs_only_a_card(tmp_path, synth_ckpt):
+    text = (cards.resources.files("glm_pack.cards") / "glm-5.toml").read_text()
+    card_path = tmp_path / "my-glm.toml"
+    card_path.write_text(text.replace('name = "glm-5"', 'name = "my-glm"').replace("k_pad_to = 256", "k_pad_to = 0"))
+    ck = open_checkpoint(synth_ckpt("glm-5", "bf16"), card=str(card_path))
+    assert ck.card.name == "my-glm" and ck.card.default_k_pad(ck.geometry) is None
+
+
+def _expected(fmt: str, role: str, in_mtp: bool) -> str:
+    if fmt in ("bf16", "fp8-block"):
+        return fmt
+    if in_mtp or role == "indexer":
+        return "bf16"
+    if role in ("mlp", "expert"):
+        return "mxfp4"
+    return {"mxfp4-quark": "bf16", "mxfp4-attn": "mxfp4", "fp8-channel": "fp8-channel"}[fmt]
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("fmt", synth.FORMATS)
+def test_detection_on_every_card_and_format(name, fmt):
+    """Headers as synth writes them (no data) -> every Linear weight detected as the format's policy says."""
+    card = cards.load_card(name)
+    config = synth.synth_config(card, layers=5, experts=2, fmt=fmt, profile="small", mtp=True)
+    assert cards.detect_card(config) is card
+    entries = {e.name: formats.StoredTensor(e.name, e.dtype, e.shape) for e in synth.tensor_entries(card, config, fmt)}
+    quant = formats.QuantConfig(config.get("quantization_config"))
+    mtp = card.layer_prefix(card.layer_plan(config).mtp[0]) + "."
+    seen = set()
+    for tensor_name, template, _ in card.iter_tensors(config):
+        if not template.is_linear:
+            continue
+        module = formats.module_of(tensor_name)
+        scales = {s: entries[f"{module}.{s}"] for s in formats.SCALE_SUFFIXES if f"{module}.{s}" in entries}
+        got = formats.detect(entries[tensor_name], scales, quant).name
+        assert got == _expected(fmt, template.role, tensor_name.startswith(mtp)), tensor_name
+        seen.add(got)
+    assert seen == {"bf16", "fp8-block", "mxfp4", "fp8-channel"} & (
+        {_expected(fmt, r, m) for r in ("attn", "mlp", "indexer") for m in (0, 1)}
+    )
+
+
+@pytest.mark.parametrize("fmt", synth.FORMATS)
+def test_detection_on_written_checkpoints(synth_ckpt, fmt):
+    ck = open_checkpoint(synth_ckpt("glm-5", fmt))
+    assert ck.mla_layers() == [0, 1, 2]  # two dense layers + MTP layer 2
+    kv_b = [ck.weight_format(ck.card.kv_b_proj(i)) for i in ck.mla_layers()]
+    assert kv_b == [_expected(fmt, "attn", False)] * 2 + [_expected(fmt, "attn", True)]
+    experts = ck.card.expert_weights(2, 2)
+    assert {ck.weight_format(n) for n in experts} == {_expected(fmt, "expert", True)}
+    dense = "model.layers.0.mlp.down_proj.weight"
+    assert ck.weight_format(dense) == _expected(fmt, "mlp", False)
