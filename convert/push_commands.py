@@ -16,7 +16,11 @@ console = Console(stderr=False)
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    """Human size: B below 1 KiB, else KiB / MiB / GiB with one decimal."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def _print_report(report: PushReport, repo_id: str) -> None:
