@@ -1,0 +1,97 @@
+"""``glm-pack inspect`` and the plan: JSON keys, sizes, per-layer formats; headers only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from glm_pack.convert import safetensors_io
+from glm_pack.convert.checkpoint import open_checkpoint
+from glm_pack.convert.cli import main
+from glm_pack.convert.plan import make_plan
+from glm_pack.packing.errors import PlanError
+
+KEYS = {
+    "schema",
+    "source",
+    "card",
+    "architectures",
+    "model_type",
+    "geometry",
+    "layers",
+    "quantization",
+    "files",
+    "num_tensors",
+    "total_bytes",
+    "formats",
+    "mla",
+    "experts",
+    "plan",
+}
+
+
+def test_inspect_json_reads_headers_only(synth_ckpt, monkeypatch):
+    path = synth_ckpt("glm-5", "mxfp4-attn")
+    reads = []
+    original = safetensors_io.LocalFile.read
+
+    def spy(self, offset, length):
+        reads.append(length)
+        return original(self, offset, length)
+
+    monkeypatch.setattr(safetensors_io.LocalFile, "read", spy)
+    result = CliRunner().invoke(main, ["inspect", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    assert max(reads) < 1 << 20  # header reads only: every tensor read would be >= 14 MiB here
+    report = json.loads(result.stdout)
+    assert set(report) == KEYS and report["schema"] == "glm-pack.inspect/1"
+    assert report["card"]["name"] == "glm-5" and report["geometry"]["qk_nope_head_dim"] == 192
+    assert report["layers"]["mla"] == [0, 1, 2] and report["layers"]["mtp"] == [2]
+    assert [m["format"] for m in report["mla"]] == ["mxfp4", "mxfp4", "bf16"]
+    assert report["experts"] == [{"layer": 2, "count": 2, "formats": {"bf16": 6}}]
+    assert report["quantization"]["quant_method"] == "quark"
+    sizes = {p.name: p.stat().st_size for p in path.glob("*.safetensors")}
+    assert {f["name"]: f["bytes"] for f in report["files"]} == sizes and report["total_bytes"] == sum(sizes.values())
+    plan = report["plan"]
+    assert plan["route"] == "padded" and plan["k_stored"] == 256
+    assert plan["reused_bytes"] == sum(p.stat().st_size for p in path.iterdir())
+
+
+def test_plan_outputs_hand_computed(synth_ckpt):
+    ck = open_checkpoint(synth_ckpt("glm-5", "fp8-block"))
+    plan = make_plan(ck)
+    job = plan.jobs[0]
+    assert (job.layer, job.prefix, job.source_format) == (0, "model.layers.0", "fp8-block")
+    assert job.source_tensors == [job.source, "model.layers.0.self_attn.kv_b_proj.weight_scale_inv"]
+    shapes = {o.name.split("self_attn.")[1]: (o.shape, o.dtype, o.nbytes, o.layout) for o in job.outputs}
+    assert shapes["w_kc.weight"] == (
+        (64, 512, 128),
+        "U8",
+        64 * 512 * 128,
+        {"layout": "bmm_nk", "k_logical": 192, "k_stored": 256},
+    )
+    assert shapes["w_kc.weight_scale"][:3] == ((64, 512, 8), "U8", 64 * 512 * 8)
+    assert shapes["w_vc.weight"][:3] == ((64, 256, 256), "U8", 64 * 256 * 256)
+    assert shapes["w_vc.weight_scale"][3] == {"layout": "bmm_nk", "k_logical": 512, "k_stored": 512}
+    assert plan.overlay_bytes == 3 * (64 * 512 * 136 + 64 * 256 * 272)
+    unpadded = make_plan(ck, k_pad="none", mla_precision="bf16", files="none")
+    kc = unpadded.jobs[0].outputs[0]
+    assert (unpadded.route, kc.shape, kc.dtype, len(unpadded.jobs[0].outputs)) == (
+        "unpadded",
+        (64, 512, 192),
+        "BF16",
+        2,
+    )
+    assert unpadded.reused_files == [] and unpadded.kernel_configs["gfx950"]["k_up"]["any"]["BLOCK_SIZE_K"] == 64
+    for bad in (dict(k_pad="100"), dict(quant_mode="nearest"), dict(mla_precision="fp8"), dict(files="move")):
+        with pytest.raises(PlanError):
+            make_plan(ck, **bad)
+
+
+def test_inspect_table_for_people(synth_ckpt):
+    result = CliRunner().invoke(main, ["inspect", str(synth_ckpt("glm-5", "fp8-block"))], env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "GLM-5 / GLM-5.1" in out and "fp8-block" in out and "U8 64x512x128" in out and "route padded" in out

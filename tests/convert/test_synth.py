@@ -1,0 +1,140 @@
+"""Synthetic checkpoints: determinism, realistic values, sharding, index, config, and an independent check
+against the model classes of ``transformers`` (test-only dependency) for the families it knows."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from glm_pack.convert import cards, synth
+from glm_pack.convert.checkpoint import open_checkpoint
+from glm_pack.convert.cli import main
+from glm_pack.convert.safetensors_io import LocalFile, parse_header
+from glm_pack.packing.errors import PlanError
+
+
+def _digest(path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+def test_same_arguments_same_bytes_other_seed_other_bytes(tmp_path):
+    args = dict(card="glm-5", layers=1, experts=2, fmt="fp8-channel", mtp=False)
+    a = synth.synthesize(tmp_path / "a", **args)
+    b = synth.synthesize(tmp_path / "b", **args)
+    c = synth.synthesize(tmp_path / "c", seed=1, **args)
+    assert _digest(a) == _digest(b)
+    da, dc = _digest(a), _digest(c)
+    assert da["config.json"] == dc["config.json"] and all(da[k] != dc[k] for k in da if k.endswith(".safetensors"))
+
+
+def test_values_are_realistic(synth_ckpt):
+    ck = open_checkpoint(synth_ckpt("glm-5", "bf16"))
+    w = ck.read_float("model.layers.0.self_attn.kv_b_proj.weight")
+    row_max = w.abs().amax(dim=1)
+    typical = row_max.median()
+    outliers = int((row_max > 4 * typical).sum())
+    assert 1 <= outliers <= 4  # a few outlier rows
+    plain = w[row_max <= 4 * typical]
+    assert 0.019 < float(plain.std()) < 0.021
+    norm = ck.read_float("model.layers.0.input_layernorm.weight")
+    assert abs(float(norm.mean()) - 1.0) < 0.01
+
+
+def test_small_profile_keeps_the_mla_geometry(synth_ckpt):
+    path = synth_ckpt("glm-5", "bf16")
+    config = json.loads((path / "config.json").read_text())
+    assert (config["hidden_size"], config["vocab_size"], config["q_lora_rank"]) == (256, 1024, 128)
+    assert (config["num_attention_heads"], config["kv_lora_rank"], config["qk_nope_head_dim"]) == (64, 512, 192)
+    assert (config["qk_rope_head_dim"], config["v_head_dim"]) == (64, 256)
+    assert (config["num_hidden_layers"], config["n_routed_experts"], config["num_nextn_predict_layers"]) == (2, 2, 1)
+    ck = open_checkpoint(path)
+    assert ck.info("model.layers.2.self_attn.kv_b_proj.weight").shape == (28672, 512)
+
+
+def test_shards_index_and_scale_split(synth_ckpt):
+    path = synth_ckpt("glm-5", "mxfp4-attn")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    wm = index["weight_map"]
+    assert list(wm) == sorted(wm)
+    shards = sorted(path.glob("model-*.safetensors"))
+    assert len(shards) >= 3 and all(p.name.endswith(f"-of-{len(shards):05d}.safetensors") for p in shards)
+    total = 0
+    for shard in shards:
+        header = parse_header(LocalFile(shard))
+        assert header.metadata == {"format": "pt"}
+        assert {n for n, f in wm.items() if f == shard.name} == set(header.tensors)
+        total += sum(e.nbytes for e in header.tensors.values())
+    assert index["metadata"]["total_size"] == total
+    weight = "model.layers.0.self_attn.kv_b_proj"
+    assert wm[f"{weight}.weight"] != wm[f"{weight}.weight_scale"]
+
+
+def test_per_layer_config_lists():
+    c52 = synth.synth_config(cards.load_card("glm-5.2"), layers=8, experts=2, fmt="bf16", profile="small", mtp=True)
+    assert c52["indexer_types"] == ["full", "full", "full", "shared", "shared", "shared", "full", "shared"]
+    flash = synth.synth_config(
+        cards.load_card("glm-5.3-flash"), layers=8, experts=2, fmt="bf16", profile="full", mtp=True
+    )
+    text = flash["text_config"]
+    assert text["full_attn_layers"] == [3, 7] and text["layer_types"][3] == "indexed_attention"
+    assert text["hidden_size"] == 4096 and text["num_hidden_layers"] == 8
+    with pytest.raises(PlanError, match="unknown synthetic format"):
+        synth.synth_config(cards.load_card("glm-5"), layers=1, experts=1, fmt="int4", profile="small", mtp=True)
+
+
+def test_flash_assumptions_are_surfaced(tmp_path):
+    assert {"num_attention_heads", "v_head_dim", "hidden_size", "vocab_size"} <= set(synth.assumptions("glm-5.3-flash"))
+    result = CliRunner().invoke(
+        main,
+        [
+            "synth",
+            str(tmp_path / "f"),
+            "--card",
+            "glm-5.3-flash",
+            "--layers",
+            "1",
+            "--experts",
+            "1",
+            "--format",
+            "bf16",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "assumed v_head_dim" in result.output and "wrote" in result.output
+    ck = open_checkpoint(tmp_path / "f")
+    assert ck.mla_layers() == [1] and ck.geometry.qk_rope_head_dim == 0
+    assert ck.info("model.language_model.layers.1.self_attn.kv_b_proj.weight").shape == (32768, 512)
+    assert "model.language_model.layers.0.self_attn.q_conv1d.weight" in ck
+
+
+TRANSFORMERS_FAMILIES = [
+    ("glm-5.2", "GlmMoeDsaConfig"),
+    ("deepseek-v3", "DeepseekV3Config"),
+    ("glm-5.3-flash", "Glm5NextConfig"),
+]
+
+
+@pytest.mark.parametrize("card, config_class", TRANSFORMERS_FAMILIES, ids=[c for c, _ in TRANSFORMERS_FAMILIES])
+def test_transformers_loads_the_synthetic_checkpoint(synth_ckpt, card, config_class):
+    """transformers' own loader (its key renames and expert merging) must find every parameter, each with
+    the right shape, and nothing unexpected apart from the MTP layer it does not model."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, config_class):
+        pytest.skip(f"this transformers has no {config_class}")
+    transformers.logging.set_verbosity_error()
+    path = synth_ckpt(card, "bf16", layers=4, experts=2)
+    config = transformers.AutoConfig.from_pretrained(path)
+    if card == "glm-5.3-flash":
+        config.vision_config.depth = 1  # the synthetic checkpoint holds the text model only
+        model_class = transformers.Glm5NextForConditionalGeneration
+    else:
+        model_class = transformers.AutoModelForCausalLM
+    _, info = model_class.from_pretrained(path, config=config, dtype=torch.bfloat16, output_loading_info=True)
+    mtp = cards.load_card(card).layer_prefix(4) + "."
+    assert [k for k in info["missing_keys"] if not k.startswith("model.visual.")] == []
+    assert not info["mismatched_keys"]
+    assert info["unexpected_keys"] and all(k.startswith(mtp) for k in info["unexpected_keys"])
