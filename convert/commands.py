@@ -138,9 +138,9 @@ def print_verify(report: VerifyReport, as_json: bool) -> None:
         click.echo(json.dumps(report.as_dict(), indent=2))
         return
     for line in report.checked:
-        console.print(f"[green]checked[/green] {line}")
+        console.print(f"[green]checked[/green] {line}", soft_wrap=True)
     for line in report.problems:
-        console.print(f"[red]problem[/red] {line}")
+        console.print(f"[red]problem[/red] {line}", soft_wrap=True)
     status = "INCOMPLETE" if report.incomplete else ("OK" if report.ok else "FAILED")
     console.print(f"verify {report.out}: {status}")
 

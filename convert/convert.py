@@ -148,7 +148,7 @@ def place_original(src_file: Path, dst: Path, mode: str) -> None:
     try:
         if mode == "link":
             try:
-                os.link(src_file, tmp)  # follows a symlinked source (HF cache) to the real blob
+                os.link(src_file.resolve(), tmp)  # a symlinked source (HF cache): link the real blob
             except OSError:
                 shutil.copyfile(src_file, tmp)
         else:

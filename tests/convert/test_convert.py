@@ -1,0 +1,255 @@
+"""`glm-pack convert` / `verify` end to end on synthetic checkpoints of every card and source format."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from glm_pack.convert.cli import main
+from glm_pack.convert.convert import ConvertOptions, convert
+from glm_pack.convert.verify import verify
+from glm_pack.packing.mxfp4 import dequantize, quantize
+
+
+def tree_digest(root):
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def overlay_bytes(out):
+    return {p.name: p.read_bytes() for p in sorted((out / "glm-pack").glob("*.safetensors"))}
+
+
+def manifest(out):
+    return json.loads((out / "glm-pack" / "manifest.json").read_text())
+
+
+def source_kv_b(src, name):
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    with safe_open(src / index["weight_map"][name], framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def split(kv_b, g):
+    per = kv_b.view(g["num_heads"], g["qk_nope_head_dim"] + g["v_head_dim"], g["kv_lora_rank"])
+    return per[:, : g["qk_nope_head_dim"]].transpose(1, 2), per[:, g["qk_nope_head_dim"] :]
+
+
+def overlay_tensor(out, name):
+    entry = manifest(out)["tensors"][name]
+    with safe_open(out / "glm-pack" / entry["file"], framework="pt") as f:
+        return f.get_tensor(name)
+
+
+CASES = [
+    ("glm-5", "bf16"),
+    ("glm-5", "fp8-block"),
+    ("glm-5", "fp8-channel"),
+    ("glm-5", "mxfp4-attn"),
+    ("glm-5", "mxfp4-quark"),
+    ("glm-5.2", "bf16"),
+    ("glm-5.3-flash", "bf16"),
+    ("deepseek-v3", "fp8-block"),
+]
+
+
+@pytest.mark.parametrize("card, fmt", CASES)
+def test_convert_each_card_and_format(synth_ckpt, tmp_path, card, fmt):
+    src = synth_ckpt(card, fmt)
+    before = tree_digest(src)
+    out = tmp_path / "out"
+    report = convert(src, out, ConvertOptions())
+    m = manifest(out)
+    g = m["model"]["geometry"]
+    assert [e["layer"] for e in m["mla"]] == [r.layer for r in report.layers] and m["mla"]
+    for entry in m["mla"]:
+        name = entry["source"]["tensor"]
+        from glm_pack.convert.checkpoint import open_checkpoint
+
+        ref_kc, ref_vc = split(open_checkpoint(src).read_float(name), g)
+        kc, kc_s = overlay_tensor(out, entry["w_kc"]["weight"]), overlay_tensor(out, entry["w_kc"]["scale"])
+        k, ks = entry["w_kc"]["layout"]["k_logical"], entry["w_kc"]["layout"]["k_stored"]
+        # Codes are the even rule applied to the float source split; padding is exact.
+        codes, scales = quantize(ref_kc, mode="even")
+        assert torch.equal(kc[..., : k // 2], codes) and torch.equal(kc_s[..., : k // 32], scales)
+        assert torch.all(kc[..., k // 2 :] == 0) and torch.all(kc_s[..., k // 32 :] == 0x7F)
+        assert ks == (256 if g["qk_nope_head_dim"] == 192 else g["qk_nope_head_dim"])
+        vc, vc_s = overlay_tensor(out, entry["w_vc"]["weight"]), overlay_tensor(out, entry["w_vc"]["scale"])
+        if entry["source"]["format"] == "mxfp4":  # w_vc is the source's own bytes (row slices of kv_b_proj)
+            index = json.loads((src / "model.safetensors.index.json").read_text())
+            raw = load_file(src / index["weight_map"][name])[name]
+            scale_name = name + "_scale"
+            raw_s = load_file(src / index["weight_map"][scale_name])[scale_name]
+            assert torch.equal(vc, split(raw, {**g, "kv_lora_rank": g["kv_lora_rank"] // 2})[1])
+            assert torch.equal(vc_s, split(raw_s, {**g, "kv_lora_rank": g["kv_lora_rank"] // 32})[1])
+            assert entry["w_vc"]["rel_error"] == 0.0
+        else:
+            assert torch.equal(vc, quantize(ref_vc, mode="even")[0])
+        # Dequantized overlay within the quantization bound of the float source.
+        err = float((dequantize(codes, scales).double() - ref_kc.double()).norm() / ref_kc.double().norm())
+        assert err == pytest.approx(entry["w_kc"]["rel_error"], rel=1e-4) and err < 0.2
+    if fmt == "mxfp4-attn":
+        assert any(e["source"]["format"] == "mxfp4" for e in m["mla"])
+    assert tree_digest(src) == before  # nothing the user had is modified
+    for rel, digest in before.items():
+        assert hashlib.sha256((out / rel).read_bytes()).hexdigest() == digest  # originals identical, index too
+    assert verify(out).ok
+
+
+def test_deterministic_and_worker_count_independent(synth_ckpt, tmp_path):
+    src = synth_ckpt("glm-5", "mxfp4-quark", layers=4, experts=2)  # layer 3: first MoE layer
+    outs = []
+    for i, workers in enumerate((1, 2, 1)):
+        out = tmp_path / f"out{i}"
+        convert(src, out, ConvertOptions(files="none", workers=workers, repack_experts="aiter-a4w4"))
+        outs.append(out)
+    assert overlay_bytes(outs[0]) == overlay_bytes(outs[1]) == overlay_bytes(outs[2])
+    m = [manifest(o) for o in outs]
+    for x in m:
+        x.pop("created")
+    assert m[0] == m[1] == m[2]
+    assert len(m[0]["experts"]["groups"]) >= 1
+
+
+def test_mse_mode_never_worse_and_recorded(synth_ckpt, tmp_path):
+    src = synth_ckpt("glm-5", "bf16")
+    convert(src, tmp_path / "even", ConvertOptions(files="none"))
+    convert(src, tmp_path / "mse", ConvertOptions(files="none", quant_mode="mse"))
+    for a, b in zip(manifest(tmp_path / "even")["mla"], manifest(tmp_path / "mse")["mla"], strict=True):
+        for p in ("w_kc", "w_vc"):
+            assert b[p]["quant"]["mode"] == "mse" and b[p]["rel_error"] <= a[p]["rel_error"]
+    assert verify(tmp_path / "mse").ok
+
+
+def test_auto_keeps_planted_hard_layer_in_bf16(synth_ckpt, tmp_path, ckpt_copy):
+    src = ckpt_copy(synth_ckpt("glm-5", "bf16"))
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    shard = src / index["weight_map"][name]
+    tensors = load_file(shard)
+    # One outlier (1.0) per 32-block along both reduction axes (kv_lora for w_vc, nope for w_kc): the other 31
+    # elements (+-0.06) fall below half the smallest code step and flush to zero, ~30% relative error.
+    w = torch.sign(tensors[name].float()) * 0.06
+    w[:, ::32] = 1.0
+    w[::32, :] = 1.0
+    tensors[name] = w.bfloat16()
+    shard.unlink()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        main, ["convert", str(src), str(out), "--mla-precision", "auto", "--max-rel-error", "0.2", "--files", "copy"]
+    )
+    assert result.exit_code == 0, result.output
+    layers = {e["layer"]: e for e in manifest(out)["mla"]}
+    assert layers[1]["w_kc"]["precision"] == layers[1]["w_vc"]["precision"] == "bf16"
+    assert layers[1]["w_kc"]["mxfp4_rel_error"] > 0.2 and layers[1]["w_kc"]["rel_error"] < 5e-3
+    assert layers[0]["w_kc"]["precision"] == "mxfp4"
+    assert "bf16" in result.output  # the summary table shows the decision
+    assert verify(out).ok
+
+
+def test_k_pad_none_keeps_192(synth_ckpt, tmp_path):
+    out = tmp_path / "out"
+    convert(synth_ckpt("glm-5", "bf16"), out, ConvertOptions(files="none", k_pad="none"))
+    m = manifest(out)
+    assert m["kernel_configs"]["route"] == "unpadded"
+    assert m["tensors"][m["mla"][0]["w_kc"]["weight"]]["shape"] == [64, 512, 96]
+    # The unpadded route pins the seed's K-up BLOCK_SIZE_K=64 in every bucket.
+    assert {c["BLOCK_SIZE_K"] for c in m["kernel_configs"]["configs"]["gfx950"]["k_up"].values()} == {64}
+
+
+def test_refusals(synth_ckpt, tmp_path):
+    src = synth_ckpt("glm-5", "bf16")
+    runner = CliRunner()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    r = runner.invoke(main, ["convert", str(src), str(tmp_path / "full")])
+    assert r.exit_code == 1 and "not empty" in r.output and "--overwrite" in r.output
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    r = runner.invoke(main, ["convert", str(src), str(src / "sub")])
+    assert r.exit_code == 1 and "outside the source" in r.output
+    r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o"), "--mla-precision", "auto"])
+    assert r.exit_code == 1 and "--max-rel-error" in r.output
+    assert not (tmp_path / "o" / "glm-pack" / "manifest.json").exists()
+    r = runner.invoke(main, ["convert", str(tmp_path / "nope"), str(tmp_path / "o2")])
+    assert r.exit_code == 1 and "nope" in r.output
+
+
+def test_nan_weight_named_in_error(synth_ckpt, tmp_path, ckpt_copy):
+    src = ckpt_copy(synth_ckpt("glm-5", "bf16"))
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    shard = src / index["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name][100, 3] = float("inf")
+    shard.unlink()
+    save_file(tensors, shard)
+    r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "o")])
+    assert r.exit_code == 1
+    assert "1 non-finite" in r.output and "(100, 3)" in r.output and name in r.output and shard.name in r.output
+    assert not (tmp_path / "o" / "glm-pack" / "manifest.json").exists()
+
+
+@pytest.fixture
+def converted(synth_ckpt, tmp_path):
+    out = tmp_path / "out"
+    convert(synth_ckpt("glm-5", "bf16"), out, ConvertOptions(files="copy"))
+    return out
+
+
+def test_verify_catches_flipped_byte(converted):
+    path = converted / "glm-pack" / "layer-001.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x10
+    path.write_bytes(bytes(data))
+    r = CliRunner().invoke(main, ["verify", str(converted)])
+    assert r.exit_code == 1 and "layer-001.safetensors" in r.output and "w_vc.weight" in r.output
+
+
+def test_verify_catches_missing_file_and_edited_manifest(converted):
+    path = converted / "glm-pack" / "manifest.json"
+    m = json.loads(path.read_text())
+    m["mla"][0]["w_kc"]["rel_error"] = 0.01
+    path.write_text(json.dumps(m))
+    report = verify(converted)
+    assert not report.ok and any("recorded 0.01" in p for p in report.problems)
+    (converted / "glm-pack" / "layer-000.safetensors").unlink()
+    report = verify(converted)
+    assert any("missing" in p and "layer-000" in p for p in report.problems)
+    m["mla"][0]["w_kc"]["layout"]["k_stored"] = 192
+    path.write_text(json.dumps(m))
+    r = CliRunner().invoke(main, ["verify", str(converted), "--json"])
+    assert r.exit_code == 1 and json.loads(r.output)["ok"] is False
+
+
+def test_verify_catches_changed_index_and_source(converted):
+    index = converted / "model.safetensors.index.json"
+    text = index.read_text()
+    index.write_text(text.replace("{", "{ ", 1))
+    assert any("index" in p for p in verify(converted).problems)
+
+
+def test_verify_reports_interrupted_output_incomplete(converted):
+    (converted / "glm-pack" / "manifest.json").unlink()
+    r = CliRunner().invoke(main, ["verify", str(converted)])
+    assert r.exit_code == 1 and "INCOMPLETE" in r.output
+
+
+def test_link_mode_hard_links_and_follows_symlinked_sources(synth_ckpt, tmp_path, ckpt_copy):
+    src = ckpt_copy(synth_ckpt("glm-5", "bf16"))  # every file a symlink, as in a HF cache snapshot
+    out = tmp_path / "out"
+    convert(src, out, ConvertOptions())
+    shard = next(out.glob("model-*.safetensors"))
+    assert not shard.is_symlink() and shard.stat().st_ino == (src / shard.name).resolve().stat().st_ino
+    assert verify(out).ok
+    shutil.rmtree(out)
