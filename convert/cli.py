@@ -50,3 +50,7 @@ from .synth import synth_command  # noqa: E402
 
 main.add_command(inspect_command)
 main.add_command(synth_command)
+
+
+if __name__ == "__main__":
+    main()
