@@ -112,18 +112,21 @@ def _e2m1_table(device) -> torch.Tensor:
 
 
 def block_sq_error(xb: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """Per block, sum of (x - dequant(quant(x, e)))**2 in float64, added element 0 to 31 in order.
+    """Per block, the sum of (x - dequant(quant(x, e)))**2 in float64, in one fixed order.
 
-    The fixed order (and float64 values: x and E2M1 * 2**e are exact there, their difference too) is the
-    contract the fast path reproduces, so both make identical ``mse`` choices.
+    x and E2M1 * 2**e are exact in float64 and so is their difference; each square is rounded once. Order:
+    element j goes to lane j % 4, each lane adds its 8 squares in element order, then
+    (lane0 + lane1) + (lane2 + lane3). The fast path sums in this same order, so both make identical
+    ``mse`` choices.
     """
     nib = round_to_e2m1(xb * pow2(-e).unsqueeze(-1))
     deq = _e2m1_table(xb.device).double()[nib.long()] * pow2(e).double().unsqueeze(-1)
     diff = xb.double() - deq
-    total = torch.zeros(e.shape, dtype=torch.float64, device=xb.device)
-    for j in range(BLOCK):
-        total = total + diff[..., j] * diff[..., j]
-    return total
+    sq = (diff * diff).reshape(*e.shape, BLOCK // 4, 4)
+    lanes = torch.zeros(*e.shape, 4, dtype=torch.float64, device=xb.device)
+    for i in range(BLOCK // 4):
+        lanes = lanes + sq[..., i, :]
+    return (lanes[..., 0] + lanes[..., 1]) + (lanes[..., 2] + lanes[..., 3])
 
 
 def block_exponents(xb: torch.Tensor, mode: str) -> torch.Tensor:
@@ -185,18 +188,18 @@ def quantize(
         raise FormatError(
             f"MXFP4 groups {BLOCK} elements along axis {axis}, whose length {length} is not a multiple of 32"
         )
-    rows, lead = _rows(x, axis, length)
+    rows, lead = _rows(x.detach(), axis, length)
     from . import _mxfp4_fast
 
     fast = _mxfp4_fast.quantize_rows(rows, mode)
     if fast is None:
         if check_finite_input:
-            check_finite(x)
+            check_finite(x.detach())
         codes, scales = quantize_reference(rows.to(torch.float32).reshape(-1, length // BLOCK, BLOCK), mode)
     else:
         codes, scales, n_nonfinite = fast
         if n_nonfinite and check_finite_input:
-            check_finite(x)
+            check_finite(x.detach())
     return _unrows(codes, lead, axis), _unrows(scales, lead, axis)
 
 
@@ -222,8 +225,9 @@ def dequantize(
 ) -> torch.Tensor:
     """Exact inverse mapping of :func:`quantize`: ``E2M1[code] * 2**(scale-127)``, returned as ``dtype``.
 
-    Computed in float32 (every value is exact there except 4 and 6 times 2**127, which overflow to Inf),
-    then converted to ``dtype``; scale byte 255 gives NaN. The result is contiguous, in the codes' axis order.
+    Computed in float32, exact there except that values of 2**128 and more (scale bytes 253 and 254)
+    overflow to Inf, then converted to ``dtype``; scale byte 255 gives NaN. The result is contiguous, in
+    the codes' axis order.
     """
     if codes.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise FormatError(f"MXFP4 codes and scales must be uint8, got {codes.dtype} and {scales.dtype}")

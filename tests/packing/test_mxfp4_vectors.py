@@ -1,0 +1,282 @@
+"""MXFP4 codec against hand-checked vectors (notes/mxfp4.md and aiter's Triton `_mxfp4_quant_op`).
+
+Every expected value below was worked out by hand from the rules; each test runs on both the fast path and
+the torch reference.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from packing_helpers import E2M1, bits_equal, nibbles, reference_only
+
+from glm_pack.packing import _mxfp4_fast
+from glm_pack.packing.errors import FormatError, NonFiniteError
+from glm_pack.packing.mxfp4 import MODES, dequantize, quantize
+
+PATHS = ("fast", "reference")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def run(path, fn, *args, **kwargs):
+    if path == "reference":
+        with reference_only():
+            return fn(*args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def one_block(values):
+    return torch.tensor(values + [0.0] * (32 - len(values)), dtype=torch.float32)
+
+
+def test_fast_path_is_available():
+    # numba is a core dependency: the bit-identity tests below would be vacuous without it.
+    assert _mxfp4_fast.available()
+
+
+# Element rounding at block scale 1 (amax 6 -> even exponent 0, byte 127): ties to the even code,
+# saturation at 6, sign kept (also for -0.0 and values rounding to zero).
+TIE_TABLE = [
+    (6.0, 0x7),
+    (0.25, 0x0),  # tie 0 | 0.5 -> 0
+    (0.75, 0x2),  # tie 0.5 | 1 -> 1
+    (1.25, 0x2),  # tie 1 | 1.5 -> 1
+    (1.75, 0x4),  # tie 1.5 | 2 -> 2
+    (2.5, 0x4),  # tie 2 | 3 -> 2
+    (3.5, 0x6),  # tie 3 | 4 -> 4
+    (5.0, 0x6),  # tie 4 | 6 -> 4
+    (-0.25, 0x8),
+    (-0.75, 0xA),
+    (-1.25, 0xA),
+    (-1.75, 0xC),
+    (-2.5, 0xC),
+    (-3.5, 0xE),
+    (-5.0, 0xE),
+    (-0.0, 0x8),
+    (0.0, 0x0),
+    (0.26, 0x1),
+    (0.74, 0x1),
+    (1.3, 0x3),
+    (2.6, 0x5),
+    (5.1, 0x7),
+    (0.5, 0x1),
+    (1.0, 0x2),
+    (1.5, 0x3),
+    (2.0, 0x4),
+    (3.0, 0x5),
+    (4.0, 0x6),
+    (-6.0, 0xF),
+    (5.99, 0x7),
+    (0.24, 0x0),
+    (1e-4, 0x0),
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tie_table(path, dtype):
+    x = torch.tensor([v for v, _ in TIE_TABLE], dtype=dtype)
+    codes, scales = run(path, quantize, x, mode="even")
+    assert scales.tolist() == [127]
+    assert nibbles(codes) == [c for _, c in TIE_TABLE]
+    # element 2i is the low nibble: 6.0 (0x7) then 0.25 (0x0) -> byte 0x07
+    assert codes[0].item() == 0x07 and codes.shape == (16,) and codes.dtype == torch.uint8
+
+
+# (mode, amax, expected scale byte, expected code of amax) worked out by hand:
+# even:    e = floor(log2(amax rounded to a 1-bit mantissa)) - 2; floor: floor(log2 amax) - 2;
+# roundup: smallest e with 6 * 2**e >= amax.
+EXPONENT_CASES = [
+    ("even", 1.0, 125, 0x6),  # e=-2: 1/0.25 = 4
+    ("even", 1.74, 125, 0x7),  # mantissa 1.74 rounds down: e=-2, 6.96 saturates to 6
+    ("even", 1.75, 126, 0x6),  # mantissa 1.75 rounds up to 2: e=-1, 3.5 ties to 4
+    ("even", 6.0, 127, 0x7),
+    ("even", 7.0, 128, 0x6),  # 7 -> 8: e=1, 3.5 -> 4
+    ("even", 2.0**-124, 1, 0x6),  # e=-126
+    ("floor", 1.75, 125, 0x7),  # e=-2, 7 saturates to 6
+    ("floor", 7.0, 127, 0x7),
+    ("floor", 8.0, 128, 0x6),
+    ("roundup", 6.0, 127, 0x7),
+    ("roundup", 6.5, 128, 0x5),  # e=1: 3.25 -> 3
+    ("roundup", 3.0, 126, 0x7),  # 3/6 = 0.5 -> e=-1
+    ("roundup", 3.01, 127, 0x5),  # e=0: 3.01 -> 3
+    ("roundup", 1.0, 125, 0x6),  # 1/6 -> 0.25 -> e=-2: 4
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("mode", "amax", "byte", "code"), EXPONENT_CASES)
+def test_scale_rules(path, mode, amax, byte, code):
+    codes, scales = run(path, quantize, one_block([amax, -amax / 64]), mode=mode)
+    assert scales.tolist() == [byte]
+    assert nibbles(codes)[0] == code
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mode", MODES)
+def test_zero_and_denormal_blocks_get_byte_0(path, mode):
+    # all-zero -> byte 0 (aiter: log2(0) = -inf clamps to -127); a denormal amax also clamps to -127.
+    x = torch.stack([one_block([]), one_block([-0.0, 0.0]), one_block([2.0**-130, -(2.0**-128)])])
+    codes, scales = run(path, quantize, x, mode=mode)
+    assert scales.tolist() == [[0], [0], [0]]
+    assert nibbles(codes[0]) == [0] * 32
+    assert nibbles(codes[1])[:2] == [0x8, 0x0]
+    # 2**-130 / 2**-127 = 0.125 -> 0; -2**-128 / 2**-127 = -0.5 -> code 0x9
+    assert nibbles(codes[2])[:2] == [0x0, 0x9]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_small_exponent_clamp(path):
+    # amax 2**-125: even rule gives e = -127 exactly, so the element is 4 (code 6); amax 1.75 * 2**-126
+    # rounds to 2**-125 -> e = -127 as well, and 1.75 * 2**-126 / 2**-127 = 3.5 -> 4.
+    x = torch.stack([one_block([2.0**-125]), one_block([1.75 * 2.0**-126])])
+    codes, scales = run(path, quantize, x, mode="even")
+    assert scales.tolist() == [[0], [0]]
+    assert nibbles(codes[0])[0] == 0x6 and nibbles(codes[1])[0] == 0x6
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_huge_fp32_block(path):
+    # 3e38 = 1.763 * 2**127: the even rule rounds the mantissa up past the float32 range; aiter's
+    # log2(inf) then clamps to 127 (byte 254) and 1.763 rounds to 2 (code 4). Floor: e = 125, 7.05 -> 6.
+    x = one_block([3e38])
+    codes, scales = run(path, quantize, x, mode="even")
+    assert scales.tolist() == [254] and nibbles(codes)[0] == 0x4
+    codes, scales = run(path, quantize, x, mode="floor")
+    assert scales.tolist() == [252] and nibbles(codes)[0] == 0x7
+
+
+# mse: (block, even byte, mse byte, mse codes of the listed values), squared errors worked out by hand.
+MSE_CASES = [
+    # even: 1.75 rounds up to 2 -> e=-1 (scale .5): 3.5 -> 4 -> 2.0 (err .0625), 0.8 -> 1 -> .5 (err .01 x31):
+    # .3725. e=-2 (scale .25): 7 -> 6 -> 1.5 (.0625), 1.6 -> 1.5 -> .375 (.000625 x31): .081875, a strict win.
+    # e=0: 1.75 -> 2 (.0625), .4 -> .5 (.01 x31): .3725, a tie, so not better.
+    ([1.75] + [0.4] * 31, 126, 125, [0x7] + [0x3] * 31),
+    # even e=0: 5 -> 4 (tie to even, err 1 each); e=1: 2.5 -> 2 -> 4 (err 1): tie stays with even;
+    # e=-1: 10 -> 6 -> 3 (err 4): worse.
+    ([5.0] * 32, 127, 127, [0x6] * 32),
+    # even: 1.7 (mantissa < 1.75) -> e=-2: 6.8 -> 6 -> 1.5 (err .04 x2); e=-1: 3.4 -> 3 -> 1.5 (same): tie.
+    ([1.7, 1.7], 125, 125, [0x7, 0x7]),
+    # even e=0 is exact for 6 and 0.5; e=-1: 12 -> 6 -> 3 (err 9): worse; e=1: .25 -> 0 (err .25): worse.
+    ([6.0, 0.5], 127, 127, [0x7, 0x1]),
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("values", "even_byte", "mse_byte", "mse_codes"), MSE_CASES)
+def test_mse_hand_blocks(path, values, even_byte, mse_byte, mse_codes):
+    x = one_block(values)
+    _, even_scales = run(path, quantize, x, mode="even")
+    codes, scales = run(path, quantize, x, mode="mse")
+    assert even_scales.tolist() == [even_byte] and scales.tolist() == [mse_byte]
+    assert nibbles(codes)[: len(mse_codes)] == mse_codes
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_dequantize_every_code_and_scale_byte(path):
+    # Row b holds scale byte b; the 16 bytes i | (15 - i) << 4 put every code in both nibble positions.
+    codes = torch.tensor([[i | (15 - i) << 4 for i in range(16)]] * 256, dtype=torch.uint8)
+    scales = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(256, 1)
+    out = run(path, dequantize, codes, scales)
+    expected = []
+    for byte in range(256):
+        row = []
+        for i in range(16):
+            for code in (i, 15 - i):
+                if byte == 255:
+                    row.append(math.nan)
+                else:
+                    value = math.ldexp(E2M1[code & 7], byte - 127)
+                    row.append(-value if code & 8 else value)
+        expected.append(row)
+    # float32 holds every value below 2**128: +-{2, 3, 4, 6} * 2**127 and +-{4, 6} * 2**126 overflow to Inf
+    assert bits_equal(out, torch.tensor(expected, dtype=torch.float64).to(torch.float32))
+    assert torch.isinf(out[254]).sum() == 16 and torch.isinf(out[253]).sum() == 8 and torch.isinf(out).sum() == 24
+    assert torch.isnan(out[255]).all()
+    assert out[0, 1].item() == -6.0 * 2.0**-127 and out[127, 0].item() == 0.0 and out[127, 1].item() == -6.0
+    assert math.copysign(1.0, out[127, 16].item()) == -1.0  # code 8 is -0.0
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantize_dtype(path, dtype):
+    codes = torch.tensor([[0x21] * 16], dtype=torch.uint8)  # 0.5, 1.0 repeated
+    scales = torch.tensor([[128]], dtype=torch.uint8)  # x2
+    out = run(path, dequantize, codes, scales, dtype=dtype)
+    assert out.dtype == dtype and out.tolist() == [[1.0, 2.0] * 16]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mode", MODES)
+def test_nonfinite_without_check_matches_aiter_like_rule(path, mode):
+    # check_finite_input=False: exponent 127 (byte 254) in every mode, NaN -> +-0, Inf -> +-6,
+    # finite neighbours divided by 2**127 (here 0).
+    x = one_block([math.nan, 1.0, -math.inf, -0.5, math.inf, -math.nan])
+    codes, scales = run(path, quantize, x, mode=mode, check_finite_input=False)
+    assert scales.tolist() == [254]
+    assert nibbles(codes)[:6] == [0x0, 0x0, 0xF, 0x8, 0x7, 0x8]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nonfinite_raises_with_count_and_first_index(path, bad):
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    x[1, 37] = bad
+    x[2, 5] = bad
+    with pytest.raises(NonFiniteError, match=r"2 non-finite.*first at index \(1, 37\)"):
+        run(path, quantize, x)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_nonfinite_message_counts_nan_and_inf(path):
+    x = torch.zeros(64)
+    x[[3, 40, 41]] = torch.tensor([math.inf, math.nan, -math.inf])
+    with pytest.raises(NonFiniteError, match=r"3 non-finite value\(s\) \(1 NaN, 2 Inf\); first at index \(3,\)"):
+        run(path, quantize, x, axis=0)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_error_paths(path):
+    with pytest.raises(FormatError, match="not a multiple of 32"):
+        run(path, quantize, torch.zeros(4, 48))
+    with pytest.raises(FormatError, match="not a multiple of 32"):
+        run(path, quantize, torch.zeros(48, 64), axis=0)
+    with pytest.raises(FormatError, match="floating-point"):
+        run(path, quantize, torch.zeros(4, 64, dtype=torch.int32))
+    with pytest.raises(FormatError, match="floating-point"):
+        run(path, quantize, [0.0] * 32)
+    with pytest.raises(FormatError, match="unknown MXFP4 scale mode 'nearest'"):
+        run(path, quantize, torch.zeros(32), mode="nearest")
+    with pytest.raises(FormatError, match="axis 2 out of range"):
+        run(path, quantize, torch.zeros(4, 32), axis=2)
+    codes, scales = torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 1, dtype=torch.uint8)
+    with pytest.raises(FormatError, match="must be uint8"):
+        run(path, dequantize, codes.float(), scales)
+    with pytest.raises(FormatError, match="same rank"):
+        run(path, dequantize, codes, scales[0])
+    with pytest.raises(FormatError, match="not a multiple of 16"):
+        run(path, dequantize, codes[:, :8], scales)
+    with pytest.raises(FormatError, match=r"expected \(2, 1\)"):
+        run(path, dequantize, codes, torch.zeros(2, 2, dtype=torch.uint8))
+
+
+def test_numba_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "explicit"))
+    assert _mxfp4_fast.cache_dir() == str(tmp_path / "explicit")
+    monkeypatch.delenv("NUMBA_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert _mxfp4_fast.cache_dir() == os.path.join(str(tmp_path), "glm-pack", "numba")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert _mxfp4_fast.cache_dir() == os.path.join(str(tmp_path), "home", ".cache", "glm-pack", "numba")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_parameter_input(path):
+    # weights often arrive as nn.Parameter (requires_grad): quantize reads values, never the graph
+    x = torch.nn.Parameter(torch.tensor([6.0, 0.75] + [0.0] * 30))
+    codes, scales = run(path, quantize, x)
+    assert scales.tolist() == [127] and nibbles(codes)[:2] == [0x7, 0x2]
