@@ -180,23 +180,36 @@ def demo_command(workdir, layers):
     if not report.ok:
         raise VerifyError("demo output failed verification")
     console.print("[bold]4/4 runtime[/bold] (torch backend): k_up -> attend -> v_up on layer 0")
-    _demo_runtime(runtime.open(out, backend="torch"))
+    _demo_runtime(runtime.open(out, backend="torch"), src)
 
 
-def _demo_runtime(model) -> None:
+def _demo_runtime(model, src: Path) -> None:
+    """One layer through the runtime, against plain unabsorbed MLA on the original float kv_b_proj."""
     import torch
 
+    from glm_pack.runtime.reference import unabsorbed_mla
+
+    from .checkpoint import open_checkpoint
+
     g = model.local_geometry
-    layer = model.mla(model.layers[0])
+    entry = model.manifest["mla"][0]
+    layer = model.mla(entry["layer"])
+    kv_b = open_checkpoint(src).read_float(entry["source"]["tensor"])
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(4, g.num_heads, g.qk_nope_head_dim + g.qk_rope_head_dim, generator=gen).bfloat16()
-    cache = torch.randn(256, g.cache_row, generator=gen).bfloat16()
-    indices = torch.randint(0, 256, (4 * 64,), generator=gen, dtype=torch.int32)
-    indptr = torch.arange(0, 4 * 64 + 1, 64, dtype=torch.int32)
-    latent = layer.k_up(q)
+    T, slots, topk = 4, 256, 64
+    q = torch.randn(T, g.num_heads, g.qk_nope_head_dim + g.qk_rope_head_dim, generator=gen).bfloat16()
+    cache = torch.randn(slots, g.cache_row, generator=gen).bfloat16()
+    indices = torch.randint(0, slots, (T * topk,), generator=gen, dtype=torch.int32)
+    indptr = torch.arange(0, T * topk + 1, topk, dtype=torch.int32)
+    scale = (g.qk_nope_head_dim + g.qk_rope_head_dim) ** -0.5
     q_rope = q[..., g.qk_nope_head_dim :] if g.qk_rope_head_dim else None
-    o = layer.attend(latent, cache, indptr, indices, 0.05, q_rope=q_rope)
-    y = layer.v_up(o)
-    console.print(
-        f"q {tuple(q.shape)} -> latent {tuple(latent.shape)} -> attend {tuple(o.shape)} -> v {tuple(y.shape)}"
-    )
+    ref = unabsorbed_mla(kv_b, g, q, cache, indptr, indices, scale)
+    for act in ("mxfp4", "none"):
+        latent = layer.k_up(q, act_quant=act)
+        y = layer.v_up(layer.attend(latent, cache, indptr, indices, scale, q_rope=q_rope), act_quant=act)
+        err = float((y.double() - ref).norm() / ref.norm())
+        what = "activations MXFP4 (as aiter's A16WFP4)" if act == "mxfp4" else "activations bf16"
+        console.print(
+            f"layer {layer.layer}: [T={T}, H={g.num_heads}] absorbed MXFP4 weights, {what}: "
+            f"output rel error {err:.4f} vs unabsorbed float MLA"
+        )

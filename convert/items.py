@@ -60,7 +60,7 @@ def plan_items(ckpt: Checkpoint, repack_experts: str = "none", file_bytes: int =
     """MLA items (one per MLA layer), then expert items (per layer, split to stay under ``file_bytes``)."""
     if repack_experts not in REPACK_MODES:
         raise PlanError(f"--repack-experts must be one of {', '.join(REPACK_MODES)}, got {repack_experts!r}")
-    items = [WorkItem("mla", layer, f"layer-{layer:03d}.safetensors") for layer in ckpt.card.mla_layers(ckpt.config)]
+    items = [WorkItem("mla", layer, f"layer-{layer:03d}.safetensors") for layer in ckpt.mla_layers()]
     if repack_experts == "none":
         return items
     # Only MXFP4 experts are repacked; others (e.g. an MTP layer left in BF16 by Quark's exclude list) stay as

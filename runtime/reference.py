@@ -74,3 +74,40 @@ def sparse_mla(
         lse[t] = torch.logsumexp(scores, dim=-1)
         out[t] = torch.softmax(scores, dim=-1) @ sel[:, :L]
     return out.to(torch.bfloat16), (lse if return_lse else None)
+
+
+def unabsorbed_mla(
+    kv_b: torch.Tensor,
+    geometry,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Plain (unabsorbed) MLA in float64, the ground truth for the absorbed pipeline k_up -> attend -> v_up.
+
+    kv_b ``[H*(P+V), L]`` float; q ``[T, H, P+R]``; per selected cache row c (latent) and k_rope:
+    ``K = W_UK c``, ``V = W_UV c``, score ``scale * (q_nope . K + q_rope . k_rope)``, softmax over the token's
+    valid rows -> ``[T, H, V]`` float64.
+    """
+    g = geometry
+    H, P, R, V, L = g.num_heads, g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim, g.kv_lora_rank
+    w = kv_b.double().view(H, P + V, L)
+    w_uk, w_uv = w[:, :P], w[:, P:]
+    rows_all = kv_cache.reshape(-1, kv_cache.shape[-1]).double()
+    out = torch.zeros(q.shape[0], H, V, dtype=torch.float64)
+    indptr = kv_indptr.tolist()
+    for t in range(q.shape[0]):
+        idx = kv_indices[indptr[t] : indptr[t + 1]].long()
+        rows = rows_all[idx[idx >= 0]]
+        if rows.shape[0] == 0:
+            continue
+        c, k_rope = rows[:, :L], rows[:, L:]
+        k = torch.einsum("hpl,sl->shp", w_uk, c)
+        v = torch.einsum("hvl,sl->shv", w_uv, c)
+        s = torch.einsum("hp,shp->hs", q[t, :, :P].double(), k)
+        if R:
+            s = s + q[t, :, P:].double() @ k_rope.T
+        out[t] = torch.einsum("hs,shv->hv", torch.softmax(s * softmax_scale, dim=-1), v)
+    return out

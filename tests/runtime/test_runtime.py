@@ -13,6 +13,7 @@ from safetensors import safe_open
 from glm_pack import runtime
 from glm_pack.packing.errors import BackendError, GlmPackError, ManifestError, VerifyError
 from glm_pack.packing.mxfp4 import dequantize, quantize
+from glm_pack.runtime.reference import unabsorbed_mla
 
 
 def read_source_kv_b(src, layer, prefix="model.layers"):
@@ -20,27 +21,6 @@ def read_source_kv_b(src, layer, prefix="model.layers"):
     name = f"{prefix}.{layer}.self_attn.kv_b_proj.weight"
     with safe_open(src / index["weight_map"][name], framework="pt") as f:
         return f.get_tensor(name).double()
-
-
-def unabsorbed_mla(kv_b, geom, q, cache, indptr, indices, scale):
-    """Plain MLA in float64: K = W_UK c, V = W_UV c per selected row, softmax over the same rows."""
-    H, P, R, V, L = geom.num_heads, geom.qk_nope_head_dim, geom.qk_rope_head_dim, geom.v_head_dim, geom.kv_lora_rank
-    w = kv_b.view(H, P + V, L)
-    w_uk, w_uv = w[:, :P], w[:, P:]
-    out = torch.zeros(q.shape[0], H, V, dtype=torch.float64)
-    for t in range(q.shape[0]):
-        idx = indices[indptr[t] : indptr[t + 1]].long()
-        idx = idx[idx >= 0]
-        rows = cache[idx].double()
-        c, k_rope = rows[:, :L], rows[:, L:]
-        k = torch.einsum("hpl,sl->shp", w_uk, c)
-        v = torch.einsum("hvl,sl->shv", w_uv, c)
-        s = torch.einsum("hp,shp->hs", q[t, :, :P].double(), k)
-        if R:
-            s = s + q[t, :, P:].double() @ k_rope.T
-        p = torch.softmax(s * scale, dim=-1)
-        out[t] = torch.einsum("hs,shv->hv", p, v)
-    return out
 
 
 def inputs(geom, T=3, slots=96, topk=40, seed=0):
