@@ -13,6 +13,7 @@ continues with ``resume=True``.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -140,6 +141,15 @@ def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict)
     return []
 
 
+def _copy_durably(src_file: Path, tmp: Path) -> None:
+    shutil.copyfile(src_file, tmp)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # a copy is as durable as the overlay before the manifest claims completeness
+    finally:
+        os.close(fd)
+
+
 def place_original(src_file: Path, dst: Path, mode: str) -> None:
     """Hard-link (falling back to copy across filesystems) or copy one original file, via a temp name."""
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -150,13 +160,13 @@ def place_original(src_file: Path, dst: Path, mode: str) -> None:
             try:
                 os.link(src_file.resolve(), tmp)  # a symlinked source (HF cache): link the real blob
             except OSError:
-                shutil.copyfile(src_file, tmp)
+                _copy_durably(src_file, tmp)
         else:
-            shutil.copyfile(src_file, tmp)
+            _copy_durably(src_file, tmp)
         os.replace(tmp, dst)
     except OSError as err:
         tmp.unlink(missing_ok=True)
-        if err.errno == 28:
+        if err.errno == errno.ENOSPC:
             raise OutputError(f"no space left on device while placing {dst}", file=dst) from err
         raise OutputError(f"cannot place {dst}: {err.strerror or err}", file=dst) from err
 
