@@ -64,8 +64,8 @@ def stored_k(k_logical: int, k_multiple: int | None) -> int:
 
 def _check_bmm_pair(codes: torch.Tensor, scales: torch.Tensor) -> int:
     """Validate a ``[B, N, K/2]`` / ``[B, N, K/32]`` pair; return K (elements)."""
-    _check_u8(codes, "bmm_nk codes", 3)
-    _check_u8(scales, "bmm_nk scales", 3)
+    _check_u8(codes, "bmm_nk codes", 0)
+    _check_u8(scales, "bmm_nk scales", 0)
     _need(
         codes.dim() == 3 and scales.dim() == 3,
         f"bmm_nk needs 3-D codes [B, N, K/2] and scales [B, N, K/32], got {tuple(codes.shape)} and "

@@ -79,6 +79,10 @@ def split_kv_b_mxfp4_vc(
     The V rows are already grouped along w_vc's reduction axis, so they are row slices, byte-identical to
     the source: no requantization.
     """
+    if codes.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise FormatError(f"kv_b_proj MXFP4 codes and scales must be uint8, got {codes.dtype} and {scales.dtype}")
+    if geom.kv_lora_rank % BLOCK:
+        raise FormatError(f"kv_lora_rank {geom.kv_lora_rank} is not a multiple of 32: no MXFP4 blocks along it")
     _check_rows(codes.shape, geom, geom.kv_lora_rank // 2, "kv_b_proj codes")
     _check_rows(scales.shape, geom, geom.kv_lora_rank // BLOCK, "kv_b_proj scales")
     out = []
