@@ -1,0 +1,302 @@
+"""Check and time the Triton A16WFP4 batched GEMM on GLM's absorbed K-up / V-up shapes (one GPU).
+
+For every case (op x heads x tokens) it checks the kernel against ``glm_pack.runtime.reference.bmm_a16wfp4``
+on fresh random inputs (output poisoned with NaN first; every element must be written and lie within
+:func:`glm_pack.runtime.kernels.triton_bmm.accumulation_tolerance`; the fraction of bit-identical elements
+is printed), then times it next to torch bf16 ``bmm`` on the dequantized weights. Decode sizes (T <= 256)
+are timed as CUDA-graph replays, larger ones as plain launches; both rotate over enough input sets that the
+working set exceeds L2 (cold weights, as in a real model). The roofline column is the kernel's bytes
+(x, w codes, scales, y) over the measured copy bandwidth, or its FLOPs over the measured bf16 matmul rate
+when that is larger.
+
+    python benchmarks/bench_triton_bmm.py --check [--out DIR] [--ops kup192,kup256,vup] [--heads 16,64]
+        [--tokens 1,16,64,256,1024,8192] [--sweep]
+
+``--sweep`` also times the candidate configs of each M bucket and reports the best.
+Results go to stdout (a markdown table) and, with ``--out``, to ``DIR/bench_triton_bmm.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from glm_pack.packing.mxfp4 import dequantize, quantize
+from glm_pack.runtime.kernels import triton_bmm as tb
+from glm_pack.runtime.reference import activation_as_float
+from glm_pack.runtime.reference import bmm_a16wfp4 as reference_bmm
+
+# op -> (N, K used by the kernel, width of the q row x is a view of)
+OPS = {"kup192": (512, 192, 256), "kup256": (512, 256, 256), "vup": (256, 512, 512)}
+
+
+def candidates(M: int, N: int, K: int) -> list[tb.BmmConfig]:
+    """Configs worth timing for an M bucket (the default first)."""
+    bk = tb._block_k(K, 64)
+    C = tb.BmmConfig
+    if M <= 16:
+        extra = [C(16, 32, bk, 4, 2, 1), C(16, 64, tb._block_k(K, 128), 4, 2, 0), C(16, 64, bk, 4, 2, 0)]
+    elif M <= 64:
+        extra = [C(64, 32, bk, 4, 2, 1), C(64, 64, bk, 4, 2, 0)]
+    elif M <= 256:
+        extra = [C(64, 64, bk, 4, 2, 2), C(64, 128, bk, 4, 1, 2), C(64, 128, bk, 4, 3, 0), C(128, 128, bk, 8, 3, 0)]
+    else:
+        extra = [C(128, 128, bk, 8, 3, 0), C(128, 256, bk, 8, 2, 0), C(64, 128, bk, 4, 1, 16)]
+        extra += [C(64, 128, bk, 4, 2, 8)] if K > 256 else [C(64, 256, bk, 8, 2, 8), C(128, 256, bk, 8, 1, 8)]
+    default = tb.default_config(M, N, K)
+    return [default] + [c for c in extra if c != default]
+
+
+def environment() -> dict:
+    props = torch.cuda.get_device_properties(0)
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,memory.total", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30,
+        ).stdout.strip()  # fmt: skip
+    except Exception as err:  # noqa: BLE001
+        smi = f"nvidia-smi failed: {err}"
+    import triton
+
+    return {
+        "gpu": props.name, "sms": props.multi_processor_count, "l2_bytes": props.L2_cache_size,
+        "nvidia_smi": smi, "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+        "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "command": " ".join(sys.argv),
+    }  # fmt: skip
+
+
+def _events_ms(fn, reps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure_ceilings() -> dict:
+    """Device-to-device copy bandwidth (bytes read + written per second) and dense bf16 matmul rate."""
+    src = torch.randn(256 * 2**20, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_ms = _events_ms(lambda: dst.copy_(src), 20)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a @ b
+    mm_ms = _events_ms(lambda: a @ b, 10)
+    return {"copy_bytes_per_s": 2 * 2**30 / (copy_ms * 1e-3), "bf16_flops_per_s": 2 * 8192**3 / (mm_ms * 1e-3)}
+
+
+def make_set(op: str, H: int, T: int, gen: torch.Generator) -> dict:
+    """One input set: q rows [T, H, row] bf16 (x = q[..., :K] as [H, T, K]), MXFP4 weights, [T, H, N] out."""
+    N, K, row = OPS[op]
+    q = (torch.randn(T, H, row, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    w = torch.randn(H, N, K, device="cuda", generator=gen) * 0.05
+    if op == "kup256":  # K-padded weights: the last 64 columns are zero codes with scale 0x7F
+        w[..., 192:] = 0
+    codes, scales = quantize(w, mode="even", check_finite_input=False)
+    if op == "kup256":
+        scales[..., 6:] = 127
+    out_tm = torch.empty(T, H, N, device="cuda", dtype=torch.bfloat16)
+    return {"x": q[..., :K].transpose(0, 1), "codes": codes, "scales": scales, "out": out_tm.transpose(0, 1)}
+
+
+def set_bytes(op: str, H: int, T: int) -> int:
+    N, K, _ = OPS[op]
+    return H * (T * K * 2 + N * K // 2 + N * K // 32 + T * N * 2)
+
+
+def reference(s: dict, act_quant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(reference output, per-element tolerance) for one input set."""
+    x, codes, scales = s["x"], s["codes"], s["scales"]
+    ref = reference_bmm(x, codes, scales, act_quant=act_quant)
+    xa = activation_as_float(x, act_quant).abs()
+    wa = dequantize(codes, scales).abs()
+    return ref, tb.accumulation_tolerance(ref, torch.bmm(xa, wa.transpose(1, 2)), x.shape[-1])
+
+
+def check(s: dict, act_quant: str, cfg: tb.BmmConfig | None, ref_tol) -> dict:
+    """Poison, run, compare with the reference; returns error stats (ok = all written and within tolerance)."""
+    x, codes, scales, out = s["x"], s["codes"], s["scales"], s["out"]
+    ref, tol = ref_tol
+    out.fill_(float("nan"))
+    tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=cfg)
+    torch.cuda.synchronize()
+    diff = (out.float() - ref.float()).abs()
+    unwritten = int(torch.isnan(out).sum())
+    return {
+        "ok": unwritten == 0 and bool((diff <= tol).all()),
+        "unwritten": unwritten,
+        "max_diff_over_tol": float((diff / tol).max()),
+        "bit_identical": float((out.view(torch.int16) == ref.view(torch.int16)).float().mean()),
+    }
+
+
+def time_ours(sets: list[dict], act_quant: str, cfg, graph: bool) -> float:
+    def run():
+        for s in sets:
+            tb.bmm_a16wfp4(s["x"], s["codes"], s["scales"], act_quant=act_quant, out=s["out"], config=cfg)
+
+    return _time(run, len(sets), graph)
+
+
+def time_torch(sets: list[dict], graph: bool) -> float:
+    def run():
+        for s in sets:
+            torch.bmm(s["xc"], s["wt"], out=s["yc"])
+
+    return _time(run, len(sets), graph)
+
+
+def _time(run, n_calls: int, graph: bool) -> float:
+    """Median microseconds per call: CUDA-graph replay of ``run`` or plain launches."""
+    run()
+    torch.cuda.synchronize()
+    if graph:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            run()
+        g.replay()
+        torch.cuda.synchronize()
+        ms = _events_ms(g.replay, 30)
+    else:
+        ms = _events_ms(run, 15)
+    return ms * 1e3 / n_calls
+
+
+def bench_case(op, H, T, env, ceilings, args, gen) -> dict:
+    N, K, _ = OPS[op]
+    l2 = env["l2_bytes"]
+    graph = T <= 256
+    n_sets = max(1, min(128, math.ceil(3 * l2 / set_bytes(op, H, T))))
+    sets = [make_set(op, H, T, gen) for _ in range(n_sets)]
+    default = tb.default_config(T, N, K)
+    row = {"op": op, "H": H, "T": T, "N": N, "K": K, "sets": n_sets, "default": default.__dict__}
+    refs = {aq: reference(sets[0], aq) for aq in tb.ACT_QUANT_MODES} if args.check else {}
+    if args.check:
+        row["check"] = {aq: check(sets[0], aq, None, refs[aq]) for aq in tb.ACT_QUANT_MODES}
+    row["us"] = {aq: time_ours(sets, aq, None, graph) for aq in tb.ACT_QUANT_MODES}
+    if args.sweep:
+        sweep = []
+        for cfg in candidates(T, N, K)[1:]:
+            entry = {"config": cfg.__dict__}
+            try:
+                if args.check:
+                    entry["check"] = check(sets[0], "mxfp4", cfg, refs["mxfp4"])
+                entry["us"] = time_ours(sets, "mxfp4", cfg, graph)
+            except Exception as err:  # noqa: BLE001 - a config that fails to compile or launch is reported
+                entry["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            sweep.append(entry)
+        row["sweep"] = sweep
+    # torch bf16 bmm on dequantized weights, contiguous x and y (no copies inside torch)
+    n_torch = max(1, min(128, math.ceil(3 * l2 / (H * (T * K * 2 + N * K * 2 + T * N * 2)))))
+    tsets = []
+    for i in range(n_torch):
+        s = sets[i % n_sets]
+        tsets.append({
+            "xc": s["x"].contiguous(),
+            "wt": dequantize(s["codes"], s["scales"], dtype=torch.bfloat16).transpose(1, 2),
+            "yc": torch.empty(H, T, N, device="cuda", dtype=torch.bfloat16),
+        })  # fmt: skip
+    row["torch_us"] = time_torch(tsets, graph)
+    flops = 2 * H * T * N * K
+    row["roofline_us"] = 1e6 * max(set_bytes(op, H, T) / ceilings["copy_bytes_per_s"],
+                                   flops / ceilings["bf16_flops_per_s"])  # fmt: skip
+    del sets, tsets, refs
+    torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out / "rows.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| op | N | K | H | T | triton mxfp4 us | triton none us | torch bf16 bmm us | mxfp4 / torch | "
+            "roofline us | check (max err/tol, bit-identical) |")  # fmt: skip
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        chk = r.get("check")
+        chk_s = "-" if chk is None else "; ".join(
+            f"{aq}: {'ok' if c['ok'] else 'FAIL'} {c['max_diff_over_tol']:.2f}, {100 * c['bit_identical']:.1f}%"
+            for aq, c in chk.items()
+        )  # fmt: skip
+        lines.append(
+            f"| {r['op']} | {r['N']} | {r['K']} | {r['H']} | {r['T']} | {r['us']['mxfp4']:.2f} | {r['us']['none']:.2f} "
+            f"| {r['torch_us']:.2f} | {r['us']['mxfp4'] / r['torch_us']:.2f} | {r['roofline_us']:.2f} | {chk_s} |"
+        )
+    return "\n".join(lines)
+
+
+def sweep_table(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        for e in r.get("sweep", []):
+            c = e["config"]
+            cfg = f"{c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} t{c['tiles_m']}"
+            res = e.get("error") or f"{e['us']:.2f} us" + (
+                "" if "check" not in e else f" {'ok' if e['check']['ok'] else 'FAIL'}"
+            )
+            lines.append(f"{r['op']} H{r['H']} T{r['T']} default {r['us']['mxfp4']:.2f} | {cfg}: {res}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="check every case against the reference first")
+    p.add_argument("--sweep", action="store_true", help="also time the candidate configs per M bucket")
+    p.add_argument("--ops", default="kup192,kup256,vup")
+    p.add_argument("--heads", default="16,64")
+    p.add_argument("--tokens", default="1,16,64,256,1024,8192")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    ok, why = tb.available()
+    if not ok or not torch.cuda.is_available():
+        print(f"needs a GPU and triton: {why}")
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference's fp32 bmm must be true fp32
+    env = environment()
+    ceilings = measure_ceilings()
+    print(json.dumps({**env, **ceilings}, indent=1), flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(20261118)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for op in args.ops.split(","):
+        for H in map(int, args.heads.split(",")):
+            for T in map(int, args.tokens.split(",")):
+                rows.append(bench_case(op, H, T, env, ceilings, args, gen))
+                r = rows[-1]
+                print(f"{op} H={H} T={T}: mxfp4 {r['us']['mxfp4']:.2f} us, none {r['us']['none']:.2f} us, "
+                      f"torch {r['torch_us']:.2f} us, roofline {r['roofline_us']:.2f} us "
+                      f"{json.dumps(r.get('check', {}))}", flush=True)  # fmt: skip
+    md = table(rows)
+    if args.sweep:
+        print(sweep_table(rows))
+    print(md)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_triton_bmm.json").write_text(json.dumps({"env": env, "ceilings": ceilings, "rows": rows}))
+        (args.out / "bench_triton_bmm.md").write_text(md + "\n\n" + sweep_table(rows) + "\n")
+    failed = [r for r in rows if any(not c["ok"] for c in r.get("check", {}).values())]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,373 @@
+"""Portable Triton A16WFP4 batched GEMM: the absorbed MLA K-up / V-up on MXFP4 weights in the ``bmm_nk`` layout.
+
+Computes :func:`glm_pack.runtime.reference.bmm_a16wfp4` up to fp32 accumulation order:
+``Y[b] = act(X[b]) @ dequant(W[b])^T`` with x ``[B, M, K]`` bf16 (any strides), w codes ``[B, N, K/2]`` u8
+(low nibble = even k) and E8M0 scales ``[B, N, K/32]`` u8, y ``[B, M, N]`` bf16 (any strides; the runtime
+passes a transposed view of a batch-major ``[T, H, N]`` buffer). ``act_quant="mxfp4"`` rounds each 32-block
+of x along K to MXFP4 in the kernel (even rule, bit-exact with ``quantize(mode="even")``) and feeds the
+dequantized values, which bf16 holds exactly, to the dot; ``"none"`` feeds x as is. Products of these
+values are exact in fp32, so only the accumulation order differs from the reference.
+
+One program computes a ``[BLOCK_M, BLOCK_N]`` tile of one batch entry over the whole K. On GPUs the weights
+go through ``tl.dot_scaled`` (bf16 x e2m1 with E8M0 scales: native on gfx950, upcast to bf16 elsewhere,
+e.g. on Hopper). Triton 3.6's interpreter has no ``dot_scaled``, so under ``TRITON_INTERPRET=1`` the same
+kernel decodes the weights itself (the ``DOT_SCALED=False`` branch) and multiplies in fp32. Both branches
+compute identical products; the GPU benchmark checks both against the reference.
+
+Importing this module never fails without Triton: :func:`available` says why the kernel cannot run.
+Triton picks interpreter or compiler when a kernel is defined, i.e. when this module is imported.
+Scale byte 0 (2**-127) on a weight is read as 0 by ``dot_scaled``'s upcast; only all-zero blocks carry it
+in practice (even rule), where both give 0.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from glm_pack.packing.errors import BackendError
+
+ACT_QUANT_MODES = ("mxfp4", "none")
+
+try:
+    import triton
+    import triton.language as tl
+
+    _TRITON_ERROR = ""
+except Exception as exc:  # any import failure means "unavailable"
+    _TRITON_ERROR = f"triton cannot be imported: {exc}"
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+if not _TRITON_ERROR:
+
+    @triton.jit
+    def _pow2(e):
+        """Exact float32 ``2**e`` for int32 ``e`` in [-127, 127] (2**-127 is the one subnormal needed)."""
+        return tl.where(e >= -126, (e + 127) << 23, 0x400000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _mxfp4_even_round_trip(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """x ``[BLOCK_M, BLOCK_K]`` -> float32 ``dequant(quant_even(x))`` per 32-block along K.
+
+        Even rule: round amax's fp32 mantissa to 1 bit, e = floor(log2) - 2 clamped to [-127, 127]
+        (255 after rounding -> 127). Elements: x / 2**e rounded to the E2M1 grid with ties to the even
+        code, saturated at 6: adding then subtracting 1.5 * 2**23 * step rounds to a multiple of the
+        grid step (0.5 below 2, 1 below 4, else 2) with ties to even, which on this grid is the even code.
+        """
+        xb = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // 32, 32))
+        amax = tl.max(tl.abs(xb), axis=2)
+        biased = (amax.to(tl.int32, bitcast=True) + 0x200000) >> 23
+        e = tl.where(biased == 255, 127, tl.maximum(biased - 129, -127))
+        q = tl.minimum(tl.maximum(xb * _pow2(-e)[:, :, None], -6.0), 6.0)
+        a = tl.abs(q)
+        magic = tl.where(a < 2.0, 6291456.0, tl.where(a < 4.0, 12582912.0, 25165824.0))
+        r = (q + magic) - magic
+        return tl.reshape(r * _pow2(e)[:, :, None], (BLOCK_M, BLOCK_K))
+
+    @triton.jit
+    def _e2m1_dequant(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """codes u8 ``[BLOCK_N, BLOCK_K/2]`` (low nibble = even k) + E8M0 ``[BLOCK_N, BLOCK_K/32]`` -> float32
+        ``[BLOCK_N, BLOCK_K]``: ``E2M1[code] * 2**(scale - 127)`` (scale 255 -> NaN).
+
+        A nibble's magnitude bits placed at fp16 bits 9-11 and its sign at bit 15 read as an fp16 equal to
+        ``E2M1[code] * 2**-14`` exactly (index 1, 0.5, lands on the fp16 subnormal 2**-15)."""
+        c = codes.to(tl.int32)
+        lo = ((c & 7) << 9) | ((c & 8) << 12)
+        hi = ((c & 0x70) << 5) | ((c & 0x80) << 8)
+        h = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)).to(tl.int16).to(tl.float16, bitcast=True)
+        s = scales.to(tl.int32)
+        scale = tl.where(s == 255, float("nan"), _pow2(s - 127))
+        w = tl.reshape(h.to(tl.float32) * 16384.0, (BLOCK_N, BLOCK_K // 32, 32)) * scale[:, :, None]
+        return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+    @triton.jit
+    def _dot(a, b, acc, INTERPRET: tl.constexpr):
+        """``acc + a @ b`` in fp32 of operands holding bf16-exact values: bf16 operands when compiled; fp32 under
+        the 3.6 interpreter, which multiplies bf16 bit patterns as integers."""
+        if INTERPRET:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision="ieee")
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc=acc)
+
+    @triton.jit
+    def _to_bf16(v, INTERPRET: tl.constexpr):
+        """float32 -> bf16 rounding to nearest even (the 3.6 interpreter's own cast truncates)."""
+        if INTERPRET:
+            bits = v.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return v.to(tl.bfloat16)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _bmm_a16wfp4_kernel(
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        y_ptr,
+        M,
+        N,
+        stride_xb,
+        stride_xm,
+        stride_xk,
+        stride_wb,
+        stride_wn,
+        stride_wk,
+        stride_sb,
+        stride_sn,
+        stride_sk,
+        stride_yb,
+        stride_ym,
+        stride_yn,
+        K: tl.constexpr,
+        ACT_MXFP4: tl.constexpr,
+        DOT_SCALED: tl.constexpr,
+        INTERPRET: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """Grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), B)``: N tiles fastest, so programs running together
+        share x tiles and (at large M) weights in L2."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_in = offs_m[:, None] < M
+        n_in = offs_n[:, None] < N
+        x_ptrs = x_ptr + b * stride_xb + offs_m[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :] * stride_xk
+        w_ptrs = w_ptr + b * stride_wb + offs_n[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :] * stride_wk
+        s_ptrs = s_ptr + b * stride_sb + offs_n[:, None] * stride_sn + tl.arange(0, BLOCK_K // 32)[None, :] * stride_sk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K // BLOCK_K):
+            x = tl.load(x_ptrs, mask=m_in, other=0.0)
+            codes = tl.load(w_ptrs, mask=n_in, other=0)
+            scales = tl.load(s_ptrs, mask=n_in, other=127)
+            if DOT_SCALED:
+                if ACT_MXFP4:
+                    x = _mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K).to(tl.bfloat16)  # exact in bf16
+                acc = tl.dot_scaled(x, None, "bf16", tl.trans(codes), scales, "e2m1", acc)
+            else:  # the interpreter's branch: decode the weights here
+                if ACT_MXFP4:
+                    x = _mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K)
+                acc = _dot(x, tl.trans(_e2m1_dequant(codes, scales, BLOCK_N, BLOCK_K)), acc, INTERPRET)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += (BLOCK_K // 2) * stride_wk
+            s_ptrs += (BLOCK_K // 32) * stride_sk
+        y_ptrs = y_ptr + b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+        tl.store(y_ptrs, _to_bf16(acc, INTERPRET), mask=m_in & (offs_n[None, :] < N))
+
+    @triton.jit(do_not_specialize=["M"])
+    def _bmm_ws_kernel(
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        y_ptr,
+        M,
+        N,
+        stride_xb,
+        stride_xm,
+        stride_xk,
+        stride_wb,
+        stride_wn,
+        stride_wk,
+        stride_sb,
+        stride_sn,
+        stride_sk,
+        stride_yb,
+        stride_ym,
+        stride_yn,
+        K: tl.constexpr,
+        ACT_MXFP4: tl.constexpr,
+        INTERPRET: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        TILES_M: tl.constexpr,
+    ):
+        """Weights-stationary: grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M * TILES_M), B)``. A program decodes its
+        ``[BLOCK_N, K]`` weight tile once (kept as K/BLOCK_K dot operands) and sweeps TILES_M tiles of M."""
+        pid_n = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_in = offs_n[:, None] < N
+        w_ptrs = w_ptr + b * stride_wb + offs_n[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :] * stride_wk
+        s_ptrs = s_ptr + b * stride_sb + offs_n[:, None] * stride_sn + tl.arange(0, BLOCK_K // 32)[None, :] * stride_sk
+        w_t = ()
+        for kk in tl.static_range(K // BLOCK_K):
+            codes = tl.load(w_ptrs + kk * (BLOCK_K // 2) * stride_wk, mask=n_in, other=0)
+            scales = tl.load(s_ptrs + kk * (BLOCK_K // 32) * stride_sk, mask=n_in, other=127)
+            w = tl.trans(_e2m1_dequant(codes, scales, BLOCK_N, BLOCK_K))
+            if not INTERPRET:
+                w = w.to(tl.bfloat16)  # exact
+            w_t = w_t + (w,)
+        x_base = x_ptr + b * stride_xb + tl.arange(0, BLOCK_K)[None, :] * stride_xk
+        y_base = y_ptr + b * stride_yb + offs_n[None, :] * stride_yn
+        for i in range(TILES_M):
+            offs_m = (pid_c * TILES_M + i) * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_in = offs_m[:, None] < M
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in tl.static_range(K // BLOCK_K):
+                x = tl.load(x_base + offs_m[:, None] * stride_xm + kk * BLOCK_K * stride_xk, mask=m_in, other=0.0)
+                if ACT_MXFP4:
+                    x = _mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K)
+                acc = _dot(x, w_t[kk], acc, INTERPRET)
+            tl.store(y_base + offs_m[:, None] * stride_ym, _to_bf16(acc, INTERPRET), mask=m_in & (offs_n[None, :] < N))
+
+
+def available() -> tuple[bool, str]:
+    """(usable, reason): Triton importable, and a GPU present or the interpreter selected."""
+    if _TRITON_ERROR:
+        return False, _TRITON_ERROR
+    if not _INTERPRETED and not torch.cuda.is_available():
+        return False, "no GPU visible to torch (set TRITON_INTERPRET=1 before import to run on CPU)"
+    return True, "ok"
+
+
+@dataclass(frozen=True)
+class BmmConfig:
+    """Tile shape and launch options; ``block_k`` divides K, the others are powers of two >= 16.
+
+    ``tiles_m`` > 0 selects the weights-stationary kernel (a program sweeps that many M tiles);
+    0 selects the tiled ``dot_scaled`` kernel (a program owns one ``[block_m, block_n]`` tile)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    tiles_m: int = 1
+
+
+def _block_k(K: int, cap: int) -> int:
+    """Largest power of two <= cap that divides K (K is a multiple of 32)."""
+    bk = cap
+    while K % bk:
+        bk //= 2
+    return bk
+
+
+def default_config(M: int, N: int, K: int) -> BmmConfig:
+    """Tiles by M bucket (measured on an H200, see BENCHMARKS.md)."""
+    if _INTERPRETED:
+        return BmmConfig(16 if M <= 16 else 32, 32 if N <= 32 else 64, _block_k(K, 64), 4, 1, 2)
+    bk = _block_k(K, 64)
+    if M <= 16:
+        return BmmConfig(16, 64, bk, 4, 2, 1)
+    if M <= 64:
+        return BmmConfig(64, 64, bk, 4, 2, 1)
+    if M <= 256:
+        return BmmConfig(64, 128, bk, 4, 2, 1)
+    return BmmConfig(64, 128, bk, 4, 1, 8)
+
+
+def accumulation_tolerance(ref: torch.Tensor, abs_dot: torch.Tensor, K: int) -> torch.Tensor:
+    """Per-element bound on ``|y - ref|`` for bf16 results of the same fp32 dot products of length K summed in
+    another order: ``K * 2**-23 * abs_dot`` (``abs_dot`` = sum over k of ``|a_k * b_k|``, float32) plus one bf16
+    ulp at the larger magnitude, for the two final roundings."""
+    spread = K * 2.0**-23 * abs_dot.float()
+    _, exp = torch.frexp((ref.float().abs() + spread).clamp_min(2.0**-126))
+    return spread + torch.ldexp(torch.ones_like(spread), exp - 8)
+
+
+def _check(t: object, name: str, dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise BackendError(f"triton bmm_a16wfp4: {name} must be a torch.Tensor, got {type(t).__name__}", tensor=name)
+    if t.dtype != dtype or t.dim() != 3:
+        raise BackendError(
+            f"triton bmm_a16wfp4: {name} must be a 3-D {dtype} tensor, got {t.dim()}-D {t.dtype}", tensor=name
+        )
+    if any(s < 0 for s in t.stride()):
+        raise BackendError(f"triton bmm_a16wfp4: {name} has a negative stride {t.stride()}", tensor=name)
+    return t
+
+
+def _validate(x, w_codes, w_scales, act_quant, out) -> tuple[int, int, int, int]:
+    _check(x, "x", torch.bfloat16)
+    _check(w_codes, "w_codes", torch.uint8)
+    _check(w_scales, "w_scales", torch.uint8)
+    B, M, K = x.shape
+    Bw, N, Kh = w_codes.shape
+    if act_quant not in ACT_QUANT_MODES:
+        raise BackendError(f"triton bmm_a16wfp4: act_quant must be one of {ACT_QUANT_MODES}, got {act_quant!r}")
+    if K != 2 * Kh:
+        raise BackendError(
+            f"triton bmm_a16wfp4: x has K={K} but w_codes packs K={2 * Kh} ([B, N, K/2] = {tuple(w_codes.shape)}); "
+            "pass the padded q row when the weights are K-padded",
+            tensor="x",
+        )
+    if K == 0 or K % 32:
+        raise BackendError(f"triton bmm_a16wfp4: K={K} must be a positive multiple of 32", tensor="x")
+    if Bw != B:
+        raise BackendError(f"triton bmm_a16wfp4: x has B={B} batches, w_codes {Bw}", tensor="w_codes")
+    if tuple(w_scales.shape) != (B, N, K // 32):
+        raise BackendError(
+            f"triton bmm_a16wfp4: w_scales must be {(B, N, K // 32)}, got {tuple(w_scales.shape)}", tensor="w_scales"
+        )
+    devices = {t.device for t in (x, w_codes, w_scales)}
+    if out is not None:
+        _check(out, "out", torch.bfloat16)
+        if tuple(out.shape) != (B, M, N):
+            raise BackendError(f"triton bmm_a16wfp4: out must be {(B, M, N)}, got {tuple(out.shape)}", tensor="out")
+        if any(st == 0 and sz > 1 for st, sz in zip(out.stride(), out.shape, strict=True)):
+            raise BackendError(f"triton bmm_a16wfp4: out has a zero stride {out.stride()}", tensor="out")
+        devices.add(out.device)
+    if len(devices) != 1:
+        raise BackendError(f"triton bmm_a16wfp4: tensors on different devices {sorted(map(str, devices))}")
+    if x.device.type != "cuda" and not _INTERPRETED:
+        raise BackendError(
+            f"triton bmm_a16wfp4: tensors on {x.device} need a GPU, or TRITON_INTERPRET=1 set before import"
+        )
+    return B, M, N, K
+
+
+def bmm_a16wfp4(
+    x: torch.Tensor,
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    *,
+    act_quant: str = "mxfp4",
+    out: torch.Tensor | None = None,
+    config: BmmConfig | None = None,
+    dot_scaled: bool | None = None,
+) -> torch.Tensor:
+    """``out[b] = act(x[b]) @ dequant(w[b])^T``; returns ``out`` ``[B, M, N]`` bf16.
+
+    x ``[B, M, K]`` bf16, w_codes ``[B, N, K/2]`` u8, w_scales ``[B, N, K/32]`` u8, any non-negative strides;
+    K a multiple of 32. Without ``out``, allocates a batch-major ``[M, B, N]`` buffer and returns its
+    ``[B, M, N]`` view. ``config`` overrides :func:`default_config`; ``dot_scaled`` picks the weight branch
+    (default: ``dot_scaled`` when compiled, the in-kernel decode under the interpreter, which lacks it).
+    """
+    ok, why = available()
+    if not ok:
+        raise BackendError(f"triton bmm_a16wfp4 unavailable: {why}")
+    B, M, N, K = _validate(x, w_codes, w_scales, act_quant, out)
+    if out is None:
+        out = torch.empty(M, B, N, dtype=torch.bfloat16, device=x.device).transpose(0, 1)
+    if B == 0 or M == 0 or N == 0:
+        return out
+    cfg = config or default_config(M, N, K)
+    if K % cfg.block_k or cfg.block_k % 32:
+        raise BackendError(f"triton bmm_a16wfp4: block_k={cfg.block_k} must be a multiple of 32 dividing K={K}")
+    args = (x, w_codes, w_scales, out, M, N, *x.stride(), *w_codes.stride(), *w_scales.stride(), *out.stride())
+    consts = dict(
+        K=K,
+        ACT_MXFP4=act_quant == "mxfp4",
+        INTERPRET=_INTERPRETED,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if cfg.tiles_m:
+        grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m * cfg.tiles_m), B)
+        _bmm_ws_kernel[grid](*args, TILES_M=cfg.tiles_m, **consts)
+    else:
+        use_dot_scaled = (not _INTERPRETED) if dot_scaled is None else dot_scaled
+        grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m), B)
+        _bmm_a16wfp4_kernel[grid](*args, DOT_SCALED=use_dot_scaled, **consts)
+    return out
