@@ -116,16 +116,18 @@ def torch_batched(q_lat, q_rope, cache, idx2d):
 
 
 def sweep_configs(T, H):
-    """Alternative launch shapes around the default (same kernel, other tiles / warps / stages / splits)."""
+    """Alternative launch shapes (block_h, block_n, warps, stages) with the split counts that fill 1/4 to 3
+    waves of one program per multiprocessor."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = [(16, 32, 4, 3), (16, 64, 4, 2), (16, 16, 4, 3)]
+    shapes = [(16, 64, 4, 2), (16, 32, 4, 5), (16, 64, 4, 5), (16, 32, 8, 5), (16, 64, 8, 5), (16, 64, 8, 3)]
     if H > 16:
-        shapes += [(32, 32, 8, 3), (64, 32, 8, 3), (64, 64, 8, 3), (64, 32, 8, 2)]
+        shapes = [(64, 64, 8, 3), (64, 32, 8, 5), (16, 64, 4, 2), (16, 32, 8, 5), (32, 32, 8, 5)]
     out = []
     for bh, bn, w, st in shapes:
         programs = T * -(-H // bh)
         max_splits = -(-TOPK // bn)
-        splits = sorted({min(max_splits, max(1, math.ceil(k * sms / programs))) for k in (0.25, 0.5, 1, 2, 4)})
+        splits = [s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128) if s <= max_splits]
+        splits = [s for s in splits if sms / 4 <= programs * s <= 3 * sms] or [1]
         out += [tsm.SparseMlaConfig(bh, bn, s, num_warps=w, num_stages=st) for s in splits]
     return out
 

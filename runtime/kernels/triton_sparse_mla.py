@@ -214,16 +214,21 @@ def _sm_count(device: torch.device) -> int:
 
 def default_config(T: int, H: int, n_indices: int, device: torch.device) -> SparseMlaConfig:
     """Launch shape for ``T`` tokens, ``H`` heads and ``n_indices`` selected rows in all (host values only,
-    so the choice never syncs and CUDA-graph capture works)."""
-    block_h = 16 if H <= 16 else 32 if H <= 32 else 64
-    block_n = 32
-    num_warps = 4 if block_h == 16 else 8
+    so the choice never syncs and CUDA-graph capture works). Tuned on an H200 (BENCHMARKS.md): 16-head
+    blocks (mma.sync, two programs per SM) for few heads or few tokens, 64-head blocks (wgmma, one program
+    per SM) otherwise; the top-k axis is split only as far as one wave of programs allows, since a partial
+    second wave costs more than the splits gain."""
+    if H <= 16 or T * H <= 256:
+        block_h, block_n, num_warps, num_stages, per_sm = 16, 64, 4, 2, 2
+    elif H <= 32:
+        block_h, block_n, num_warps, num_stages, per_sm = 32, 32, 8, 3, 1
+    else:
+        block_h, block_n, num_warps, num_stages, per_sm = 64, 64, 8, 3, 1
     programs = T * -(-H // block_h)
     rows_per_token = max(1, n_indices // max(T, 1))
     max_splits = max(1, -(-rows_per_token // block_n))
-    target = 2 * _sm_count(device)
-    num_splits = min(max_splits, max(1, -(-target // programs)))
-    return SparseMlaConfig(block_h, block_n, num_splits, num_warps=num_warps, num_stages=3)
+    num_splits = min(max_splits, max(1, per_sm * _sm_count(device) // programs))
+    return SparseMlaConfig(block_h, block_n, num_splits, num_warps=num_warps, num_stages=num_stages)
 
 
 def _is_pow2_at_least_16(x: int) -> bool:
