@@ -246,11 +246,17 @@ class Checkpoint:
 
 
 def open_checkpoint(src: str | os.PathLike, *, card: str | None = None) -> Checkpoint:
-    """Open a local checkpoint directory; ``card`` forces a family instead of detecting it from config.json."""
+    """Open a local checkpoint directory, or a Hub repo ``org/name[@revision]`` (read by byte ranges, see
+    :mod:`.hub_source`); ``card`` forces a family instead of detecting it from config.json."""
     root = Path(src)
-    if not root.is_dir():
-        raise CheckpointError("not a checkpoint directory", file=str(root))
-    store = LocalStore(root)
+    if root.is_dir():
+        store = LocalStore(root)
+    else:
+        from .hub_source import hub_store
+
+        store = hub_store(src)
+        if store is None:
+            raise CheckpointError("not a checkpoint directory", file=str(root))
     config = _load_json(store, "config.json")
     try:
         family = load_card(card) if card else detect_card(config)

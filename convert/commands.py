@@ -36,6 +36,8 @@ def _summary(report: ConvertReport) -> None:
         f"{bf16} tensors kept in BF16; "
         f"rel error w_kc max {max(kc, default=0):.4f}, w_vc max {max(vc, default=0):.4f}; {report.seconds:.1f} s"
     )
+    if report.hub_bytes is not None:
+        console.print(f"read {report.hub_bytes:,} bytes ({report.hub_bytes / 2**20:.1f} MiB) from the Hub")
 
 
 def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> ConvertReport:
@@ -92,9 +94,9 @@ def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> Conve
 @click.option(
     "--files",
     type=click.Choice(FILE_MODES),
-    default="link",
-    show_default=True,
-    help="Original files: hard-link (copy across filesystems), copy, or leave out.",
+    default=None,
+    help="Original files: hard-link (copy across filesystems), copy, or leave out. Default: link for a local "
+    "SRC, none for a Hub SRC (copy downloads the originals into the HF cache and hard-links them into OUT).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace the contents of a non-empty OUT.")
 @click.option("--resume", is_flag=True, help="Finish an interrupted conversion (finished files are re-hashed, kept).")
@@ -118,9 +120,13 @@ def convert_command(
 ):
     """Write the kernel-ready MLA overlay of SRC into OUT.
 
+    SRC is a checkpoint directory or a Hub repo id org/name[@revision]: from the Hub only the shard headers
+    and the tensors the overlay needs are read, by HTTP range requests.
+
     \b
     Example:
       glm-pack convert /models/GLM-5 /models/GLM-5-gfx950
+      glm-pack convert zai-org/GLM-5 ./GLM-5-gfx950
       glm-pack convert ckpt out --mla-precision auto --max-rel-error 0.12 --quant-mode mse
     """
     options = ConvertOptions(

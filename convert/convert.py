@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -29,7 +29,7 @@ from glm_pack.packing.experts import moe_layout_description
 from glm_pack.packing.layouts import stored_k
 
 from . import state
-from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from .items import Settings, plan_items, run_item, run_item_in_worker, worker_init
 from .writer import OutputError, write_text
 
@@ -43,7 +43,7 @@ class ConvertOptions:
     k_pad: str = "card"  # "card" (the card's default), "none", or a multiple such as "256"
     mla_precision: str = "mxfp4"
     max_rel_error: float | None = None
-    files: str = "link"
+    files: str | None = None  # None: "link" for a local source, "none" for a Hub source
     overwrite: bool = False
     resume: bool = False
     workers: int = 1
@@ -76,6 +76,7 @@ class ConvertReport:
     expert_tensors: int = 0
     original_files: int = 0
     resumed_items: int = 0
+    hub_bytes: int | None = None  # payload bytes fetched from the Hub (None for a local source)
     seconds: float = 0.0
 
 
@@ -101,11 +102,35 @@ def resolve_k_multiple(option: str, card_default: int | None) -> int | None:
     return value
 
 
-def check_locations(src: Path, out: Path) -> None:
-    """Refuse an OUT that is SRC, inside it, or contains it."""
-    src_r, out_r = src.resolve(), out.resolve()
-    if src_r == out_r or src_r in out_r.parents or out_r in src_r.parents:
-        raise PlanError(f"output {out} must be outside the source {src} (and not contain it)", file=out)
+def store_sha256(store, rel: str) -> str:
+    """sha256 of a whole (small) source file read through the checkpoint's store."""
+    source = store.open(rel)
+    return hashlib.sha256(source.read(0, source.size())).hexdigest()
+
+
+def is_hub(ckpt: Checkpoint) -> bool:
+    return getattr(ckpt.store, "kind", "local") == "hub"
+
+
+def files_mode(ckpt: Checkpoint, files: str | None) -> str:
+    """``--files`` for this source: default link (local) or none (Hub); a Hub source cannot be linked."""
+    files = files or ("none" if is_hub(ckpt) else "link")
+    if files not in FILE_MODES:
+        raise PlanError(f"--files must be one of {', '.join(FILE_MODES)}, got {files!r}")
+    if files == "link" and is_hub(ckpt):
+        raise PlanError(
+            "--files link needs a local source: a Hub repo has no local files to link; use --files copy "
+            "(downloads the originals into OUT) or --files none (overlay only)"
+        )
+    return files
+
+
+def check_locations(src: Path | None, out: Path) -> None:
+    """Refuse an OUT that is SRC, inside it, or contains it (``src`` None: a remote source)."""
+    if src is not None:
+        src_r, out_r = src.resolve(), out.resolve()
+        if src_r == out_r or src_r in out_r.parents or out_r in src_r.parents:
+            raise PlanError(f"output {out} must be outside the source {src} (and not contain it)", file=out)
     if out.exists() and not out.is_dir():
         raise PlanError(f"output {out} exists and is not a directory", file=out)
 
@@ -183,6 +208,15 @@ def original_files(root: Path) -> list[Path]:
     return found
 
 
+def source_files(ckpt: Checkpoint) -> tuple[list[Path], dict[str, list[int]]]:
+    """The source's files and their stats; a Hub commit is immutable, so its listing is its fingerprint."""
+    if is_hub(ckpt):
+        listing = ckpt.store.list_files()
+        return [Path(rel) for rel, _ in listing], {rel: [size, 0] for rel, size in listing}
+    originals = original_files(ckpt.root)
+    return originals, source_stats(ckpt.root, originals)
+
+
 def source_stats(root: Path, files: list[Path]) -> dict[str, list[int]]:
     """{file: [size, mtime_ns]} of the source files: a conversion refuses to finish if these change."""
     out = {}
@@ -228,24 +262,23 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
     ``progress(done, total, nbytes)`` is called after each finished work item.
     """
     started = time.monotonic()
-    if options.files not in FILE_MODES:
-        raise PlanError(f"--files must be one of {', '.join(FILE_MODES)}, got {options.files!r}")
     if options.workers < 1:
         raise PlanError(f"--workers must be at least 1, got {options.workers}")
     ckpt = open_checkpoint(src)
+    hub = is_hub(ckpt)
+    options = replace(options, files=files_mode(ckpt, options.files))
     out = Path(out)
-    check_locations(ckpt.root, out)
+    check_locations(None if hub else ckpt.root, out)
     geom = ckpt.geometry
     k_multiple = resolve_k_multiple(options.k_pad, ckpt.card.default_k_pad(geom))
     settings = Settings(
         stored_k(geom.qk_nope_head_dim, k_multiple), options.quant_mode, options.mla_precision, options.max_rel_error
     )
-    originals = original_files(ckpt.root)
-    stats = source_stats(ckpt.root, originals)
+    originals, stats = source_files(ckpt)
     run = {
         "tool": TOOL_VERSION,
         "options": options.recorded(k_multiple),
-        "source": str(ckpt.root.resolve()),
+        "source": ckpt.store.where("") if hub else str(ckpt.root.resolve()),
         "stats": stats,
     }
     overlay = out / mf.OVERLAY_DIR
@@ -265,14 +298,22 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
             if progress is not None:
                 progress(len(results), len(items), entry["size"])
 
+        if hub and options.files == "copy":  # download first: the work items then read the local copies
+            for rel in originals:
+                ckpt.store.download(rel.as_posix())
         if progress is not None:
             progress(len(results), len(items), 0)
-        _run_items(ckpt, todo, settings, overlay, options.workers, on_done)
+        # A Hub source read by ranges is read by this process alone (one reader; the network is the bottleneck).
+        workers = 1 if hub and options.files != "copy" else options.workers
+        _run_items(ckpt, todo, settings, overlay, workers, on_done)
         if options.files != "none":
             for rel in originals:
-                place_original(ckpt.root / rel, out / rel, options.files)
+                if hub:  # hard-link the HF cache blob (copy across filesystems)
+                    place_original(ckpt.store.download(rel.as_posix()), out / rel, "link")
+                else:
+                    place_original(ckpt.root / rel, out / rel, options.files)
             report.original_files = len(originals)
-        if source_stats(ckpt.root, originals) != stats:
+        if not hub and source_stats(ckpt.root, originals) != stats:
             raise GlmPackError("source files changed during conversion; no manifest written", file=ckpt.root)
         ordered = [results[i.file] for i in items]
         manifest = build_manifest(ckpt, options, k_multiple, settings, ordered, stats)
@@ -290,6 +331,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
                 m["layer"], *((m[p]["precision"], m[p]["rel_error"], m[p]["mxfp4_rel_error"]) for p in ("w_kc", "w_vc"))
             )
         )
+    report.hub_bytes = ckpt.store.transferred if hub else None
     report.seconds = time.monotonic() - started
     return report
 
@@ -313,12 +355,12 @@ def build_manifest(ckpt: Checkpoint, options: ConvertOptions, k_multiple, settin
         "tool": {"name": "glm-pack", "version": TOOL_VERSION},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source": {
-            "kind": "local",
-            "path": str(ckpt.root.resolve()),
-            "repo_id": None,
-            "revision": None,
-            "config_sha256": file_sha256(ckpt.root / "config.json"),
-            "index_sha256": file_sha256(ckpt.index_path) if ckpt.index_path else None,
+            "kind": "hub" if is_hub(ckpt) else "local",
+            "path": None if is_hub(ckpt) else str(ckpt.root.resolve()),
+            "repo_id": ckpt.store.repo_id if is_hub(ckpt) else None,
+            "revision": ckpt.store.sha if is_hub(ckpt) else None,  # the resolved commit: immutable
+            "config_sha256": store_sha256(ckpt.store, "config.json"),
+            "index_sha256": store_sha256(ckpt.store, INDEX_NAME) if ckpt.index_path else None,
             "files": {name: {"size": size} for name, (size, _) in sorted(stats.items())},
             "tensors": dict(sorted(source_tensors.items())),
         },

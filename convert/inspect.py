@@ -1,11 +1,14 @@
 """``glm-pack inspect SRC [--json]``: family, geometry, per-layer source formats, the conversion plan, sizes.
 
 Reads config.json, the index and the shard headers only (no tensor data): seconds on a full-size checkpoint.
+SRC may be a Hub repo id ``org/name[@revision]``; its shard headers are then read by HTTP range requests.
 
 JSON output (``--json``; schema ``glm-pack.inspect/1``, keys are stable; sizes in bytes):
 
 ``schema``         ``"glm-pack.inspect/1"``
-``source``         the checkpoint directory
+``source``         the checkpoint directory, or ``hf://org/name@<commit sha>`` for a Hub repo
+``hub``            ``null`` (local source) or ``{"repo_id", "revision", "bytes_transferred"}``: the resolved
+                   commit sha and the payload bytes fetched from the Hub (headers only, by range requests)
 ``card``           ``{"name", "title"}`` of the detected model family
 ``architectures``  config.json's ``architectures``; ``model_type`` its ``model_type``
 ``geometry``       ``{"num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"}``
@@ -38,14 +41,19 @@ from rich.console import Console
 from rich.table import Table
 
 from .checkpoint import Checkpoint, open_checkpoint
+from .convert import files_mode, is_hub
 from .plan import FILE_MODES, make_plan
 
 SCHEMA = "glm-pack.inspect/1"
 
 
-def inspect_checkpoint(src, *, k_pad="card", mla_precision: str = "mxfp4", files: str = "link") -> dict:
-    """The inspect report of ``src`` as a JSON-ready dict (keys documented in the module docstring)."""
+def inspect_checkpoint(src, *, k_pad="card", mla_precision: str = "mxfp4", files: str | None = None) -> dict:
+    """The inspect report of ``src`` as a JSON-ready dict (keys documented in the module docstring).
+
+    ``files`` None: convert's default for the source (link for a local directory, none for a Hub repo).
+    """
     ckpt = open_checkpoint(src)
+    files = files_mode(ckpt, files)
     card, plan = ckpt.card, ckpt.layer_plan
     counts = Counter(
         ckpt.weight_format(name) for name, t, _ in card.iter_tensors(ckpt.config) if t.is_linear and name in ckpt
@@ -53,7 +61,7 @@ def inspect_checkpoint(src, *, k_pad="card", mla_precision: str = "mxfp4", files
     qc = ckpt.quant_config
     return {
         "schema": SCHEMA,
-        "source": str(ckpt.root),
+        "source": f"hf://{ckpt.root}" if is_hub(ckpt) else str(ckpt.root),
         "card": {"name": card.name, "title": card.title},
         "architectures": ckpt.config.get("architectures", []),
         "model_type": ckpt.config.get("model_type"),
@@ -76,7 +84,15 @@ def inspect_checkpoint(src, *, k_pad="card", mla_precision: str = "mxfp4", files
         "mla": [_mla_entry(ckpt, layer) for layer in ckpt.mla_layers()],
         "experts": _experts(ckpt),
         "plan": make_plan(ckpt, k_pad=k_pad, mla_precision=mla_precision, files=files).to_dict(),
+        "hub": _hub(ckpt),
     }
+
+
+def _hub(ckpt: Checkpoint) -> dict | None:
+    if not is_hub(ckpt):
+        return None
+    store = ckpt.store
+    return {"repo_id": store.repo_id, "revision": store.sha, "bytes_transferred": store.transferred}
 
 
 def _mla_entry(ckpt: Checkpoint, layer: int) -> dict:
@@ -178,17 +194,22 @@ def render(report: dict, console: Console) -> None:
         f"in {len(plan['jobs'])} layers; originals reused ({plan['files_mode']}): {len(plan['reused_files'])} files, "
         f"{_mib(plan['reused_bytes'])}"
     )
+    if report.get("hub"):
+        console.print(f"read {report['hub']['bytes_transferred']:,} bytes from the Hub (headers only)")
 
 
 @click.command("inspect")
-@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("src")
 @click.option("--json", "as_json", is_flag=True, help="Print the stable JSON report (schema glm-pack.inspect/1).")
 @click.option("--k-pad", default="card", show_default=True, help="As for convert: 'card', 'none' or a multiple.")
 @click.option("--mla-precision", type=click.Choice(["mxfp4", "bf16", "auto"]), default="mxfp4", show_default=True)
-@click.option("--files", type=click.Choice(FILE_MODES), default="link", show_default=True)
+@click.option(
+    "--files", type=click.Choice(FILE_MODES), default=None, help="As for convert (default: link; none for a Hub SRC)."
+)
 def inspect_command(src, as_json, k_pad, mla_precision, files):
     """Show a checkpoint's family, geometry, per-layer source formats and the plan convert would carry out.
 
+    SRC is a checkpoint directory or a Hub repo id org/name[@revision] (headers read by HTTP range requests).
     Reads headers only. Example: glm-pack inspect ./GLM-5-FP8 --json > plan.json
     """
     report = inspect_checkpoint(src, k_pad=k_pad, mla_precision=mla_precision, files=files)

@@ -17,12 +17,13 @@ from safetensors import safe_open
 
 from glm_pack.packing import manifest as mf
 from glm_pack.packing.absorb import rel_error, store_projection
-from glm_pack.packing.errors import GlmPackError
+from glm_pack.packing.errors import GlmPackError, HubError
 from glm_pack.packing.layouts import get_layout, unpack_bmm_nk
 from glm_pack.packing.mla import split_kv_b, split_kv_b_mxfp4_vc
 from glm_pack.packing.mxfp4 import MODES, dequantize
 
-from .convert import file_sha256
+from .checkpoint import INDEX_NAME
+from .convert import file_sha256, store_sha256
 from .writer import sha256_tensor
 
 # Recomputed errors may differ from the recorded ones only by float32 summation order (thread count).
@@ -112,10 +113,13 @@ def _changed_tensors(overlay: Path, file: str, tensors) -> list[str]:
     return changed
 
 
-def _source_root(out: Path, manifest: dict) -> Path | None:
-    """Where the source tensors can be read: OUT itself when originals were placed, else the recorded path."""
+def _source_root(out: Path, manifest: dict) -> Path | str | None:
+    """Where the source tensors can be read: OUT itself when originals were placed, else the recorded path
+    (or the recorded Hub commit, ``hf://org/name@sha``)."""
     if manifest["options"].get("files") != "none" and (out / "config.json").is_file():
         return out
+    if manifest["source"].get("kind") == "hub":
+        return f"hf://{manifest['source']['repo_id']}@{manifest['source']['revision']}"
     path = manifest["source"].get("path")
     return Path(path) if path and Path(path, "config.json").is_file() else None
 
@@ -144,17 +148,19 @@ def verify(out: str | Path) -> VerifyReport:
 
     try:
         ckpt = open_checkpoint(src_root)
+    except HubError as err:
+        report.checked.append(f"source not reachable ({err}): errors not recomputed")
+        return report
     except GlmPackError as err:
         report.problems.append(f"cannot open the source at {src_root}: {err}")
         return report
+    config = ckpt.store.where("config.json")
     if ckpt.geometry != geom:
-        report.problems.append(
-            f"geometry in the manifest {geom} contradicts {src_root / 'config.json'} ({ckpt.geometry})"
-        )
-    if file_sha256(src_root / "config.json") != manifest["source"]["config_sha256"]:
-        report.problems.append(f"{src_root / 'config.json'} differs from the config the overlay was made from")
+        report.problems.append(f"geometry in the manifest {geom} contradicts {config} ({ckpt.geometry})")
+    if store_sha256(ckpt.store, "config.json") != manifest["source"]["config_sha256"]:
+        report.problems.append(f"{config} differs from the config the overlay was made from")
     index_sha = manifest["source"].get("index_sha256")
-    if index_sha and (ckpt.index_path is None or file_sha256(ckpt.index_path) != index_sha):
+    if index_sha and (ckpt.index_path is None or store_sha256(ckpt.store, INDEX_NAME) != index_sha):
         report.problems.append(f"the original index in {src_root} was changed or removed")
     for name, sha in sorted(manifest["source"]["tensors"].items()):
         try:

@@ -4,7 +4,8 @@ Start it with ``with FakeHub() as hub:`` and point the client at ``hub.endpoint`
 endpoints the client calls for model repos (Xet disabled, i.e. ``HF_HUB_DISABLE_XET=1``)::
 
     POST /api/repos/create                          create (409 when it exists)
-    GET  /api/models/{repo}[/revision/{rev}]        repo info (sha, siblings)
+    GET  /api/models/{repo}[/revision/{rev}]        repo info (sha, siblings; size/blobId/lfs with ?blobs=true)
+    GET  /api/models/{repo}/tree/{rev}[/{path}]     one folder's entries (type, oid, size, path, lfs)
     POST /api/models/{repo}/branch/{branch}         create a branch (409 when it exists)
     POST /api/models/{repo}/paths-info/{rev}        size, git blob id, lfs {oid=sha256, size}
     POST /api/models/{repo}/preupload/{rev}         uploadMode "lfs" when size >= lfs_threshold else "regular"
@@ -14,10 +15,12 @@ endpoints the client calls for model repos (Xet disabled, i.e. ``HF_HUB_DISABLE_
     POST /api/validate-yaml                         README front matter must be a YAML mapping with sane types
     GET|HEAD /{repo}/resolve/{rev}/{path}           bytes, ETag / X-Repo-Commit / X-Linked-*; Range: 206
 
-Every request needs ``Authorization: Bearer <token>`` (else 401). Every request is recorded in
-``hub.requests`` (method, kind, path, body size; never headers, so tokens are not kept).
-Errors are injected with :meth:`FakeHub.fail`: an HTTP status (optionally with ``X-Error-Code``) or a
-dropped connection, on one kind of request, once ``after_files`` files have been committed in total.
+A revision is a branch name or the head commit sha of a branch. :meth:`FakeHub.seed` puts files
+into a repo directly (one commit). Every request needs ``Authorization: Bearer <token>`` (else 401).
+Every request is recorded in ``hub.requests`` (method, kind, path, body size, Range header; never other
+headers, so tokens are not kept). Errors are injected with :meth:`FakeHub.fail`: an HTTP status
+(optionally with ``X-Error-Code``), a dropped connection, or a response cut off after half its body
+(``cut=True``), on one kind of request, once ``after_files`` files have been committed in total.
 """
 
 from __future__ import annotations
@@ -45,11 +48,13 @@ KINDS = (
     "commit",
     "validate_yaml",
     "resolve",
+    "tree",
 )
 
 _ROUTES = [
     ("POST", re.compile(r"^/api/repos/create$"), "create"),
     ("GET", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?$"), "repo_info"),
+    ("GET", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/tree/(?P<rev>[^/]+)(?:/(?P<path>.+))?$"), "tree"),
     ("POST", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/branch/(?P<rev>[^/]+)$"), "branch"),
     ("POST", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/paths-info/(?P<rev>[^/]+)$"), "paths_info"),
     ("POST", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/preupload/(?P<rev>[^/]+)$"), "preupload"),
@@ -98,6 +103,7 @@ class Request:
     path: str
     body_bytes: int
     status: int = 0
+    range: str | None = None  # the Range header, if any
 
 
 @dataclass
@@ -109,6 +115,7 @@ class Fault:
     times: int | None  # None: every matching request
     error_code: str | None
     headers: dict
+    cut: bool = False  # send the headers and half the body, then close
 
 
 class HubHTTPError(Exception):
@@ -178,14 +185,26 @@ class FakeHub:
         times: int | None = None,
         error_code: str | None = None,
         headers: dict | None = None,
+        cut: bool = False,
     ) -> None:
-        """Answer ``kind`` requests with ``status`` (or drop the connection) after ``after_files`` commits."""
+        """Answer ``kind`` requests with ``status`` (or drop the connection, or cut the body short) after
+        ``after_files`` commits."""
         if kind not in KINDS:
             raise ValueError(f"unknown request kind {kind!r}; one of {KINDS}")
-        if (status is None) == (not drop):
-            raise ValueError("give exactly one of status= or drop=True")
+        if (status is not None) + drop + cut != 1:
+            raise ValueError("give exactly one of status=, drop=True or cut=True")
         with self.lock:
-            self.faults.append(Fault(kind, status, drop, after_files, times, error_code, dict(headers or {})))
+            self.faults.append(
+                Fault(kind, status, drop, after_files, times, error_code, dict(headers or {}), cut)
+            )
+
+    def seed(self, repo_id: str, files: dict[str, bytes], *, private: bool = False) -> str:
+        """Create ``repo_id`` holding ``files`` in one commit on main (LFS at ``lfs_threshold``); its sha."""
+        with self.lock:
+            blobs = {p: Blob(data, lfs=len(data) >= self.lfs_threshold) for p, data in files.items()}
+            sha = hashlib.sha1(f"{repo_id}:seed".encode()).hexdigest()
+            self.repos[repo_id] = Repo(private=private, branches={"main": blobs}, heads={"main": sha})
+            return sha
 
     def clear_faults(self) -> None:
         with self.lock:
@@ -223,11 +242,19 @@ class FakeHub:
             raise HubHTTPError(404, "Repository not found", "RepoNotFound")
         return repo
 
-    def _branch(self, repo: Repo, rev: str) -> dict[str, Blob]:
+    @staticmethod
+    def _branch_name(repo: Repo, rev: str) -> str:
+        """The branch a revision (branch name or head commit sha) names."""
         rev = unquote(rev)
-        if rev not in repo.branches:
-            raise HubHTTPError(404, f"Invalid rev id: {rev}", "RevisionNotFound")
-        return repo.branches[rev]
+        if rev in repo.branches:
+            return rev
+        for branch, head in repo.heads.items():
+            if head == rev:
+                return branch
+        raise HubHTTPError(404, f"Invalid rev id: {rev}", "RevisionNotFound")
+
+    def _branch(self, repo: Repo, rev: str) -> dict[str, Blob]:
+        return repo.branches[self._branch_name(repo, rev)]
 
     def handle(self, kind: str, m: dict, query: dict, body: bytes, base: str):
         """Return (status, headers, body bytes) for a routed request."""
@@ -243,12 +270,35 @@ class FakeHub:
         repo_id = m.get("repo")
         if kind == "repo_info":
             repo = self._repo(repo_id)
-            rev = unquote(m.get("rev") or "main")
+            rev = self._branch_name(repo, m.get("rev") or "main")
             files = self._branch(repo, rev)
             siblings = [{"rfilename": p} for p in sorted(files)]
+            if query.get("blobs", "").lower() in ("true", "1"):
+                for entry in siblings:
+                    info = files[entry["rfilename"]].info(entry["rfilename"])
+                    entry.update(size=info["size"], blobId=info["oid"])
+                    if "lfs" in info:  # siblings name the LFS sha256 "sha256" (paths-info and tree: "oid")
+                        entry["lfs"] = {"sha256": info["lfs"]["oid"], "size": info["size"], "pointerSize": 134}
             return _json(
                 200, {"id": repo_id, "sha": repo.heads[rev], "private": repo.private, "siblings": siblings}
             )
+        if kind == "tree":
+            files = self._branch(self._repo(repo_id), m["rev"])
+            folder = unquote(m.get("path") or "").strip("/")
+            prefix = f"{folder}/" if folder else ""
+            entries, dirs = [], set()
+            for path in sorted(files):
+                if not path.startswith(prefix):
+                    continue
+                head, _, rest = path[len(prefix) :].partition("/")
+                if rest:
+                    dirs.add(prefix + head)
+                else:
+                    entries.append(files[path].info(path))
+            if folder and not entries and not dirs:
+                raise HubHTTPError(404, f"{folder} does not exist", "EntryNotFound")
+            tree_ids = [{"type": "directory", "path": d, "oid": git_blob_id(d.encode())} for d in sorted(dirs)]
+            return _json(200, tree_ids + entries)
         if kind == "branch":
             repo = self._repo(repo_id)
             name = unquote(m["rev"])
@@ -367,7 +417,8 @@ class FakeHub:
         if blob is None:
             raise HubHTTPError(404, "Entry not found", "EntryNotFound")
         etag = blob.sha256 if blob.lfs else git_blob_id(blob.data)
-        headers = {"ETag": f'"{etag}"', "X-Repo-Commit": repo.heads[unquote(rev)], "Accept-Ranges": "bytes"}
+        headers = {"ETag": f'"{etag}"', "X-Repo-Commit": repo.heads[self._branch_name(repo, rev)]}
+        headers["Accept-Ranges"] = "bytes"
         if blob.lfs:
             headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(blob.data))})
         rng = query.get("range")
@@ -421,7 +472,7 @@ class _Handler(BaseHTTPRequestHandler):
             if got and method == self.command:
                 kind, match = name, got.groupdict()
                 break
-        record = Request(self.command, kind, url.path, len(body))
+        record = Request(self.command, kind, url.path, len(body), range=self.headers.get("Range"))
         with hub.lock:
             hub.requests.append(record)
             if self.headers.get("Authorization") != f"Bearer {hub.token}" and kind != "lfs_put":
@@ -440,6 +491,10 @@ class _Handler(BaseHTTPRequestHandler):
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
+                if fault is not None and fault.cut:
+                    record.status = -2
+                    self._cut(hub, kind, match, body)
+                    return
                 if fault is not None:
                     headers = {"X-Error-Message": f"injected {fault.status}", **fault.headers}
                     if fault.error_code:
@@ -447,7 +502,9 @@ class _Handler(BaseHTTPRequestHandler):
                     status, payload = fault.status, json.dumps({"error": f"injected {fault.status}"}).encode()
                 else:
                     try:
-                        query = {"range": self.headers.get("Range")} if self.headers.get("Range") else {}
+                        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+                        if self.headers.get("Range"):
+                            query["range"] = self.headers["Range"]
                         status, headers, payload = hub.handle(kind, match, query, body, hub.endpoint)
                     except HubHTTPError as err:
                         headers = {"X-Error-Message": err.message}
@@ -463,5 +520,20 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(payload)
+
+    def _cut(self, hub: FakeHub, kind: str, match: dict, body: bytes) -> None:
+        """Answer normally but send only half the body, then close the connection."""
+        query = {"range": self.headers["Range"]} if self.headers.get("Range") else {}
+        status, headers, payload = hub.handle(kind, match, query, body, hub.endpoint)
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(payload[: len(payload) // 2])
+            self.wfile.flush()
+        self.close_connection = True
+        self.connection.shutdown(socket.SHUT_RDWR)
 
     do_GET = do_POST = do_PUT = do_HEAD = _dispatch

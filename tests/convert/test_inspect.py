@@ -29,6 +29,7 @@ KEYS = {
     "mla",
     "experts",
     "plan",
+    "hub",
 }
 
 

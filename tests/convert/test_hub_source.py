@@ -1,0 +1,248 @@
+"""Hub sources (``SRC = org/name[@revision]``) end to end: the real huggingface_hub client against FakeHub.
+
+The synthetic GLM-5 checkpoint is served by the loopback fake Hub; every request is recorded with its Range
+header, so the tests check which bytes were read: the shard headers, the tensors the overlay needs, and
+nothing else. Expected byte counts come from the local files (header length prefixes, tensor offsets).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import types
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from fake_hub import FakeHub
+from huggingface_hub import constants
+from huggingface_hub.utils import _http
+
+from glm_pack.convert.checkpoint import open_checkpoint
+from glm_pack.convert.cli import main
+from glm_pack.convert.convert import ConvertOptions, convert
+from glm_pack.convert.hub_source import parse_repo_spec
+from glm_pack.convert.verify import verify
+from glm_pack.packing.errors import PlanError
+
+REPO = "org/glm-5-small"
+
+
+@pytest.fixture(name="src")
+def src_fixture(synth_ckpt) -> Path:
+    return synth_ckpt("glm-5", "bf16")  # 3 MLA layers (one MTP), 3 shards
+
+
+@pytest.fixture(name="hub")
+def hub_fixture(monkeypatch, tmp_path, src):
+    """FakeHub serving ``src`` as REPO; a private HF cache; retries without sleeping."""
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    set_offline(monkeypatch, False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-login-cache" / "token"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(_http, "time", types.SimpleNamespace(sleep=lambda s: None, time=_http.time.time))
+    with FakeHub(lfs_threshold=64 * 1024) as server:
+        monkeypatch.setenv("HF_TOKEN", server.token)
+        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+        server.sha = server.seed(REPO, {p.name: p.read_bytes() for p in src.iterdir()})
+        yield server
+
+
+def set_offline(monkeypatch, offline: bool) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1" if offline else "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+
+
+def run_cli(*args) -> object:
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def header_end(path: Path) -> int:
+    """8 + N: where a safetensors file's data buffer starts (read by hand, not by the code under test)."""
+    with open(path, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
+def shard_reads(hub: FakeHub) -> list[tuple[str, str | None]]:
+    """(file, Range header) of every GET of a safetensors file."""
+    return [
+        (r.path.rsplit("/", 1)[1], r.range)
+        for r in hub.kinds("resolve")
+        if r.method == "GET" and r.path.endswith(".safetensors")
+    ]
+
+
+def parse_range(header: str) -> tuple[int, int]:
+    first, last = header.removeprefix("bytes=").split("-")
+    return int(first), int(last) + 1
+
+
+def small_files(src: Path) -> int:
+    return (src / "config.json").stat().st_size + (src / "model.safetensors.index.json").stat().st_size
+
+
+def overlay_bytes(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((out / "glm-pack").glob("*.safetensors"))}
+
+
+def test_repo_spec_parsing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert parse_repo_spec("zai-org/GLM-5") == ("zai-org/GLM-5", None)
+    assert parse_repo_spec("zai-org/GLM-5@refs/pr/3") == ("zai-org/GLM-5", "refs/pr/3")
+    assert parse_repo_spec("hf://org/m@main") == ("org/m", "main")
+    (tmp_path / "org" / "m").mkdir(parents=True)
+    assert parse_repo_spec("org/m") is None  # a local directory of that name wins
+    assert parse_repo_spec("hf://org/m") == ("org/m", None)
+    for local in ("./a/b", "/abs/path", "a/b/c", "one", "../x/y", "org/m@"):
+        assert parse_repo_spec(local) is None, local
+
+
+def test_inspect_reads_headers_only(hub, src):
+    result = run_cli("inspect", REPO, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    local = json.loads(run_cli("inspect", src, "--json", "--files", "none").stdout)
+    assert report["source"] == f"hf://{REPO}@{hub.sha}" and report["plan"]["files_mode"] == "none"
+    for key in set(local) - {"source", "hub"}:
+        assert report[key] == local[key], key
+    reads = shard_reads(hub)
+    shards = sorted(p.name for p in src.glob("*.safetensors"))
+    assert sorted({f for f, _ in reads}) == shards
+    for file, rng in reads:  # every read is a range inside the header: never tensor data, never a whole shard
+        assert rng is not None
+        assert parse_range(rng)[1] <= header_end(src / file)
+    expected = sum(header_end(src / f) for f in shards) + small_files(src)
+    assert report["hub"] == {"repo_id": REPO, "revision": hub.sha, "bytes_transferred": expected}
+
+
+def test_convert_reads_only_needed_tensors_and_matches_local(hub, src, tmp_path):
+    out_local, out_hub = tmp_path / "local", tmp_path / "hub"
+    convert(src, out_local, ConvertOptions(files="none", workers=1))
+    report = convert(REPO, out_hub, ConvertOptions(workers=2))  # default files for a Hub source: none
+    assert overlay_bytes(out_hub) == overlay_bytes(out_local) and len(overlay_bytes(out_hub)) == 3
+    assert sorted(p.name for p in out_hub.iterdir()) == [".glm-pack.lock", "glm-pack"]  # no originals
+    manifest = json.loads((out_hub / "glm-pack" / "manifest.json").read_text())
+    local = json.loads((out_local / "glm-pack" / "manifest.json").read_text())
+    source = manifest["source"]
+    assert (source["kind"], source["repo_id"], source["revision"], source["path"]) == ("hub", REPO, hub.sha, None)
+    for key in ("config_sha256", "index_sha256", "files", "tensors"):
+        assert source[key] == local["source"][key], key
+    assert manifest["tensors"] == local["tensors"] and manifest["options"]["files"] == "none"
+
+    ckpt = open_checkpoint(src)
+    needed = {}
+    for name in source["tensors"]:  # the kv_b_proj weights: exactly these tensors' bytes may be fetched
+        info = ckpt.info(name)
+        needed[(info.file, info.begin, info.end)] = info.nbytes
+    tensor_reads = []
+    for file, rng in shard_reads(hub):
+        assert rng is not None, f"whole-file GET of {file}"
+        begin, end = parse_range(rng)
+        if end > header_end(src / file):
+            tensor_reads.append((file, begin, end))
+    assert sorted(tensor_reads) == sorted(needed)
+    headers = sum(header_end(p) for p in src.glob("*.safetensors"))
+    assert report.hub_bytes == headers + small_files(src) + sum(needed.values())
+
+    hub.reset_requests()
+    checked = verify(out_hub)  # the source is re-read through the Hub at the recorded commit
+    assert checked.ok, checked.problems
+    assert any("re-derived" in line for line in checked.checked)
+    assert all(hub.sha in r.path for r in hub.requests if r.kind)  # pinned to the recorded commit
+
+
+def test_files_copy_downloads_originals_then_offline_works_from_cache(hub, src, tmp_path, monkeypatch):
+    out = tmp_path / "copy"
+    report = convert(f"{REPO}@main", out, ConvertOptions(files="copy", workers=1))
+    for path in src.iterdir():
+        assert (out / path.name).read_bytes() == path.read_bytes(), path.name
+    shards = sorted(p.name for p in src.glob("*.safetensors"))
+    whole = sorted(f for f, rng in shard_reads(hub) if rng is None)
+    assert whole == shards  # each downloaded whole once; tensors then read from the local copies
+    assert all(parse_range(rng)[1] <= header_end(src / f) for f, rng in shard_reads(hub) if rng)  # headers
+    headers = sum(header_end(src / f) for f in shards)
+    assert report.hub_bytes == headers + sum(p.stat().st_size for p in src.iterdir())
+    manifest = json.loads((out / "glm-pack" / "manifest.json").read_text())
+    assert manifest["source"]["revision"] == hub.sha and manifest["options"]["files"] == "copy"
+    assert verify(out).ok
+
+    set_offline(monkeypatch, True)
+    hub.reset_requests()
+    result = run_cli("inspect", REPO, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["hub"] == {"repo_id": REPO, "revision": hub.sha, "bytes_transferred": 0}
+    result = run_cli("convert", REPO, tmp_path / "offline", "--quiet", "--workers", "1")
+    assert result.exit_code == 0, result.output
+    assert overlay_bytes(tmp_path / "offline") == overlay_bytes(out)
+    assert [r for r in hub.requests if r.kind] == []  # nothing reached the Hub
+
+
+def test_link_refused_for_hub_source(hub, tmp_path):
+    result = run_cli("convert", REPO, tmp_path / "out", "--files", "link")
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [
+        "glm-pack: error: --files link needs a local source: a Hub repo has no local files to link; "
+        "use --files copy (downloads the originals into OUT) or --files none (overlay only)"
+    ]
+    with pytest.raises(PlanError):
+        convert(REPO, tmp_path / "api", ConvertOptions(files="link"))
+
+
+def test_transient_drop_mid_read_is_retried(hub, src, tmp_path):
+    convert(src, tmp_path / "local", ConvertOptions(files="none", workers=1))
+    assert run_cli("inspect", REPO).exit_code == 0  # config and index now cached: the next resolves are ranges
+    hub.reset_requests()
+    hub.fail("resolve", cut=True, times=3)  # the revision check (HEAD), then two range reads cut off mid-body
+    convert(REPO, tmp_path / "hub", ConvertOptions(workers=1))
+    assert overlay_bytes(tmp_path / "hub") == overlay_bytes(tmp_path / "local")
+    cut = [(r.path, r.range) for r in hub.requests if r.status == -2 and r.method == "GET"]
+    assert len(cut) == 2 and len(set(cut)) == 1 and cut[0][1] is not None  # one range read, retried twice
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("bad-token", "authentication failed (401)"),
+        ("no-repo", "repository org/nope not found"),
+        ("no-revision", "revision 'nope' not found in org/glm-5-small"),
+        ("gated", "org/glm-5-small is gated"),
+        ("refused", "cannot connect to http://127.0.0.1:"),
+        ("cut", "connection to http://127.0.0.1:"),
+        ("offline-empty-cache", "HF_HUB_OFFLINE is set and the local Hugging Face cache has no org/glm-5-small"),
+    ],
+)
+def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected):
+    src, command = REPO, "inspect"
+    if case == "bad-token":
+        monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+    elif case == "no-repo":
+        src = "org/nope"
+    elif case == "no-revision":
+        src = f"{REPO}@nope"
+    elif case == "gated":
+        hub.fail("repo_info", 403, error_code="GatedRepo")
+    elif case == "refused":
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    elif case == "cut":  # config and index cached by a first run; then every range read is cut short
+        assert run_cli("inspect", REPO).exit_code == 0
+        hub.fail("resolve", cut=True)
+    else:
+        set_offline(monkeypatch, True)
+    args = [command, src, "--json"]
+    result = run_cli(*args)
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("glm-pack: error: ") and expected in lines[0], lines
+    assert hub.token not in result.output
+    if case == "cut":
+        cut = [r for r in hub.requests if r.status == -2 and r.method == "GET"]
+        assert len(cut) == 6 and len({(r.path, r.range) for r in cut}) == 1  # 1 try + 5 retries of one read
