@@ -135,10 +135,12 @@ def _entry(name: str, raw, data_start: int, file: str) -> TensorEntry:
             "corrupt header: entry must be an object with exactly dtype, shape, data_offsets", file=file, tensor=name
         )
     dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise CheckpointError(f"corrupt header: unknown dtype {dtype!r}", file=file, tensor=name)
     if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
         raise CheckpointError(f"corrupt header: shape {shape!r} is not a list of sizes", file=file, tensor=name)
+    if math.prod(d for d in shape if d) >= 2**63:  # even with a zero dim: torch's strides must fit int64
+        raise CheckpointError(f"corrupt header: shape {shape!r} is too large", file=file, tensor=name)
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_uint(o) for o in offsets):
         raise CheckpointError(f"corrupt header: data_offsets {offsets!r} is not [begin, end]", file=file, tensor=name)
     begin, end = offsets
@@ -172,11 +174,12 @@ def parse_header(source: ByteSource) -> Header:
         )
     try:
         raw = json.loads(bytes(source.read(8, n)).decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as err:
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # RecursionError: absurdly deep nesting
         raise CheckpointError(f"corrupt header: invalid JSON ({err})", file=file) from err
     if not isinstance(raw, dict):
         raise CheckpointError("corrupt header: JSON is not an object", file=file)
-    metadata = raw.pop("__metadata__", None) or {}
+    metadata = raw.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata  # null means none; [], 0, "" are not a map
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):

@@ -33,10 +33,10 @@ scale bytes 0x7F from ``k_logical`` to ``k_stored``.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 
 from .errors import ManifestError
+from .layouts import padded_scale_shape
 from .mla import MlaGeometry
 from .mxfp4 import MODES
 
@@ -156,7 +156,7 @@ def _projection(obj: dict, name: str, where: str, tensors: dict) -> Projection:
     errors = []
     for key in ("rel_error", "mxfp4_rel_error"):
         v = _get(p, key, (int, float), where)
-        if not math.isfinite(v) or v < 0:
+        if isinstance(v, bool) or not 0 <= v <= 1e300:  # false for NaN and inf; huge ints would not fit a float
             _fail(f"{where}.{key} must be a finite non-negative number, got {v}")
         errors.append(float(v))
     quant = _get(p, "quant", dict, where)
@@ -166,23 +166,60 @@ def _projection(obj: dict, name: str, where: str, tensors: dict) -> Projection:
     return Projection(name, precision, weight, scale, k_logical, k_stored, errors[0], errors[1], mode)
 
 
+def _plain_file(file: str, where: str, tensor: str | None = None) -> str:
+    if not file or "/" in file or "\\" in file or file.startswith("."):
+        _fail(f"{where} {file!r} must be a plain file name inside glm-pack/", tensor=tensor)
+    return file
+
+
+def _sha256_hex(value, where: str) -> str:
+    if not isinstance(value, str) or len(value) != 64 or value.strip("0123456789abcdef"):
+        _fail(f"{where} is not a sha256 hex digest")
+    return value
+
+
+def parse_files(manifest: dict) -> dict[str, tuple[int, str]]:
+    """The overlay file table: {file name inside glm-pack/: (size in bytes, sha256 hex)}."""
+    out = {}
+    for name, info in _get(manifest, "files", dict, "manifest").items():
+        where = f"files[{name!r}]"
+        _plain_file(name, "file name")
+        size = _get(info, "size", int, where)
+        if size < 0:
+            _fail(f"{where}.size {size} is negative")
+        out[name] = (size, _sha256_hex(_get(info, "sha256", str, where), f"{where}.sha256"))
+    return out
+
+
+def check_sections(manifest: dict) -> None:
+    """The sections readers use besides mla/tensors/experts: source, options, files, kernel_configs."""
+    source = _get(manifest, "source", dict, "manifest")
+    for key in ("path", "index_sha256"):
+        if source.get(key) is not None and not isinstance(source[key], str):
+            _fail(f"source.{key} must be a string or null")
+    _get(source, "config_sha256", str, "source")
+    for name, sha in _get(source, "tensors", dict, "source").items():
+        _sha256_hex(sha, f"source.tensors[{name!r}]")
+    _get(manifest, "options", dict, "manifest")
+    parse_files(manifest)
+    configs = manifest.get("kernel_configs")
+    if configs is not None and not (isinstance(configs, dict) and isinstance(configs.get("configs", {}), dict)):
+        _fail("kernel_configs must be an object whose configs is an object")
+
+
 def parse_tensors(manifest: dict) -> dict[str, TensorEntry]:
     table = _get(manifest, "tensors", dict, "manifest")
     out = {}
     for name, entry in table.items():
         where = f"tensors[{name!r}]"
-        file = _get(entry, "file", str, where)
-        if "/" in file or "\\" in file or file.startswith("."):
-            _fail(f"{where}.file {file!r} must be a plain file name inside glm-pack/", tensor=name)
+        file = _plain_file(_get(entry, "file", str, where), f"{where}.file", name)
         dtype = _get(entry, "dtype", str, where)
         if dtype not in KNOWN_DTYPES:
             _fail(f"{where}.dtype {dtype!r} is not one of {KNOWN_DTYPES}", tensor=name)
         shape = _get(entry, "shape", list, where)
         if not shape or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
             _fail(f"{where}.shape {shape!r} must be a non-empty list of positive integers", tensor=name)
-        sha = _get(entry, "sha256", str, where)
-        if len(sha) != 64:
-            _fail(f"{where}.sha256 is not a sha256 hex digest", tensor=name)
+        sha = _sha256_hex(_get(entry, "sha256", str, where), f"{where}.sha256")
         out[name] = TensorEntry(name, file, dtype, tuple(shape), sha)
     return out
 
@@ -211,6 +248,7 @@ def check_schema(manifest: dict) -> None:
 def parse_mla(manifest: dict) -> list[MlaLayer]:
     """Validate the manifest and return its MLA layers (raises ManifestError naming the bad field)."""
     check_schema(manifest)
+    check_sections(manifest)
     geom = parse_geometry(manifest)
     tensors = parse_tensors(manifest)
     layers = []
@@ -253,13 +291,29 @@ def parse_experts(manifest: dict) -> list[tuple[int, str, list[str]]]:
         names = _get(group, "tensors", list, where)
         file = _get(group, "file", str, where)
         for name in names:
-            if name not in tensors or tensors[name].file != file:
-                _fail(f"{where} names tensor {name!r} that the tensors table lacks in {file}", tensor=name)
-            layout = manifest["tensors"][name].get("layout")
-            if not isinstance(layout, dict) or layout.get("layout") not in SHUFFLE_LAYOUTS:
-                _fail(f"{where}: tensor {name!r} has no known shuffle layout", tensor=name)
+            if not isinstance(name, str) or name not in tensors or tensors[name].file != file:
+                _fail(f"{where} names tensor {str(name)[:80]!r} that the tensors table lacks in {file}")
+            if not _shuffle_layout_ok(manifest["tensors"][name].get("layout"), tensors[name]):
+                _fail(f"{where}: tensor {name!r} has no known shuffle layout (or wrong parameters)", tensor=name)
         out.append((_get(group, "layer", int, where), file, names))
     return out
+
+
+def _shuffle_layout_ok(layout, entry: TensorEntry) -> bool:
+    """Exactly the parameters the layout registry's unpack takes, consistent with the stored shape."""
+    if not isinstance(layout, dict) or layout.get("layout") not in SHUFFLE_LAYOUTS:
+        return False
+    if layout["layout"] == "aiter_shuffle_16x16":
+        return layout == {"layout": "aiter_shuffle_16x16"}
+    shape = layout.get("shape")
+    return (
+        set(layout) == {"layout", "shape"}
+        and isinstance(shape, list)
+        and len(shape) == len(entry.shape) >= 2
+        and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+        and tuple(shape[:-2]) == entry.shape[:-2]
+        and padded_scale_shape(*shape[-2:]) == entry.shape[-2:]
+    )
 
 
 def _check_projection_shapes(p: Projection, geom, tensors, lead: tuple[int, int], k_logical: int) -> None:
