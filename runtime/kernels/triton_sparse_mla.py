@@ -212,23 +212,32 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_config(T: int, H: int, n_indices: int, device: torch.device) -> SparseMlaConfig:
-    """Launch shape for ``T`` tokens, ``H`` heads and ``n_indices`` selected rows in all (host values only,
-    so the choice never syncs and CUDA-graph capture works). Tuned on an H200 (BENCHMARKS.md): 16-head
-    blocks (mma.sync, two programs per SM) for few heads or few tokens, 64-head blocks (wgmma, one program
-    per SM) otherwise; the top-k axis is split only as far as one wave of programs allows, since a partial
-    second wave costs more than the splits gain."""
-    if H <= 16 or T * H <= 256:
-        block_h, block_n, num_warps, num_stages, per_sm = 16, 64, 4, 2, 2
-    elif H <= 32:
-        block_h, block_n, num_warps, num_stages, per_sm = 32, 32, 8, 3, 1
-    else:
-        block_h, block_n, num_warps, num_stages, per_sm = 64, 64, 8, 3, 1
+def _with_splits(T, H, n_indices, device, block_h, block_n, num_warps, num_stages, per_sm) -> SparseMlaConfig:
+    """Split the top-k axis only as far as one wave of ``per_sm`` programs per multiprocessor allows (a
+    partial second wave costs more than the splits gain)."""
     programs = T * -(-H // block_h)
-    rows_per_token = max(1, n_indices // max(T, 1))
-    max_splits = max(1, -(-rows_per_token // block_n))
+    max_splits = max(1, -(-max(1, n_indices // max(T, 1)) // block_n))
     num_splits = min(max_splits, max(1, per_sm * _sm_count(device) // programs))
     return SparseMlaConfig(block_h, block_n, num_splits, num_warps=num_warps, num_stages=num_stages)
+
+
+def default_config(T: int, H: int, n_indices: int, device: torch.device) -> SparseMlaConfig:
+    """Launch shape for ``T`` tokens, ``H`` heads and ``n_indices`` selected rows in all, from host values
+    only (no sync, so CUDA-graph capture works). Tuned on an H200 (BENCHMARKS.md): 64-head blocks (wgmma,
+    one program per SM, ~220 KB shared memory) when heads and tokens are many; otherwise 16-head blocks
+    (mma.sync), two programs per SM, or one deeper-pipelined program per SM while one wave of programs
+    needs splitting (a quarter to one wave of tokens x head blocks)."""
+    sms = _sm_count(device)
+    if H > 16 and T * H > 256:
+        return _with_splits(T, H, n_indices, device, 64, 64, 8, 3, per_sm=1)
+    if sms // 4 <= T * -(-H // 16) < sms:
+        return _with_splits(T, H, n_indices, device, 16, 64, 8, 5, per_sm=1)
+    return _with_splits(T, H, n_indices, device, 16, 64, 4, 2, per_sm=2)
+
+
+def compact_config(T: int, H: int, n_indices: int, device: torch.device) -> SparseMlaConfig:
+    """Small tiles (~40 KB of shared memory) for GPUs where :func:`default_config` does not fit."""
+    return _with_splits(T, H, n_indices, device, 16, 16, 4, 2, per_sm=2)
 
 
 def _is_pow2_at_least_16(x: int) -> bool:
@@ -348,28 +357,40 @@ def sparse_mla(
     cfg = config or default_config(T, H, kv_indices.numel(), dev)
     if not (_is_pow2_at_least_16(cfg.block_h) and _is_pow2_at_least_16(cfg.block_n) and cfg.num_splits >= 1):
         raise BackendError(f"triton sparse MLA: bad config {cfg}")
+    qr = q_latent if q_rope is None else q_rope  # an unused pointer when rope-free
+    try:
+        _launch(q_latent, qr, R, rows, kv_indptr, kv_indices, softmax_scale, out, lse, cfg)
+    except triton.runtime.errors.OutOfResources as exc:  # e.g. less shared memory than an H100/H200
+        if config is not None:
+            raise BackendError(f"triton sparse MLA: config {cfg} does not fit this GPU: {exc}") from exc
+        small = compact_config(T, H, kv_indices.numel(), dev)
+        _launch(q_latent, qr, R, rows, kv_indptr, kv_indices, softmax_scale, out, lse, small)
+    return out, lse
+
+
+def _launch(q_latent, qr, R, rows, kv_indptr, kv_indices, softmax_scale, out, lse, cfg: SparseMlaConfig) -> None:
+    """Run the forward kernel (and the combine kernel when ``cfg`` splits the top-k axis)."""
+    T, H, L = q_latent.shape
     n_hblocks = -(-H // cfg.block_h)
     split = cfg.num_splits > 1
     if split:
-        part = torch.empty(T, cfg.num_splits, H, L, dtype=torch.float32, device=dev)
-        pm = torch.empty(T, cfg.num_splits, H, dtype=torch.float32, device=dev)
+        part = torch.empty(T, cfg.num_splits, H, L, dtype=torch.float32, device=out.device)
+        pm = torch.empty(T, cfg.num_splits, H, dtype=torch.float32, device=out.device)
         pl = torch.empty_like(pm)
     else:
         part = pm = pl = out  # unused pointers
-    qr = q_latent if q_rope is None else q_rope  # an unused pointer when rope-free
     lse_arg = lse if lse is not None else out
     _fwd[(T * cfg.num_splits * n_hblocks,)](
         q_latent, qr, rows, kv_indptr, kv_indices, out, lse_arg, part, pm, pl,
         H, rows.shape[0], kv_indices.numel(), cfg.num_splits, n_hblocks, float(softmax_scale) * _LOG2E,
         *q_latent.stride(), *qr.stride(), rows.stride(0), *out.stride(),
-        L=L, R=R, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPLIT=split, RETURN_LSE=return_lse, INTERPRET=_INTERPRETED,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        L=L, R=R, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPLIT=split, RETURN_LSE=lse is not None,
+        INTERPRET=_INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:
         block_l = min(L, 128)
         _combine[(T * H, L // block_l)](
             part, pm, pl, out, lse_arg, H, cfg.num_splits, *out.stride(),
-            L=L, BLOCK_S=triton.next_power_of_2(cfg.num_splits), BLOCK_L=block_l, RETURN_LSE=return_lse,
+            L=L, BLOCK_S=triton.next_power_of_2(cfg.num_splits), BLOCK_L=block_l, RETURN_LSE=lse is not None,
             num_warps=4,
         )  # fmt: skip
-    return out, lse

@@ -1,9 +1,10 @@
 """Triton sparse MLA against the torch reference (Triton's interpreter on CPU; compiled kernels on a GPU).
 
-Tolerance: the kernel rounds P to bf16 before ``P @ V`` (relative error <= 2**-9 per weight) and rounds the
-output to bf16 like the reference (<= half an ulp, 2**-9 relative, on each side), so
-max|out - ref| / max|ref| stays under ~4e-3; the bar here is 1e-2 (the issue's is 2e-2). Scores and LSE are
-exact bf16 products summed in fp32 in both, so LSE agrees to ~1e-6; the bar is 1e-4.
+Tolerance: the kernel rounds P to bf16 before ``P @ V`` (each weight off by <= 2**-9 relative, so an output
+element by <= 2**-9 * sum(p * |c|), which exceeds max|ref| when many rows average out) and rounds the output
+to bf16 like the reference. On these inputs max|out - ref| / max|ref| stays <= 7.3e-3; the bar here is 1e-2
+(the issue's is 2e-2). Scores are exact bf16 products summed in fp32 in both, so LSE agrees to ~1e-6; the
+bar is 1e-4.
 """
 
 from __future__ import annotations
@@ -131,6 +132,27 @@ def test_default_config_splits_only_when_tokens_are_few():
     many = tsm.default_config(4096, 64, 4096 * 2048, dev)
     assert few.num_splits > 1 and many.num_splits == 1
     assert few.num_splits * few.block_n <= 2048  # no split is empty by construction
+
+
+def test_falls_back_to_compact_tiles_when_shared_memory_is_short(monkeypatch):
+    """A GPU with less shared memory than an H200 rejects the default tiles at load time (OutOfResources)."""
+    launched = []
+
+    def small_gpu_launch(*args):
+        cfg = args[-1]
+        launched.append(cfg)
+        if cfg.block_n > 16:
+            raise tsm.triton.runtime.errors.OutOfResources(200_000, 100_000, "shared memory")
+        real_launch(*args)
+
+    real_launch = tsm._launch
+    monkeypatch.setattr(tsm, "_launch", small_gpu_launch)
+    args = make_case(2, 16, True, seed=13)
+    out, lse = tsm.sparse_mla(*args, SCALE, return_lse=True, out=poisoned(2, 16))
+    check(args, out, lse)
+    assert [c.block_n for c in launched] == [64, 16]
+    with pytest.raises(BackendError, match="does not fit"):
+        tsm.sparse_mla(*args, SCALE, config=tsm.SparseMlaConfig(16, 32, 1))
 
 
 def _bad_calls():
