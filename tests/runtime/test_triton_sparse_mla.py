@@ -110,7 +110,7 @@ def test_strided_out_and_repeats_count_each_time():
     assert out.data_ptr() == big.data_ptr() and torch.isnan(big[..., L:]).all()
     # Hand check: rows 3 (x3) and 8 (x2) -> weights 3 e^{s3} : 2 e^{s8}; lse = log(3 e^{s3} + 2 e^{s8}).
     s = SCALE * (q_lat[0].float() @ cache[[3, 8]].float().T)  # [H, 2]
-    w = torch.tensor([3.0, 2.0]) * s.exp()
+    w = torch.tensor([3.0, 2.0], device=DEV) * s.exp()
     want = (w / w.sum(1, keepdim=True)) @ cache[[3, 8]].float()
     assert (out[0].float() - want).abs().max() / want.abs().max() < REL_TOL
     assert (lse[0] - w.sum(1).log()).abs().max() < LSE_TOL
@@ -119,7 +119,7 @@ def test_strided_out_and_repeats_count_each_time():
 def test_out_of_range_ids_are_skipped_like_minus_one():
     q_lat, q_rope, cache, indptr, idx = make_case(2, 16, True, seed=9)
     bad = idx.clone()
-    bad[[0, 5, 30]] = torch.tensor([96, 10_000, -7], dtype=torch.int32)  # cache has 96 slots
+    bad[[0, 5, 30]] = torch.tensor([96, 10_000, -7], dtype=torch.int32, device=DEV)  # cache has 96 slots
     out, lse = tsm.sparse_mla(q_lat, q_rope, cache, indptr, bad, SCALE, return_lse=True)
     skipped = idx.clone()
     skipped[[0, 5, 30]] = -1
