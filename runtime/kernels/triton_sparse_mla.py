@@ -5,7 +5,9 @@ output, optional natural-log LSE). One program takes a block of heads of one tok
 that token's selected rows, so each gathered row is read once for all heads of the block (the q tile is
 ``[BLOCK_H, L]``, rows ``[BLOCK_N, L + R]``, scores and ``P @ V`` through ``tl.dot``). When tokens are few,
 the top-k axis is split across programs (flash-decoding): each split writes an unnormalised fp32 partial
-``[L]`` plus its running max and sum, and a second kernel combines the splits.
+``[L]`` plus its running max and sum, and a second kernel combines the splits. Launch shapes come from
+:func:`default_config` (tuned on an H200, see BENCHMARKS.md), or :func:`compact_config` where a GPU's shared
+memory is too small for them.
 
 Importing this module never fails without Triton: :func:`available` says why the kernel cannot run. With
 ``TRITON_INTERPRET=1`` set before this module is imported, the kernels run on CPU tensors (Triton's
