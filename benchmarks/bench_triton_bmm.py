@@ -43,15 +43,23 @@ def candidates(M: int, N: int, K: int) -> list[tb.BmmConfig]:
     """Configs worth timing for an M bucket (the default first)."""
     bk = tb._block_k(K, 64)
     C = tb.BmmConfig
-    if M <= 16:
-        extra = [C(16, 32, bk, 4, 2, 1), C(16, 64, tb._block_k(K, 128), 4, 2, 0), C(16, 64, bk, 4, 2, 0)]
+    if M == 1:
+        extra = [C(1, 16, bk, 4, 2, 1), C(1, 32, bk, 4, 2, 1), C(1, 32, bk, 8, 2, 1), C(16, 16, bk, 4, 2, 1),
+                 C(16, 32, bk, 4, 2, 1), C(16, 64, tb._block_k(K, 128), 4, 2, 0)]  # fmt: skip
+    elif M <= 16:
+        extra = [C(16, 16, bk, 4, 2, 1), C(16, 32, bk, 4, 2, 1), C(16, 32, bk, 8, 2, 1), C(16, 64, bk, 4, 2, 1),
+                 C(16, 64, tb._block_k(K, 128), 4, 2, 0), C(16, 32, bk, 4, 2, 0)]  # fmt: skip
     elif M <= 64:
-        extra = [C(64, 32, bk, 4, 2, 1), C(64, 64, bk, 4, 2, 0)]
+        extra = [C(64, 64, bk, 4, 2, 1), C(64, 32, bk, 4, 2, 1), C(32, 32, bk, 4, 2, 2), C(64, 64, bk, 4, 2, 0),
+                 C(64, 32, bk, 4, 3, 0)]  # fmt: skip
     elif M <= 256:
-        extra = [C(64, 64, bk, 4, 2, 2), C(64, 128, bk, 4, 1, 2), C(64, 128, bk, 4, 3, 0), C(128, 128, bk, 8, 3, 0)]
+        extra = [C(64, 128, bk, 4, 2, 1), C(64, 64, bk, 4, 2, 2), C(64, 128, bk, 4, 1, 2), C(64, 128, bk, 4, 1, 4),
+                 C(64, 128, bk, 4, 3, 0), C(128, 128, bk, 8, 3, 0), C(64, 64, bk, 4, 3, 0)]  # fmt: skip
+        extra += [C(64, 256, bk, 8, 1, 4)] if K <= 256 else []
     else:
-        extra = [C(128, 128, bk, 8, 3, 0), C(128, 256, bk, 8, 2, 0), C(64, 128, bk, 4, 1, 16)]
-        extra += [C(64, 128, bk, 4, 2, 8)] if K > 256 else [C(64, 256, bk, 8, 2, 8), C(128, 256, bk, 8, 1, 8)]
+        extra = [C(64, 128, bk, 4, 1, 8), C(64, 128, bk, 4, 1, 16), C(64, 64, bk, 4, 2, 8), C(128, 128, bk, 8, 3, 0),
+                 C(128, 256, bk, 8, 2, 0), C(64, 256, bk, 8, 3, 0)]  # fmt: skip
+        extra += [C(64, 256, bk, 8, 2, 8), C(128, 256, bk, 8, 1, 8)] if K <= 256 else []
     default = tb.default_config(M, N, K)
     return [default] + [c for c in extra if c != default]
 

@@ -49,23 +49,40 @@ if not _TRITON_ERROR:
         return tl.where(e >= -126, (e + 127) << 23, 0x400000).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _mxfp4_even_round_trip(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        """x ``[BLOCK_M, BLOCK_K]`` -> float32 ``dequant(quant_even(x))`` per 32-block along K.
+    def _mxfp4_even_round_trip(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+        """bf16 x ``[BLOCK_M, BLOCK_K]`` -> ``dequant(quant_even(x))`` per 32-block along K, as bf16 (exact).
 
-        Even rule: round amax's fp32 mantissa to 1 bit, e = floor(log2) - 2 clamped to [-127, 127]
-        (255 after rounding -> 127). Elements: x / 2**e rounded to the E2M1 grid with ties to the even
-        code, saturated at 6: adding then subtracting 1.5 * 2**23 * step rounds to a multiple of the
-        grid step (0.5 below 2, 1 below 4, else 2) with ties to even, which on this grid is the even code.
+        Even rule: round amax's fp32 mantissa to 1 bit, e = floor(log2) - 2 clamped to [-127, 127] (255 after
+        rounding -> 127). Elements: a = min(|x| / 2**e, 6) rounded to the E2M1 grid with ties to the even code:
+        adding then subtracting ``1.5 * 2**(p-1) * step`` (p = significand bits) rounds to a multiple of the
+        grid step (0.5 below 2, 1 below 4, else 2) with ties to even, which on this grid is the even code; the
+        sign of x goes back on last. Every step is exact in bf16, so the GPU runs it on packed bf16 pairs; the
+        3.6 interpreter has no bf16 arithmetic and runs the same steps in fp32.
         """
-        xb = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // 32, 32))
-        amax = tl.max(tl.abs(xb), axis=2)
+        if INTERPRET:
+            xb = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // 32, 32))
+            bits = xb.to(tl.int32, bitcast=True)
+            EXP_MASK: tl.constexpr = 0x7F800000
+            SIGN_MASK: tl.constexpr = -(2**31)
+            MAGIC: tl.constexpr = 6291456.0  # 3 * 2**21
+        else:
+            xb = tl.reshape(x, (BLOCK_M, BLOCK_K // 32, 32))
+            bits = xb.to(tl.int16, bitcast=True)
+            EXP_MASK: tl.constexpr = 0x7F80
+            SIGN_MASK: tl.constexpr = -(2**15)
+            MAGIC: tl.constexpr = 96.0  # 3 * 2**5
+        one = tl.full((1, 1, 1), 1.0, xb.dtype)
+        six = tl.full((1, 1, 1), 6.0, xb.dtype)
+        amax = tl.max(tl.abs(xb), axis=2).to(tl.float32)
         biased = (amax.to(tl.int32, bitcast=True) + 0x200000) >> 23
         e = tl.where(biased == 255, 127, tl.maximum(biased - 129, -127))
-        q = tl.minimum(tl.maximum(xb * _pow2(-e)[:, :, None], -6.0), 6.0)
-        a = tl.abs(q)
-        magic = tl.where(a < 2.0, 6291456.0, tl.where(a < 4.0, 12582912.0, 25165824.0))
-        r = (q + magic) - magic
-        return tl.reshape(r * _pow2(e)[:, :, None], (BLOCK_M, BLOCK_K))
+        q = tl.abs(xb) * _pow2(-e).to(xb.dtype)[:, :, None]
+        a = tl.where(q < six, q, six)  # where, not minimum: tl.minimum promotes bf16 to fp32
+        t = tl.where(a > one, a, one)
+        magic = (t.to(bits.dtype, bitcast=True) & EXP_MASK).to(xb.dtype, bitcast=True) * MAGIC
+        r = (a + magic) - magic
+        r = (r.to(bits.dtype, bitcast=True) | (bits & SIGN_MASK)).to(xb.dtype, bitcast=True)
+        return tl.reshape(r * _pow2(e).to(xb.dtype)[:, :, None], (BLOCK_M, BLOCK_K)).to(tl.bfloat16)
 
     @triton.jit
     def _e2m1_dequant(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -85,8 +102,11 @@ if not _TRITON_ERROR:
 
     @triton.jit
     def _dot(a, b, acc, INTERPRET: tl.constexpr):
-        """``acc + a @ b`` in fp32 of operands holding bf16-exact values: bf16 operands when compiled; fp32 under
-        the 3.6 interpreter, which multiplies bf16 bit patterns as integers."""
+        """``acc + a @ b`` in fp32 for operands holding bf16-exact values (a ``[M, K]``, b ``[K, N]``). Fewer than
+        16 rows (decode) go through CUDA-core FMAs; otherwise tensor cores, with bf16 operands when compiled
+        and fp32 under the 3.6 interpreter, which multiplies bf16 bit patterns as integers."""
+        if a.shape[0] < 16:
+            return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
         if INTERPRET:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision="ieee")
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc=acc)
@@ -147,11 +167,11 @@ if not _TRITON_ERROR:
             scales = tl.load(s_ptrs, mask=n_in, other=127)
             if DOT_SCALED:
                 if ACT_MXFP4:
-                    x = _mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K).to(tl.bfloat16)  # exact in bf16
-                acc = tl.dot_scaled(x, None, "bf16", tl.trans(codes), scales, "e2m1", acc)
+                    x = _mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K, INTERPRET)
+                acc = tl.dot_scaled(x, None, "bf16", tl.trans(codes), scales, "e2m1", acc, fast_math=True)
             else:  # the interpreter's branch: decode the weights here
                 if ACT_MXFP4:
-                    x = _mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K)
+                    x = _mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K, INTERPRET)
                 acc = _dot(x, tl.trans(_e2m1_dequant(codes, scales, BLOCK_N, BLOCK_K)), acc, INTERPRET)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += (BLOCK_K // 2) * stride_wk
@@ -213,7 +233,7 @@ if not _TRITON_ERROR:
             for kk in tl.static_range(K // BLOCK_K):
                 x = tl.load(x_base + offs_m[:, None] * stride_xm + kk * BLOCK_K * stride_xk, mask=m_in, other=0.0)
                 if ACT_MXFP4:
-                    x = _mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K)
+                    x = _mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K, INTERPRET)
                 acc = _dot(x, w_t[kk], acc, INTERPRET)
             tl.store(y_base + offs_m[:, None] * stride_ym, _to_bf16(acc, INTERPRET), mask=m_in & (offs_n[None, :] < N))
 
@@ -255,8 +275,10 @@ def default_config(M: int, N: int, K: int) -> BmmConfig:
     if _INTERPRETED:
         return BmmConfig(16 if M <= 16 else 32, 32 if N <= 32 else 64, _block_k(K, 64), 4, 1, 2)
     bk = _block_k(K, 64)
+    if M == 1:
+        return BmmConfig(1, 32, bk, 4, 2, 1)
     if M <= 16:
-        return BmmConfig(16, 64, bk, 4, 2, 1)
+        return BmmConfig(16, 32, bk, 4, 2, 1)
     if M <= 64:
         return BmmConfig(64, 64, bk, 4, 2, 1)
     if M <= 256:

@@ -1,0 +1,199 @@
+"""Triton A16WFP4 batched GEMM against the torch reference (Triton's interpreter on CPU; compiled on a GPU).
+
+The kernel's products are exact in fp32 (MXFP4 or bf16 values), so it may differ from the reference only by
+fp32 summation order: each element must lie within ``accumulation_tolerance`` (K * 2**-23 * sum|products|
+plus one bf16 ulp). Paths that sum one product per output (identity operands) must match bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported: Triton decides at definition
+
+from glm_pack.packing.errors import BackendError  # noqa: E402
+from glm_pack.packing.mxfp4 import dequantize, quantize  # noqa: E402
+from glm_pack.runtime import reference  # noqa: E402
+from glm_pack.runtime.kernels import triton_bmm as tb  # noqa: E402
+
+if not torch.cuda.is_available() and not tb._INTERPRETED:
+    tb = importlib.reload(tb)  # imported earlier without the interpreter flag
+_ok, _why = tb.available()
+pytestmark = pytest.mark.skipif(not _ok, reason=f"triton bmm unavailable: {_why}")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (compiled kernels)")
+
+
+def weights(B, N, K, seed, scale=0.05):
+    g = torch.Generator().manual_seed(seed)
+    codes, scales = quantize(torch.randn(B, N, K, generator=g) * scale, mode="even")
+    return codes.to(DEV), scales.to(DEV)
+
+
+def activations(M, B, K, seed, row=None):
+    """x ``[B, M, K]`` as the runtime passes it: ``q.transpose(0, 1)`` of a ``[M, B, row]`` tensor sliced to K."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(M, B, row or K, generator=g) * 3).to(torch.bfloat16)
+    return q.to(DEV)[..., :K].transpose(0, 1)
+
+
+def poisoned_out(M, B, N, pad=8):
+    """A ``[B, M, N]`` view of a NaN-filled batch-major ``[M, B, N + pad]`` buffer (pad must stay NaN)."""
+    buf = torch.full((M, B, N + pad), float("nan"), dtype=torch.bfloat16, device=DEV)
+    return buf, buf[..., :N].transpose(0, 1)
+
+
+def assert_close_to_reference(y, x, codes, scales, act_quant):
+    ref = reference.bmm_a16wfp4(x, codes, scales, act_quant=act_quant)
+    xa = reference.activation_as_float(x, act_quant).abs()
+    wa = dequantize(codes, scales).abs()
+    tol = tb.accumulation_tolerance(ref, torch.bmm(xa, wa.transpose(1, 2)), x.shape[-1])
+    assert not torch.isnan(y).any(), "unwritten output"
+    diff = (y.float() - ref.float()).abs()
+    assert (diff <= tol).all(), f"max |y - ref| / tol = {(diff / tol).max():.3g}"
+
+
+@pytest.mark.parametrize("act_quant", ["mxfp4", "none"])
+@pytest.mark.parametrize(
+    "B, M, N, K, row",
+    [(1, 1, 32, 64, 64), (3, 17, 64, 192, 256), (2, 5, 48, 256, 256), (2, 33, 40, 96, 128), (1, 2, 64, 512, 512)],
+)
+def test_matches_reference_on_strided_views(B, M, N, K, row, act_quant):
+    codes, scales = weights(B, N, K, seed=M + K)
+    x = activations(M, B, K, seed=K, row=row)
+    buf, out = poisoned_out(M, B, N)
+    got = tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out)
+    assert got.data_ptr() == out.data_ptr() and got.stride() == out.stride()
+    assert torch.isnan(buf[..., N:]).all(), "wrote past N"
+    assert_close_to_reference(out, x, codes, scales, act_quant)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [tb.BmmConfig(8, 16, 64, 4, 1, 1), tb.BmmConfig(16, 32, 32, 4, 1, 3), tb.BmmConfig(32, 64, 64, 4, 1, 0)],
+    ids=["gemv", "weights-stationary", "tiled"],
+)
+def test_every_kernel_shape_matches_reference(config):
+    B, M, N, K = 2, 37, 80, 192
+    codes, scales = weights(B, N, K, seed=7)
+    x = activations(M, B, K, seed=8, row=256)
+    buf, out = poisoned_out(M, B, N)
+    tb.bmm_a16wfp4(x, codes, scales, out=out, config=config)
+    assert torch.isnan(buf[..., N:]).all()
+    assert_close_to_reference(out, x, codes, scales, "mxfp4")
+
+
+def identity_weights(B, K):
+    """MXFP4 identity ``[B, K, K]``: code 2 (1.0) on the diagonal, scale 127, so ``y = act(x)`` exactly."""
+    codes = torch.zeros(B, K, K // 2, dtype=torch.uint8)
+    n = torch.arange(K)
+    codes[:, n, n // 2] = torch.where(n % 2 == 0, 0x02, 0x20).to(torch.uint8)
+    return codes.to(DEV), torch.full((B, K, K // 32), 127, dtype=torch.uint8, device=DEV)
+
+
+def special_blocks(seed):
+    """Rows of 32-blocks that pin down the even rule: zeros, E2M1 ties (0.25 ... 5) with amax 6, amax with a
+    mantissa >= 1.75 (exponent bump), saturation (6.875 -> 6), -0.0, and random blocks at scales 2**-30..2**25."""
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0])
+    past_ties = (ties.to(torch.bfloat16).view(torch.int16) + 1).view(torch.bfloat16).float()  # next magnitude up
+    blocks = [
+        torch.zeros(32),
+        torch.cat([ties, past_ties, torch.zeros(2)]) * 2.0**-3,
+        torch.cat([torch.tensor([7.0, -0.9, 0.3, 1.9]), torch.linspace(-3, 3, 28)]),
+        torch.cat([torch.tensor([6.875, -6.5, 6.25, 5.5, -0.0]), torch.linspace(-6, 6, 27)]) * 2.0**10,
+    ]
+    g = torch.Generator().manual_seed(seed)
+    for e in range(-30, 30, 5):
+        blocks.append(torch.randn(32, generator=g) * 2.0**e)
+    return torch.cat(blocks).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("act_quant", ["mxfp4", "none"])
+def test_activation_path_is_bit_exact(act_quant):
+    K, B = 64, 2
+    flat = special_blocks(seed=3)
+    x = torch.stack([flat, flat.roll(32)]).reshape(B, -1, K).to(DEV)  # [B, M, K], blocks in both halves of K
+    codes, scales = identity_weights(B, K)
+    y = tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant)
+    expected = reference.activation_as_float(x, act_quant).to(torch.bfloat16)
+    assert torch.equal(y, expected)  # -0.0 == 0.0; everything else bit for bit
+
+
+def test_weight_decode_is_bit_exact():
+    """x = identity with act_quant="none" turns y into dequant(W)^T: every nibble, scales from 2**-127 up."""
+    B, N, K = 2, 64, 64
+    g = torch.Generator().manual_seed(11)
+    codes = torch.randint(0, 256, (B, N, K // 2), generator=g, dtype=torch.uint8)
+    codes[0, :8] = torch.arange(256, dtype=torch.uint8).reshape(8, 32)  # all 256 code pairs
+    scales = torch.randint(60, 190, (B, N, K // 32), generator=g, dtype=torch.uint8)
+    scales[1, 0, 0] = 1
+    codes, scales = codes.to(DEV), scales.to(DEV)
+    eye = torch.eye(K, dtype=torch.bfloat16, device=DEV).expand(B, K, K)
+    y = tb.bmm_a16wfp4(eye, codes, scales, act_quant="none")
+    assert torch.equal(y.transpose(1, 2), dequantize(codes, scales, dtype=torch.bfloat16))
+
+
+def test_allocates_batch_major_output():
+    B, M, N, K = 3, 5, 32, 64
+    codes, scales = weights(B, N, K, seed=1)
+    y = tb.bmm_a16wfp4(activations(M, B, K, seed=2), codes, scales)
+    assert y.shape == (B, M, N) and y.stride() == (N, B * N, 1)  # a view of a [M, B, N] buffer
+
+
+def test_empty_token_batch_returns_without_launch():
+    codes, scales = weights(2, 32, 64, seed=1)
+    y = tb.bmm_a16wfp4(torch.empty(2, 0, 64, dtype=torch.bfloat16, device=DEV), codes, scales)
+    assert y.shape == (2, 0, 32)
+
+
+def test_accumulation_tolerance_units():
+    ref = torch.tensor([1.0, 3.0, 0.0], dtype=torch.bfloat16)
+    tol = tb.accumulation_tolerance(ref, torch.tensor([0.0, 0.0, 2.0**10]), K=8)
+    assert tol[0] == 2.0**-7 and tol[1] == 2.0**-6  # one bf16 ulp at 1 and at 3
+    assert tol[2] > 8 * 2.0**-23 * 2.0**10
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda a: a.update(x=a["x"][..., :32]), "K=32 but w_codes packs K=64"),
+        (lambda a: a.update(x=a["x"].float()), "x must be a 3-D torch.bfloat16"),
+        (lambda a: a.update(x=a["x"][0]), "x must be a 3-D"),
+        (lambda a: a.update(w_codes=a["w_codes"].to(torch.int8)), "w_codes must be a 3-D torch.uint8"),
+        (lambda a: a.update(w_scales=a["w_scales"][..., :1]), "w_scales must be"),
+        (lambda a: a.update(w_codes=a["w_codes"][:1], w_scales=a["w_scales"][:1]), "B=2 batches, w_codes 1"),
+        (lambda a: a.update(act_quant="fp8"), "act_quant must be one of"),
+        (lambda a: a.update(out=torch.empty(2, 3, 31, dtype=torch.bfloat16, device=DEV)), "out must be"),
+        (lambda a: a.update(out=torch.empty(2, 3, 32, device=DEV)), "out must be a 3-D torch.bfloat16"),
+        (lambda a: a.update(out=torch.empty(1, 1, 32, dtype=torch.bfloat16, device=DEV).expand(2, 3, 32)), "zero"),
+        (lambda a: a.update(config=tb.BmmConfig(16, 32, 48, 4, 1, 1)), "block_k=48"),
+    ],
+)
+def test_rejects_calls_outside_the_contract(mutate, match):
+    codes, scales = weights(2, 32, 64, seed=1)
+    args = dict(x=activations(3, 2, 64, seed=2), w_codes=codes, w_scales=scales, act_quant="mxfp4", out=None)
+    mutate(args)
+    x, w_codes, w_scales = args.pop("x"), args.pop("w_codes"), args.pop("w_scales")
+    with pytest.raises(BackendError, match=match):
+        tb.bmm_a16wfp4(x, w_codes, w_scales, **args)
+
+
+@gpu_only
+@pytest.mark.parametrize("T", [1, 16, 300])
+@pytest.mark.parametrize("op", [(512, 192, 256), (512, 256, 256), (256, 512, 512)], ids=["kup192", "kup256", "vup"])
+def test_glm_shapes_on_gpu_all_kernels(op, T):
+    N, K, row = op
+    H = 16
+    codes, scales = weights(H, N, K, seed=T)
+    x = activations(T, H, K, seed=T + 1, row=row)
+    for config in (None, tb.BmmConfig(64, 64, 64, 4, 2, 0), tb.BmmConfig(16, 32, 64, 4, 2, 2)):
+        for act_quant in ("mxfp4", "none"):
+            _, out = poisoned_out(T, H, N)
+            tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=config)
+            assert_close_to_reference(out, x, codes, scales, act_quant)
