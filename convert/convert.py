@@ -159,7 +159,9 @@ def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict)
     if leftovers and not options.overwrite:
         raise PlanError(f"output {out} is not empty; pass --overwrite to replace its contents", file=out)
     (overlay / mf.MANIFEST_NAME).unlink(missing_ok=True)  # first: never a manifest over partial files
-    if overlay.exists():
+    if overlay.is_symlink():  # replace the link itself, never what it points to
+        overlay.unlink()
+    elif overlay.exists():
         shutil.rmtree(overlay)
     overlay.mkdir(parents=True)
     state.write_run(overlay, run)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -33,8 +34,12 @@ class OutputLock:
         self.fd: int | None = None
 
     def __enter__(self) -> OutputLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # never write through a link
+        except OSError as err:
+            why = "it is a symlink" if err.errno == errno.ELOOP else err.strerror or str(err)
+            raise OutputError(f"cannot create the output lock: {why}", file=self.path) from err
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -89,7 +94,7 @@ class Journal:
     def append(self, entry: dict) -> None:
         line = (json.dumps(entry, sort_keys=True) + "\n").encode()
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
         except OSError as err:
             raise OutputError(f"cannot write the journal: {err.strerror or err}", file=self.path) from err
         try:

@@ -77,7 +77,7 @@ def atomic_write(path: Path, chunks: Iterable[bytes | memoryview]) -> int:
     path = Path(path)
     tmp = _temp_path(path)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)  # never through a link
     except OSError as err:
         raise OutputError(f"cannot create {tmp}: {err.strerror or err}", file=tmp) from err
     size = 0

@@ -1,0 +1,219 @@
+"""Faults while converting: a full disk, read-only or missing locations, a source that changes underneath,
+a source that is also the output, symlinks in OUT. Each leaves no temp file, no manifest, an untouched
+source, and a clear one-line CLI error; where the run can be continued, ``--resume`` then succeeds.
+
+SIGKILL / Ctrl-C / lock contention are in tests/convert/test_resume.py; tampering in test_tamper.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import subprocess
+
+import pytest
+from click.testing import CliRunner
+
+from glm_pack.convert import state, writer
+from glm_pack.convert.cli import main
+from glm_pack.convert.convert import ConvertOptions, convert
+from glm_pack.convert.verify import verify
+
+
+def tree_digest(root):
+    """{relative path: sha256} of every file under ``root`` (through symlinks), plus each file's mtime."""
+    return {
+        str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def overlay_bytes(out):
+    return {p.name: p.read_bytes() for p in sorted((out / "glm-pack").glob("*.safetensors"))}
+
+
+def temp_files(root):
+    return sorted(str(p) for p in root.rglob(".*.tmp"))
+
+
+def cli(*args):
+    r = CliRunner().invoke(main, ["convert", "--workers", "1", *map(str, args)])
+    errors = [line for line in r.output.splitlines() if line.startswith("glm-pack: error:")]
+    return r, errors
+
+
+def assert_failed_cleanly(r, errors, out, src, src_digest, phrase):
+    assert r.exit_code == 1, r.output
+    assert len(errors) == 1 and phrase in errors[0], r.output
+    assert "Traceback" not in r.output
+    assert not out.exists() or temp_files(out) == []
+    assert not (out / "glm-pack" / "manifest.json").exists()
+    assert tree_digest(src) == src_digest
+
+
+@pytest.fixture(scope="module")
+def source(synth_ckpt):
+    return synth_ckpt("glm-5", "bf16", layers=1, experts=2)  # 2 MLA layers (with the MTP layer)
+
+
+@pytest.fixture(scope="module")
+def clean(source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean") / "out"
+    convert(source, out, ConvertOptions(files="copy"))
+    return out
+
+
+def enospc_when(predicate):
+    """An ``_os_write`` stand-in that raises ENOSPC for the first write that ``predicate(call, data)`` picks."""
+    real, calls = writer._os_write, [0]
+
+    def write(fd, data):
+        calls[0] += 1
+        if predicate(calls[0], bytes(data[:64])):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data)
+
+    return write
+
+
+MANIFEST_START = b'{\n  "created"'  # mf.dumps sorts keys: the manifest text starts so
+
+
+@pytest.mark.parametrize(
+    "where, predicate",
+    [
+        ("overlay", lambda call, head: call == 3),  # inside the second overlay file, after its header
+        ("manifest", lambda call, head: head.startswith(MANIFEST_START)),
+    ],
+)
+def test_disk_full_at_the_write_seam_then_resume(source, clean, tmp_path, monkeypatch, where, predicate):
+    out = tmp_path / "out"
+    before = tree_digest(source)
+    monkeypatch.setattr(writer, "_os_write", enospc_when(predicate))
+    r, errors = cli(source, out, "--files", "copy")
+    assert_failed_cleanly(r, errors, out, source, before, "no space left on device")
+    monkeypatch.undo()
+    r, errors = cli(source, out, "--files", "copy")  # without --resume: refused, nothing claimed complete
+    assert r.exit_code == 1 and "--resume" in errors[0]
+    r, errors = cli(source, out, "--files", "copy", "--resume")
+    assert r.exit_code == 0, r.output
+    assert overlay_bytes(out) == overlay_bytes(clean) and verify(out).ok
+    assert temp_files(out) == [] and tree_digest(source) == before
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 12 MiB tmpfs (one overlay file of the test source fits, two do not); skipped where mounting is denied."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({(r.stderr or r.stdout).strip() or 'mount failed'})")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_on_a_real_small_filesystem(source, clean, small_tmpfs):
+    out = small_tmpfs / "out"
+    before = tree_digest(source)
+    r, errors = cli(source, out, "--files", "none")
+    assert_failed_cleanly(r, errors, out, source, before, "no space left on device")
+    r = subprocess.run(["mount", "-o", "remount,size=64m", str(small_tmpfs)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r, errors = cli(source, out, "--files", "none", "--resume")
+    assert r.exit_code == 0, r.output
+    assert overlay_bytes(out) == overlay_bytes(clean) and temp_files(out) == []
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory nobody may write to: chmod for ordinary users; root ignores modes, so a read-only tmpfs."""
+    path = tmp_path / "ro"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"running as root and cannot mount a read-only tmpfs ({r.stderr.strip() or 'mount failed'})")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_read_only_output_parent(source, read_only_dir):
+    before = tree_digest(source)
+    r, errors = cli(source, read_only_dir / "out")
+    assert r.exit_code == 1 and len(errors) == 1 and "Traceback" not in r.output, r.output
+    assert str(read_only_dir / "out") in errors[0]
+    assert tree_digest(source) == before
+
+
+def test_missing_source_creates_nothing(tmp_path):
+    r, errors = cli(tmp_path / "nowhere", tmp_path / "out")
+    assert r.exit_code == 1 and len(errors) == 1 and "nowhere" in errors[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("change", ["size", "mtime"])
+def test_source_changed_during_conversion_refuses_to_finish(source, ckpt_copy, tmp_path, monkeypatch, change):
+    src = ckpt_copy(source)
+    victim = src / "config.json"  # replace the link by a private copy, so the shared original stays untouched
+    data = victim.read_bytes()
+    victim.unlink()
+    victim.write_bytes(data)
+    real = state.Journal.append
+
+    def append(self, entry):  # the first work item is journalled, then the source file changes
+        real(self, entry)
+        if change == "size":
+            with open(victim, "ab") as f:
+                f.write(b" ")
+        else:
+            st = victim.stat()
+            os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+    monkeypatch.setattr(state.Journal, "append", append)
+    out = tmp_path / "out"
+    r, errors = cli(src, out)
+    assert r.exit_code == 1 and len(errors) == 1 and "source files changed" in errors[0], r.output
+    assert not (out / "glm-pack" / "manifest.json").exists() and temp_files(out) == []
+
+
+def test_source_that_is_also_the_output_is_refused(source, tmp_path):
+    before = tree_digest(source)
+    link = tmp_path / "alias"
+    link.symlink_to(source)
+    for out in (source, link, source / "glm-out", source.parent):
+        r, errors = cli(source, out, "--overwrite")
+        assert r.exit_code == 1 and len(errors) == 1 and "outside the source" in errors[0], (out, r.output)
+    assert tree_digest(source) == before
+
+
+def test_symlinks_in_out_are_replaced_never_written_through(source, ckpt_copy, tmp_path):
+    """With --overwrite, links planted in OUT (to source files, to a victim dir) are replaced, targets kept."""
+    src = ckpt_copy(source)  # a HF-cache-like snapshot of links: read through them
+    before = tree_digest(source)
+    victim_dir = tmp_path / "victim"
+    victim_dir.mkdir()
+    (victim_dir / "keep").write_text("keep")
+    out = tmp_path / "out"
+    out.mkdir()
+    shard = sorted(p.name for p in src.glob("model-*.safetensors"))[0]
+    (out / shard).symlink_to(source / shard)
+    (out / "config.json").symlink_to(source / "config.json")
+    (out / ".glm-pack.lock").symlink_to(source / shard)  # the lock file is written: never through a link
+    (out / "glm-pack").symlink_to(victim_dir)
+    r, errors = cli(src, out, "--files", "copy", "--overwrite")
+    assert r.exit_code == 1 and len(errors) == 1 and "symlink" in errors[0], r.output
+    (out / ".glm-pack.lock").unlink()
+    r, errors = cli(src, out, "--files", "copy", "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert tree_digest(source) == before and (victim_dir / "keep").read_text() == "keep"
+    assert sorted(os.listdir(victim_dir)) == ["keep"]
+    for name in (shard, "config.json", "glm-pack"):
+        assert not (out / name).is_symlink()
+    assert verify(out).ok
