@@ -79,9 +79,7 @@ class HubStore:
         from huggingface_hub import HfApi
 
         with self._errors():
-            info = HfApi(endpoint=self.endpoint).model_info(
-                self.repo_id, revision=self.requested, files_metadata=True
-            )
+            info = HfApi(endpoint=self.endpoint).model_info(self.repo_id, revision=self.requested, files_metadata=True)
         sizes = {s.rfilename: s.size for s in info.siblings or []}
         if not info.sha or any(size is None for size in sizes.values()):
             raise HubError(f"{self.endpoint} did not report the commit sha and file sizes of {self.repo_id}")

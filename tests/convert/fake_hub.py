@@ -32,6 +32,7 @@ import re
 import socket
 import threading
 from dataclasses import dataclass, field
+from functools import cached_property
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -77,12 +78,16 @@ class Blob:
     data: bytes
     lfs: bool
 
-    @property
+    @cached_property  # hashed once: the data never changes
     def sha256(self) -> str:
         return hashlib.sha256(self.data).hexdigest()
 
+    @cached_property
+    def blob_id(self) -> str:
+        return git_blob_id(self.data)
+
     def info(self, path: str) -> dict:
-        entry = {"type": "file", "path": path, "size": len(self.data), "oid": git_blob_id(self.data)}
+        entry = {"type": "file", "path": path, "size": len(self.data), "oid": self.blob_id}
         if self.lfs:
             entry["lfs"] = {"oid": self.sha256, "size": len(self.data), "pointerSize": 134}
         return entry
@@ -323,7 +328,7 @@ class FakeHub:
                         "path": f["path"],
                         "uploadMode": mode,
                         "shouldIgnore": False,
-                        "oid": None if old is None else (old.sha256 if old.lfs else git_blob_id(old.data)),
+                        "oid": None if old is None else (old.sha256 if old.lfs else old.blob_id),
                     }
                 )
             return _json(200, {"files": answer, "commitOid": "0" * 40})
@@ -416,7 +421,7 @@ class FakeHub:
         blob = self._branch(repo, rev).get(path)
         if blob is None:
             raise HubHTTPError(404, "Entry not found", "EntryNotFound")
-        etag = blob.sha256 if blob.lfs else git_blob_id(blob.data)
+        etag = blob.sha256 if blob.lfs else blob.blob_id
         headers = {"ETag": f'"{etag}"', "X-Repo-Commit": repo.heads[self._branch_name(repo, rev)]}
         headers["Accept-Ranges"] = "bytes"
         if blob.lfs:
@@ -445,6 +450,7 @@ def _json(status: int, obj, content_type: str = "application/json"):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out as separate writes: no 40 ms delayed-ACK stall
     hub: FakeHub
 
     def log_message(self, *args) -> None:  # keep test output quiet
