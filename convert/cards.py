@@ -35,20 +35,9 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from glm_pack.packing.errors import CheckpointError, PlanError
+from glm_pack.packing.manifest import AITER_BMM_CONFIG_KEYS
 from glm_pack.packing.mla import MlaGeometry
 
-KERNEL_KEYS = (
-    "BLOCK_SIZE_M",
-    "BLOCK_SIZE_N",
-    "BLOCK_SIZE_K",
-    "GROUP_SIZE_M",
-    "NUM_KSPLIT",
-    "num_warps",
-    "num_stages",
-    "waves_per_eu",
-    "matrix_instr_nonkdim",
-    "cache_modifier",
-)
 ROUTES = ("padded", "unpadded")
 LINEAR_ROLES = ("attn", "indexer", "mlp", "expert")
 SCOPES = ("global", "layer", "mla", "linear_attn", "indexer", "dense", "moe", "expert", "mtp")
@@ -290,7 +279,7 @@ class Card:
                 buckets = {}
                 for bucket, base in spec["base"].items():
                     cfg = {**base, **overrides.get("*", {}), **overrides.get(bucket, {})}
-                    buckets[bucket] = {k: (None if cfg[k] == "" else cfg[k]) for k in KERNEL_KEYS}
+                    buckets[bucket] = {k: (None if cfg[k] == "" else cfg[k]) for k in AITER_BMM_CONFIG_KEYS}
                 out[arch][op] = buckets
         return out
 
@@ -302,7 +291,7 @@ class Card:
                 for op, overrides in spec["routes"][route].items():
                     for bucket, base in spec["base"].items():
                         cfg = {**base, **overrides.get("*", {}), **overrides.get(bucket, {})}
-                        missing = [k for k in KERNEL_KEYS if k not in cfg]
+                        missing = [k for k in AITER_BMM_CONFIG_KEYS if k not in cfg]
                         if missing or cfg.get("NUM_KSPLIT") != 1:
                             raise PlanError(
                                 f"card {self.name}: {arch}/{route}/{op}/{bucket} needs every key "

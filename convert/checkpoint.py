@@ -23,7 +23,7 @@ from glm_pack.packing.mla import MlaGeometry
 
 from . import formats
 from .cards import Card, detect_card, load_card
-from .safetensors_io import Header, LocalFile, parse_header, read_tensor
+from .safetensors_io import Header, LocalFile, TensorEntry, parse_header, read_tensor
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -67,19 +67,10 @@ class LocalStore:
 
 
 @dataclass(frozen=True)
-class TensorInfo:
-    """Where a stored tensor lives: ``file`` relative to the root, ``begin``/``end`` absolute byte offsets."""
+class TensorInfo(TensorEntry):
+    """A header entry plus ``file``, the shard it lives in (relative to the root)."""
 
-    name: str
-    file: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
+    file: str = ""
 
 
 def _load_json(store: LocalStore, rel: str) -> dict:
@@ -152,7 +143,7 @@ class Checkpoint:
                 "no such tensor in the checkpoint", file=str(self.index_path or self.root), tensor=name
             )
         e = self.headers[rel].tensors[name]
-        return TensorInfo(name, rel, e.dtype, e.shape, e.begin, e.end)
+        return TensorInfo(name, e.dtype, e.shape, e.begin, e.end, file=rel)
 
     def file_size(self, rel: str) -> int:
         return self.store.open(rel).size()

@@ -104,6 +104,27 @@ def _locate(err: GlmPackError, ckpt: Checkpoint, name: str) -> GlmPackError:
     return err
 
 
+def write_item(overlay: Path, item: WorkItem, tensors: dict, layouts: dict, source: dict, **fragment) -> dict:
+    """Write an item's overlay file; return its journal entry (file hash and size, per-tensor table entries with
+    their sha256 and layout, the source tensors' sha256, and the manifest ``fragment``)."""
+    path = overlay / item.file
+    digest, shas = write_safetensors(path, tensors, OVERLAY_METADATA)
+    table = {}
+    for name, t in tensors.items():
+        table[name] = {"file": item.file, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "sha256": shas[name]}
+        if name in layouts:
+            table[name]["layout"] = layouts[name]
+    return {
+        "item": asdict(item),
+        "file": item.file,
+        "size": path.stat().st_size,
+        "sha256": digest,
+        "tensors": table,
+        "source_tensors": source,
+        **fragment,
+    }
+
+
 def run_mla_item(ckpt: Checkpoint, item: WorkItem, settings: Settings, overlay: Path) -> dict:
     """Absorb one layer, write its overlay file crash-safely, return the journal entry."""
     card, geom = ckpt.card, ckpt.geometry
@@ -131,20 +152,8 @@ def run_mla_item(ckpt: Checkpoint, item: WorkItem, settings: Settings, overlay: 
         if scale:
             tensors[scale] = stored.scale
         entry[proj_name] = mf.projection_entry(stored, weight, scale)
-    path = overlay / item.file
-    digest, shas = write_safetensors(path, tensors, OVERLAY_METADATA)
-    return {
-        "item": asdict(item),
-        "file": item.file,
-        "size": path.stat().st_size,
-        "sha256": digest,
-        "tensors": {
-            name: {"file": item.file, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "sha256": shas[name]}
-            for name, t in tensors.items()
-        },
-        "source_tensors": {name: ckpt.raw_sha256(name) for name in ckpt.source_tensors(kv_b_name)},
-        "mla": entry,
-    }
+    source = {name: ckpt.raw_sha256(name) for name in ckpt.source_tensors(kv_b_name)}
+    return write_item(overlay, item, tensors, {}, source, mla=entry)
 
 
 def _repack(ckpt: Checkpoint, weight: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,26 +190,14 @@ def run_experts_item(ckpt: Checkpoint, item: WorkItem, overlay: Path) -> dict:
             tensors[name] = LazyTensor(torch.uint8, info.shape, make)
             layouts[name] = experts.tensor_layout(kind, info.shape)
             source[name] = ckpt.raw_sha256(name)
-    path = overlay / item.file
-    digest, shas = write_safetensors(path, tensors, OVERLAY_METADATA)
-    return {
-        "item": asdict(item),
-        "file": item.file,
-        "size": path.stat().st_size,
-        "sha256": digest,
-        "tensors": {
-            name: {
-                "file": item.file,
-                "dtype": "U8",
-                "shape": list(t.shape),
-                "sha256": shas[name],
-                "layout": layouts[name],
-            }
-            for name, t in tensors.items()
-        },
-        "source_tensors": source,
-        "experts": {"layer": item.layer, "file": item.file, "tensors": list(tensors)},
-    }
+    return write_item(
+        overlay,
+        item,
+        tensors,
+        layouts,
+        source,
+        experts={"layer": item.layer, "file": item.file, "tensors": list(tensors)},
+    )
 
 
 def run_item(ckpt: Checkpoint, item: WorkItem, settings: Settings, overlay: Path) -> dict:

@@ -28,7 +28,8 @@ _GEOMETRY_KEYS = {
 }
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """sha256 hex digest of a file's bytes, read in 16 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(16 << 20):
@@ -128,7 +129,7 @@ def _verify_files(root: Path, manifest: dict) -> None:
         path = overlay / name
         if not path.is_file():
             raise VerifyError("overlay file listed in the manifest is missing", file=path)
-        if path.stat().st_size != info.get("size") or _sha256(path) != info.get("sha256"):
+        if path.stat().st_size != info.get("size") or file_sha256(path) != info.get("sha256"):
             raise VerifyError("overlay file does not match its sha256 in the manifest (changed or corrupt)", file=path)
 
 

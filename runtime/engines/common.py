@@ -26,7 +26,7 @@ from glm_pack.packing.errors import BackendError, GlmPackError, VerifyError
 from glm_pack.packing.mla import MlaGeometry
 from glm_pack.packing.mxfp4 import dequantize, dequantize_reference
 from glm_pack.runtime.layer import MlaLayer, ProjectionWeights
-from glm_pack.runtime.loader import PackedModel, open_packed
+from glm_pack.runtime.loader import PackedModel, file_sha256, open_packed
 
 ENV = "GLM_PACK_OVERLAY"
 ENV_CHECK = "GLM_PACK_OVERLAY_CHECK"
@@ -69,14 +69,6 @@ def checkpoint_dir(model: str, revision: str | None = None) -> Path:
 
 def overlay_root(setting: str, served: Path) -> Path:
     return served if setting == "beside" else Path(setting)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(16 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _tensor_files(served: Path) -> dict[str, Path]:
@@ -123,7 +115,7 @@ def check_source(manifest: dict, served: Path, level: str) -> None:
     config = served / "config.json"
     if not config.is_file():
         raise VerifyError("the served checkpoint has no config.json to check the overlay against", file=config)
-    if _sha256_file(config) != source.get("config_sha256"):
+    if file_sha256(config) != source.get("config_sha256"):
         raise VerifyError(
             "config.json differs from the one the glm-pack overlay was converted from: the overlay belongs to "
             "another checkpoint (reconvert, or unset " + ENV + ")",

@@ -7,6 +7,7 @@ import pytest
 from glm_pack.convert import cards, formats, synth
 from glm_pack.convert.checkpoint import open_checkpoint
 from glm_pack.packing.errors import CheckpointError, PlanError
+from glm_pack.packing.manifest import AITER_BMM_CONFIG_KEYS
 
 ALL = ["deepseek-v3", "glm-5", "glm-5.2", "glm-5.3-flash"]
 
@@ -98,7 +99,7 @@ def test_kernel_configs_are_complete(name):
         for op in route.values():
             assert set(op) == {"M_LEQ_16", "M_LEQ_32", "M_LEQ_64", "M_LEQ_128", "M_LEQ_256", "any"}
             for cfg in op.values():
-                assert tuple(cfg) == cards.KERNEL_KEYS and cfg["NUM_KSPLIT"] == 1
+                assert tuple(cfg) == AITER_BMM_CONFIG_KEYS and cfg["NUM_KSPLIT"] == 1
     assert all(c["BLOCK_SIZE_K"] == 256 for c in padded["k_up"].values())
     assert all(c["BLOCK_SIZE_K"] == 64 for c in unpadded["k_up"].values())
     for route in (padded, unpadded):
