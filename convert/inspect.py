@@ -8,7 +8,7 @@ JSON output (``--json``; schema ``glm-pack.inspect/1``, keys are stable; sizes i
 ``schema``         ``"glm-pack.inspect/1"``
 ``source``         the checkpoint directory, or ``hf://org/name@<commit sha>`` for a Hub repo
 ``hub``            ``null`` (local source) or ``{"repo_id", "revision", "bytes_transferred"}``: the resolved
-                   commit sha and the payload bytes fetched from the Hub (headers only, by range requests)
+                   commit sha and the payload bytes fetched from the Hub (config, index, shard headers by range)
 ``card``           ``{"name", "title"}`` of the detected model family
 ``architectures``  config.json's ``architectures``; ``model_type`` its ``model_type``
 ``geometry``       ``{"num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"}``
@@ -195,7 +195,7 @@ def render(report: dict, console: Console) -> None:
         f"{_mib(plan['reused_bytes'])}"
     )
     if report.get("hub"):
-        console.print(f"read {report['hub']['bytes_transferred']:,} bytes from the Hub (headers only)")
+        console.print(f"read {report['hub']['bytes_transferred']:,} bytes from the Hub (config, index, shard headers)")
 
 
 @click.command("inspect")
