@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
+import math
 import os
 import subprocess
 
 import pytest
+import torch
 from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from glm_pack.convert import state, writer
 from glm_pack.convert.cli import main
 from glm_pack.convert.convert import ConvertOptions, convert
 from glm_pack.convert.verify import verify
+from glm_pack.packing.layouts import unpack_bmm_nk
+from glm_pack.packing.mxfp4 import dequantize_reference
 
 
 def tree_digest(root):
@@ -216,4 +223,74 @@ def test_symlinks_in_out_are_replaced_never_written_through(source, ckpt_copy, t
     assert sorted(os.listdir(victim_dir)) == ["keep"]
     for name in (shard, "config.json", "glm-pack"):
         assert not (out / name).is_symlink()
+    assert verify(out).ok
+
+
+# --- hostile and degenerate weights ------------------------------------------------------------------------------
+KV_B = "model.layers.0.self_attn.kv_b_proj.weight"
+
+
+def replace_kv_b(src, edit):
+    """In a ckpt_copy ``src``: rewrite the shard holding layer 0's kv_b_proj with ``edit(tensor)`` applied."""
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shard = src / index["weight_map"][KV_B]
+    tensors = load_file(shard)
+    edit(tensors[KV_B])
+    shard.unlink()  # drop the link; the shared original stays untouched
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return shard
+
+
+@pytest.mark.parametrize("value, row, col", [(float("nan"), 7, 500), (float("-inf"), 12_000, 0)])
+def test_non_finite_source_weight_is_named_with_its_index(source, ckpt_copy, tmp_path, value, row, col):
+    src = ckpt_copy(source)
+
+    def plant(t):
+        t[row, col] = value
+
+    shard = replace_kv_b(src, plant)
+    r, errors = cli(src, tmp_path / "out")
+    assert r.exit_code == 1 and len(errors) == 1, r.output
+    assert KV_B in errors[0] and f"({row}, {col})" in errors[0] and shard.name in errors[0]
+    assert not (tmp_path / "out" / "glm-pack" / "manifest.json").exists()
+
+
+def test_zero_and_denormal_range_blocks_round_trip(source, ckpt_copy, tmp_path):
+    """Head 0 all zeros; head 1 values k * 2**-127 (k in E2M1, most of them bf16 subnormals).
+
+    Hand-checked expectation: every block of both heads gets the smallest E8M0 scale (byte 0, 2**-127), so a
+    zero block stores codes 0 and dequantizes to exact zeros, and every value k * 2**-127 is an exact E2M1
+    multiple of that scale: the round trip is exact, with no NaN/Inf anywhere.
+    """
+    g = json.loads((source / "config.json").read_text())
+    nope, v, lora = g["qk_nope_head_dim"], g["v_head_dim"], g["kv_lora_rank"]
+    rows = nope + v
+    steps = torch.tensor([0, 0.5, -0.5, 1, -1.5, 2, -3, 4, -4, 3, 1.5, -2, -1])
+    pattern = steps[(torch.arange(rows)[:, None] * 5 + torch.arange(lora)[None, :]) % len(steps)] * 2.0**-127
+
+    def plant(t):
+        t[:rows] = 0
+        t[rows : 2 * rows] = pattern.to(t.dtype)
+
+    src = ckpt_copy(source)
+    replace_kv_b(src, plant)
+    assert torch.equal(pattern.bfloat16().float(), pattern)  # the values really are representable in bf16
+    out = tmp_path / "out"
+    r, _ = cli(src, out, "--files", "none")
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / "glm-pack" / "manifest.json").read_text())
+    layer = m["mla"][0]
+    expected = {  # [head 0, head 1] of each projection, from the source pattern
+        "w_kc": torch.stack([torch.zeros(lora, nope), pattern[:nope].T]),
+        "w_vc": torch.stack([torch.zeros(v, lora), pattern[nope:]]),
+    }
+    with safe_open(out / "glm-pack" / m["tensors"][layer["w_kc"]["weight"]]["file"], framework="pt") as f:
+        for proj, want in expected.items():
+            codes = f.get_tensor(layer[proj]["weight"])[:2]
+            scales = f.get_tensor(layer[proj]["scale"])[:2]
+            codes, scales = unpack_bmm_nk(codes, scales, k_logical=want.shape[-1])  # drops the K padding
+            assert torch.all(scales == 0) and torch.all(codes[0] == 0)
+            got = dequantize_reference(codes, scales)
+            assert torch.equal(got, want), proj
+        assert all(math.isfinite(layer[p]["rel_error"]) for p in expected)
     assert verify(out).ok
