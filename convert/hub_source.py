@@ -25,7 +25,7 @@ from pathlib import Path, PurePosixPath
 
 from glm_pack.packing.errors import CheckpointError, GlmPackError, HubError
 
-from .push import _chain, _first_line, _is, resolve_endpoint
+from .hub_common import exception_chain, first_line, is_kind, resolve_endpoint
 from .safetensors_io import LocalFile
 
 HUB_PREFIX = "hf://"
@@ -255,7 +255,7 @@ def hub_read_error(err: BaseException, store: HubStore, rel: str | None) -> HubE
 
     repo, endpoint = store.repo_id, store.endpoint
     file = store.where(rel) if rel and getattr(store, "sha", None) else None
-    for e in _chain(err):
+    for e in exception_chain(err):
         if isinstance(e, GatedRepoError):
             return HubError(
                 f"{repo} is gated: accept its conditions on the Hub, then log in (HF_TOKEN or `hf auth login`)"
@@ -284,14 +284,14 @@ def hub_read_error(err: BaseException, store: HubStore, rel: str | None) -> HubE
                 return HubError(f"permission denied (403) reading {repo} at {endpoint}", file=file)
             if status == 429:
                 return HubError(f"rate limited (429) by {endpoint}; wait and run the same command again", file=file)
-            return HubError(f"the Hub answered {status} for {repo} at {endpoint}: {_first_line(e)}", file=file)
-        if _is(e, "ConnectError", "ConnectionRefusedError"):
+            return HubError(f"the Hub answered {status} for {repo} at {endpoint}: {first_line(e)}", file=file)
+        if is_kind(e, "ConnectError", "ConnectionRefusedError"):
             return HubError(f"cannot connect to {endpoint}: connection refused or unreachable", file=file)
-        if _is(e, "TimeoutException", "TimeoutError"):
+        if is_kind(e, "TimeoutException", "TimeoutError"):
             return HubError(f"timed out reading from {endpoint} (after retries)", file=file)
-        if _is(e, "TransportError", "ConnectionError"):
+        if is_kind(e, "TransportError", "ConnectionError"):
             return HubError(f"connection to {endpoint} lost while reading (after retries)", file=file)
-    return HubError(f"reading {repo} from {endpoint} failed: {type(err).__name__}: {_first_line(err)}", file=file)
+    return HubError(f"reading {repo} from {endpoint} failed: {type(err).__name__}: {first_line(err)}", file=file)
 
 
 def hub_store(src: str | os.PathLike) -> HubStore | None:

@@ -23,9 +23,9 @@ from glm_pack.packing import manifest as mf
 from glm_pack.packing.errors import HubError, PlanError, VerifyError
 
 from .convert import file_sha256
+from .hub_common import exception_chain, first_line, is_kind, resolve_endpoint
 from .modelcard import SOURCE_README, write_card
 
-DEFAULT_ENDPOINT = "https://huggingface.co"
 MAX_COMMIT_BYTES = 8 << 30  # per commit: a failed commit loses at most this much upload work
 MAX_COMMIT_FILES = 64
 PATHS_INFO_CHUNK = 100  # paths per get_paths_info request
@@ -80,11 +80,6 @@ class PushReport:
     commit_urls: list[str] = field(default_factory=list)
     uploaded_files: int = 0
     uploaded_bytes: int = 0
-
-
-def resolve_endpoint(endpoint: str | None) -> str:
-    """``--endpoint``, else ``HF_ENDPOINT`` (read now, not at import), else the public Hub."""
-    return (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
 
 
 def git_blob_id(path: Path) -> str:
@@ -292,25 +287,13 @@ def _interrupted(report: PushReport, why: str) -> str:
     )
 
 
-def _chain(err: BaseException):
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        yield err
-        err = err.__cause__ or err.__context__
-
-
-def _is(err: BaseException, *names: str) -> bool:
-    return any(cls.__name__ in names for cls in type(err).__mro__)
-
-
 def hub_error(err: Exception, repo_id: str, endpoint: str, revision: str, report: PushReport) -> Exception:
     """Turn a client exception into one clear HubError line (never containing the token)."""
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
     if isinstance(err, HubError):
         return err
-    for e in _chain(err):
+    for e in exception_chain(err):
         if isinstance(e, RepositoryNotFoundError):
             return HubError(f"repository {repo_id} not found at {endpoint}, or the token cannot see it")
         if isinstance(e, RevisionNotFoundError):
@@ -331,18 +314,15 @@ def hub_error(err: Exception, repo_id: str, endpoint: str, revision: str, report
                     f"rate limited (429) by {endpoint}; wait and run the same command again "
                     f"({report.uploaded_files} of {len(report.plan.uploads)} files committed so far are kept)"
                 )
-            return HubError(f"the Hub answered {status} for {repo_id} at {endpoint}: {_first_line(e)}")
-        if _is(e, "ConnectError", "ConnectionRefusedError") and report.uploaded_files == 0:
+            return HubError(f"the Hub answered {status} for {repo_id} at {endpoint}: {first_line(e)}")
+        if is_kind(e, "ConnectError", "ConnectionRefusedError") and report.uploaded_files == 0:
             return HubError(f"cannot connect to {endpoint}: connection refused or unreachable")
-        if _is(e, "TimeoutException", "TimeoutError"):
+        if is_kind(e, "TimeoutException", "TimeoutError"):
             return HubError(_interrupted(report, f"timed out talking to {endpoint}"))
-        if _is(e, "TransportError", "ConnectionError"):
+        if is_kind(e, "TransportError", "ConnectionError"):
             return HubError(_interrupted(report, f"connection to {endpoint} lost"))
         if isinstance(e, ValueError) and "Invalid metadata in README.md" in str(e):
-            return HubError(f"the Hub rejected the model card metadata: {_first_line(e, skip=1)}")
-    return HubError(f"push to {repo_id} at {endpoint} failed: {type(err).__name__}: {_first_line(err)}")
+            return HubError(f"the Hub rejected the model card metadata: {first_line(e, skip=1)}")
+    return HubError(f"push to {repo_id} at {endpoint} failed: {type(err).__name__}: {first_line(err)}")
 
 
-def _first_line(err: BaseException, skip: int = 0) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return lines[min(skip, len(lines) - 1)] if lines else type(err).__name__

@@ -1,0 +1,31 @@
+"""Small helpers shared by the Hub reader (hub_source) and the Hub writer (push): endpoint and error text."""
+
+from __future__ import annotations
+
+import os
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+
+
+def resolve_endpoint(endpoint: str | None) -> str:
+    """``--endpoint``, else ``HF_ENDPOINT`` (read now, not at import), else the public Hub."""
+    return (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def exception_chain(err: BaseException):
+    """``err`` and its causes/contexts, each once (client errors wrap transport errors)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def is_kind(err: BaseException, *names: str) -> bool:
+    """Whether ``err``'s class or a base is named one of ``names`` (httpx/requests/OS errors alike)."""
+    return any(cls.__name__ in names for cls in type(err).__mro__)
+
+
+def first_line(err: BaseException, skip: int = 0) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[min(skip, len(lines) - 1)] if lines else type(err).__name__
