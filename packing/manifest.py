@@ -249,6 +249,7 @@ def parse_mla(manifest: dict) -> list[MlaLayer]:
     """Validate the manifest and return its MLA layers (raises ManifestError naming the bad field)."""
     check_schema(manifest)
     check_sections(manifest)
+    parse_experts(manifest)
     geom = parse_geometry(manifest)
     tensors = parse_tensors(manifest)
     layers = []

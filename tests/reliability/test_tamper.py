@@ -1,0 +1,157 @@
+"""Tampering with a finished output: `verify` and `runtime.open(..., verify=True)` notice, and say what changed.
+
+Each case works on a private copy of one converted output (MLA layers + repacked experts, originals copied).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from glm_pack import runtime
+from glm_pack.convert.verify import verify
+from glm_pack.packing import manifest as mf
+from glm_pack.packing.errors import ManifestError, VerifyError
+
+
+@pytest.fixture
+def out(converted, tmp_path):
+    dst = tmp_path / "out"
+    shutil.copytree(converted[1], dst)
+    return dst
+
+
+def manifest(out):
+    return json.loads((out / mf.OVERLAY_DIR / mf.MANIFEST_NAME).read_text())
+
+
+def write_manifest(out, m):
+    (out / mf.OVERLAY_DIR / mf.MANIFEST_NAME).write_text(json.dumps(m))
+
+
+def test_untampered_output_passes(out):
+    assert verify(out).ok
+    runtime.open(out, backend="torch", verify=True)
+
+
+def test_a_changed_byte_in_any_overlay_file_is_named(out):
+    """One byte flipped in the data of each overlay file (MLA and expert files) in turn."""
+    m = manifest(out)
+    files = sorted(m["files"])
+    assert any(f.startswith("experts-") for f in files) and any(f.startswith("layer-") for f in files)
+    for name in files:
+        path = out / mf.OVERLAY_DIR / name
+        original = path.read_bytes()
+        data = bytearray(original)
+        data[-7] ^= 0x01  # the last tensor of the file
+        path.write_bytes(bytes(data))
+        last = max((t for t, e in m["tensors"].items() if e["file"] == name), key=lambda t: _offset(path, t))
+        problems = verify(out).problems
+        assert any(name in p and last in p for p in problems), (name, problems)
+        with pytest.raises(VerifyError, match="does not match its sha256") as err:
+            runtime.open(out, backend="torch", verify=True)
+        assert name in str(err.value)
+        path.write_bytes(original)
+    assert verify(out).ok
+
+
+def _offset(path, tensor):
+    header = json.loads(path.read_bytes()[8 : 8 + int.from_bytes(path.read_bytes()[:8], "little")])
+    return header[tensor]["data_offsets"][0]
+
+
+def test_a_changed_header_byte_is_reported(out):
+    path = out / mf.OVERLAY_DIR / "layer-000.safetensors"
+    data = bytearray(path.read_bytes())
+    data[data.index(b'"shape"') + 1] = ord("S")  # still parses as JSON; no longer a valid header
+    path.write_bytes(bytes(data))
+    assert any("layer-000.safetensors" in p for p in verify(out).problems)
+    with pytest.raises(VerifyError, match="layer-000.safetensors"):
+        runtime.open(out, backend="torch", verify=True)
+
+
+def test_a_missing_overlay_file_is_named(out):
+    for name in ("layer-001.safetensors", "experts-003-01.safetensors"):
+        (out / mf.OVERLAY_DIR / name).unlink()
+        assert any("missing" in p and name in p for p in verify(out).problems)
+        with pytest.raises(VerifyError, match="missing") as err:
+            runtime.open(out, backend="torch", verify=True)
+        assert name in str(err.value)
+
+
+def _kc(m):
+    return m["mla"][0]["w_kc"]
+
+
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (lambda m: _kc(m)["layout"].update(name="bmm_kn"), "'bmm_kn' is not a layout the runtime reads"),
+        (lambda m: _kc(m)["layout"].update(k_stored=192), "mxfp4 tensors must be U8"),
+        (lambda m: _kc(m).update(precision="bf16", scale=None), "bf16 tensor must be BF16"),
+        (lambda m: m["experts"].update(layout="aiter_moe_a8w8"), "experts.layout"),
+        (
+            lambda m: m["tensors"][m["experts"]["groups"][0]["tensors"][1]]["layout"].update(
+                layout="aiter_shuffle_16x16"
+            ),
+            "no known shuffle layout",
+        ),
+        (lambda m: m["model"]["geometry"].update(kv_lora_rank=256), "w_kc.weight: mxfp4 tensors must be U8"),
+    ],
+)
+def test_a_manifest_claiming_another_layout_is_refused(out, edit, says):
+    m = manifest(out)
+    edit(m)
+    write_manifest(out, m)
+    problems = verify(out).problems
+    assert len(problems) == 1 and says in problems[0] and "manifest.json" in problems[0], problems
+    with pytest.raises(ManifestError, match="manifest") as err:
+        runtime.open(out, backend="torch", verify=True)
+    assert says in str(err.value)
+
+
+def test_a_manifest_claiming_another_quantization_is_caught(out):
+    """Consistent in itself, but the stored bytes are not what the recorded scale rule gives."""
+    m = manifest(out)
+    _kc(m)["quant"]["mode"] = "roundup"
+    write_manifest(out, m)
+    problems = verify(out).problems
+    assert any(_kc(m)["weight"] in p and "re-derived" in p for p in problems), problems
+
+
+def test_a_source_shard_swapped_for_another_revision(out, synth_ckpt):
+    """Same names and shapes, other values (another revision of the checkpoint): the fingerprint catches it."""
+    other = synth_ckpt("glm-5", "mxfp4-quark", layers=4, experts=2, seed=1)
+    kv_b = manifest(out)["mla"][0]["source"]["tensor"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"][kv_b]
+    shutil.copyfile(other / shard, out / shard)
+    problems = verify(out).problems
+    assert any(kv_b in p and "differs from the one the overlay was made from" in p for p in problems), problems
+
+
+def test_two_source_shards_swapped_with_each_other(out):
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    a, b = sorted(set(index["weight_map"].values()))[:2]
+    (out / a).rename(out / "tmp")
+    (out / b).rename(out / a)
+    (out / "tmp").rename(out / b)
+    problems = verify(out).problems
+    assert len(problems) == 1 and "cannot open the source" in problems[0] and (a in problems[0] or b in problems[0])
+
+
+def test_a_source_tensor_rewritten_in_place_is_named(out):
+    m = manifest(out)
+    kv_b = m["mla"][1]["source"]["tensor"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shard = out / index["weight_map"][kv_b]
+    tensors = load_file(shard)
+    tensors[kv_b].view(torch.uint8).view(-1)[0] ^= 1  # one bit of one stored byte
+    shard.unlink()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    problems = verify(out).problems
+    assert any(kv_b in p and "differs" in p for p in problems), problems
