@@ -39,28 +39,23 @@ from glm_pack.runtime.reference import bmm_a16wfp4 as reference_bmm
 OPS = {"kup192": (512, 192, 256), "kup256": (512, 256, 256), "vup": (256, 512, 512)}
 
 
-def candidates(M: int, N: int, K: int) -> list[tb.BmmConfig]:
+def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
     """Configs worth timing for an M bucket (the default first)."""
     bk = tb._block_k(K, 64)
     C = tb.BmmConfig
-    if M == 1:
-        extra = [C(1, 16, bk, 4, 2, 1), C(1, 32, bk, 4, 2, 1), C(1, 32, bk, 8, 2, 1), C(16, 16, bk, 4, 2, 1),
-                 C(16, 32, bk, 4, 2, 1), C(16, 64, tb._block_k(K, 128), 4, 2, 0)]  # fmt: skip
-    elif M <= 16:
-        extra = [C(16, 16, bk, 4, 2, 1), C(16, 32, bk, 4, 2, 1), C(16, 32, bk, 8, 2, 1), C(16, 64, bk, 4, 2, 1),
-                 C(16, 64, tb._block_k(K, 128), 4, 2, 0), C(16, 32, bk, 4, 2, 0)]  # fmt: skip
+    if M <= 16:
+        extra = [C(16, 32, bk, 4, 2, 1), C(16, 64, tb._block_k(K, 128), 4, 2, 0), C(16, 16, bk, 4, 2, 1),
+                 C(16, 32, bk, 8, 2, 1), C(16, 32, bk, 4, 2, 0)]  # fmt: skip
     elif M <= 64:
-        extra = [C(64, 64, bk, 4, 2, 1), C(64, 32, bk, 4, 2, 1), C(32, 32, bk, 4, 2, 2), C(64, 64, bk, 4, 2, 0),
-                 C(64, 32, bk, 4, 3, 0)]  # fmt: skip
+        extra = [C(64, 64, bk, 4, 2, 1), C(64, 32, bk, 4, 2, 1), C(64, 64, bk, 4, 2, 0), C(64, 32, bk, 4, 3, 0)]
     elif M <= 256:
-        extra = [C(64, 128, bk, 4, 2, 1), C(64, 64, bk, 4, 2, 2), C(64, 128, bk, 4, 1, 2), C(64, 128, bk, 4, 1, 4),
-                 C(64, 128, bk, 4, 3, 0), C(128, 128, bk, 8, 3, 0), C(64, 64, bk, 4, 3, 0)]  # fmt: skip
-        extra += [C(64, 256, bk, 8, 1, 4)] if K <= 256 else []
+        extra = [C(64, 128, bk, 4, 1, 4), C(64, 128, bk, 4, 1, 2), C(64, 64, bk, 4, 2, 2), C(64, 128, bk, 4, 3, 0),
+                 C(128, 128, bk, 8, 3, 0), C(64, 64, bk, 4, 3, 0)]  # fmt: skip
     else:
         extra = [C(64, 128, bk, 4, 1, 8), C(64, 128, bk, 4, 1, 16), C(64, 64, bk, 4, 2, 8), C(128, 128, bk, 8, 3, 0),
                  C(128, 256, bk, 8, 2, 0), C(64, 256, bk, 8, 3, 0)]  # fmt: skip
         extra += [C(64, 256, bk, 8, 2, 8), C(128, 256, bk, 8, 1, 8)] if K <= 256 else []
-    default = tb.default_config(M, N, K)
+    default = tb.default_config(B, M, N, K)
     return [default] + [c for c in extra if c != default]
 
 
@@ -195,7 +190,7 @@ def bench_case(op, H, T, env, ceilings, args, gen) -> dict:
     graph = T <= 256
     n_sets = max(1, min(128, math.ceil(3 * l2 / set_bytes(op, H, T))))
     sets = [make_set(op, H, T, gen) for _ in range(n_sets)]
-    default = tb.default_config(T, N, K)
+    default = tb.default_config(H, T, N, K)
     row = {"op": op, "H": H, "T": T, "N": N, "K": K, "sets": n_sets, "default": default.__dict__}
     refs = {aq: reference(sets[0], aq) for aq in tb.ACT_QUANT_MODES} if args.check else {}
     if args.check:
@@ -203,7 +198,7 @@ def bench_case(op, H, T, env, ceilings, args, gen) -> dict:
     row["us"] = {aq: time_ours(sets, aq, None, graph) for aq in tb.ACT_QUANT_MODES}
     if args.sweep:
         sweep = []
-        for cfg in candidates(T, N, K)[1:]:
+        for cfg in candidates(H, T, N, K)[1:]:
             entry = {"config": cfg.__dict__}
             try:
                 if args.check:

@@ -102,11 +102,8 @@ if not _TRITON_ERROR:
 
     @triton.jit
     def _dot(a, b, acc, INTERPRET: tl.constexpr):
-        """``acc + a @ b`` in fp32 for operands holding bf16-exact values (a ``[M, K]``, b ``[K, N]``). Fewer than
-        16 rows (decode) go through CUDA-core FMAs; otherwise tensor cores, with bf16 operands when compiled
-        and fp32 under the 3.6 interpreter, which multiplies bf16 bit patterns as integers."""
-        if a.shape[0] < 16:
-            return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        """``acc + a @ b`` in fp32 for operands holding bf16-exact values: bf16 operands when compiled; fp32 under
+        the 3.6 interpreter, which multiplies bf16 bit patterns as integers."""
         if INTERPRET:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision="ieee")
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc=acc)
@@ -270,20 +267,20 @@ def _block_k(K: int, cap: int) -> int:
     return bk
 
 
-def default_config(M: int, N: int, K: int) -> BmmConfig:
-    """Tiles by M bucket (measured on an H200, see BENCHMARKS.md)."""
+def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
+    """Kernel and tiles by M bucket, measured on an H200 (BENCHMARKS.md). ``wide``: enough 64-column tiles
+    (B * N / 64 >= 256) to fill the GPU with one-tile programs."""
     if _INTERPRETED:
         return BmmConfig(16 if M <= 16 else 32, 32 if N <= 32 else 64, _block_k(K, 64), 4, 1, 2)
     bk = _block_k(K, 64)
-    if M == 1:
-        return BmmConfig(1, 32, bk, 4, 2, 1)
+    wide = B * triton.cdiv(N, 64) >= 256
     if M <= 16:
-        return BmmConfig(16, 32, bk, 4, 2, 1)
+        return BmmConfig(16, 64, _block_k(K, 128), 4, 2, 0) if wide else BmmConfig(16, 32, bk, 4, 2, 1)
     if M <= 64:
         return BmmConfig(64, 64, bk, 4, 2, 1)
     if M <= 256:
-        return BmmConfig(64, 128, bk, 4, 2, 1)
-    return BmmConfig(64, 128, bk, 4, 1, 8)
+        return BmmConfig(64, 128, bk, 4, 1, 4) if wide and K <= 256 else BmmConfig(64, 128, bk, 4, 3, 0)
+    return BmmConfig(64, 128, bk, 4, 1, 8) if K <= 256 else BmmConfig(64, 256, bk, 8, 3, 0)
 
 
 def accumulation_tolerance(ref: torch.Tensor, abs_dot: torch.Tensor, K: int) -> torch.Tensor:
@@ -371,9 +368,11 @@ def bmm_a16wfp4(
         out = torch.empty(M, B, N, dtype=torch.bfloat16, device=x.device).transpose(0, 1)
     if B == 0 or M == 0 or N == 0:
         return out
-    cfg = config or default_config(M, N, K)
-    if K % cfg.block_k or cfg.block_k % 32:
-        raise BackendError(f"triton bmm_a16wfp4: block_k={cfg.block_k} must be a multiple of 32 dividing K={K}")
+    cfg = config or default_config(B, M, N, K)
+    if K % cfg.block_k or cfg.block_k % 32 or cfg.block_k & (cfg.block_k - 1):
+        raise BackendError(f"triton bmm_a16wfp4: block_k={cfg.block_k} must be a power of two >= 32 dividing K={K}")
+    if any(v < 16 or v & (v - 1) for v in (cfg.block_m, cfg.block_n)) or cfg.tiles_m < 0:
+        raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (block_m/block_n: powers of two >= 16)")
     args = (x, w_codes, w_scales, out, M, N, *x.stride(), *w_codes.stride(), *w_scales.stride(), *out.stride())
     consts = dict(
         K=K,
