@@ -8,17 +8,23 @@ of x along K to MXFP4 in the kernel (even rule, bit-exact with ``quantize(mode="
 dequantized values, which bf16 holds exactly, to the dot; ``"none"`` feeds x as is. Products of these
 values are exact in fp32, so only the accumulation order differs from the reference.
 
-One program computes a ``[BLOCK_M, BLOCK_N]`` tile of one batch entry over the whole K. On GPUs the weights
-go through ``tl.dot_scaled`` (bf16 x e2m1 with E8M0 scales: native on gfx950, upcast to bf16 elsewhere,
-e.g. on Hopper). Triton 3.6's interpreter has no ``dot_scaled``, so under ``TRITON_INTERPRET=1`` the same
-kernel decodes the weights itself (the ``DOT_SCALED=False`` branch) and multiplies in fp32. Both branches
-compute identical products; the GPU benchmark checks both against the reference.
+Two kernels, picked per call by :func:`default_config` (``BmmConfig.tiles_m``):
+
+* weights-stationary (``tiles_m > 0``): a program decodes its ``[BLOCK_N, K]`` weight tile once into bf16
+  dot operands and sweeps ``tiles_m`` tiles of M against it (decode, and large M with K <= 256);
+* tiled (``tiles_m == 0``): a program owns one ``[BLOCK_M, BLOCK_N]`` tile and walks K; on GPUs the weights
+  go through ``tl.dot_scaled`` (bf16 x e2m1 with E8M0 scales; Triton upcasts them to bf16 on Hopper).
+  Triton 3.6's interpreter has no ``dot_scaled``, so under ``TRITON_INTERPRET=1`` the same kernel decodes
+  the weights itself (``DOT_SCALED=False``); the GPU benchmark checks both kernels against the reference.
 
 Importing this module never fails without Triton: :func:`available` says why the kernel cannot run.
 Triton picks interpreter or compiler when a kernel is defined, i.e. when this module is imported.
-Scale byte 0 (2**-127) on a weight is read as 0 by ``dot_scaled``'s upcast; only all-zero blocks carry it
-in practice (even rule), where both give 0.
-"""
+
+Numerical corner cases of the compiled path (none occurs for finite checkpoints and activations in the bf16
+range a model produces): ``dot_scaled``'s upcast reads weight scale byte 0 (2**-127) as 0 (the even rule
+gives byte 0 only to all-zero blocks, where both give 0) and, with ``fast_math``, byte 255 (NaN) as +inf;
+the activation round trip runs in packed bf16, whose subnormal handling may differ from the fp32
+reference for blocks with amax < 2**-125 or >= 1.75 * 2**127."""
 
 from __future__ import annotations
 
@@ -162,13 +168,11 @@ if not _TRITON_ERROR:
             x = tl.load(x_ptrs, mask=m_in, other=0.0)
             codes = tl.load(w_ptrs, mask=n_in, other=0)
             scales = tl.load(s_ptrs, mask=n_in, other=127)
-            if DOT_SCALED:
-                if ACT_MXFP4:
-                    x = _mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K, INTERPRET)
+            if ACT_MXFP4:
+                x = _mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K, INTERPRET)
+            if DOT_SCALED:  # fast_math: no NaN select for scale byte 255 (NaN scales give inf/NaN instead)
                 acc = tl.dot_scaled(x, None, "bf16", tl.trans(codes), scales, "e2m1", acc, fast_math=True)
-            else:  # the interpreter's branch: decode the weights here
-                if ACT_MXFP4:
-                    x = _mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K, INTERPRET)
+            else:  # the interpreter's branch (3.6 has no dot_scaled there): decode the weights here
                 acc = _dot(x, tl.trans(_e2m1_dequant(codes, scales, BLOCK_N, BLOCK_K)), acc, INTERPRET)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += (BLOCK_K // 2) * stride_wk
@@ -280,7 +284,10 @@ def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
         return BmmConfig(64, 64, bk, 4, 2, 1)
     if M <= 256:
         return BmmConfig(64, 128, bk, 4, 1, 4) if wide and K <= 256 else BmmConfig(64, 128, bk, 4, 3, 0)
-    return BmmConfig(64, 128, bk, 4, 1, 8) if K <= 256 else BmmConfig(64, 256, bk, 8, 3, 0)
+    if K > 256:
+        return BmmConfig(64, 256, bk, 8, 3, 0)
+    stationary_programs = B * triton.cdiv(N, 128) * triton.cdiv(M, 64 * 8)
+    return BmmConfig(64, 128, bk, 4, 1, 8) if stationary_programs >= 512 else BmmConfig(128, 128, bk, 8, 3, 0)
 
 
 def accumulation_tolerance(ref: torch.Tensor, abs_dot: torch.Tensor, K: int) -> torch.Tensor:
