@@ -268,6 +268,15 @@ if numba is not None:
         _dequantize_kernel = njit(nogil=True, cache=True)(_dequantize_kernel_py)
 
 
+def _forget_pool() -> None:
+    """A forked child inherits the pool object but not its threads: start a new one there when needed."""
+    global _pool, _pool_size
+    _pool, _pool_size = None, 0
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _run_split(kernel, n_blocks: int, blocked: tuple, scalars: tuple) -> int:
     """``kernel(*block_slices, *scalars)`` over ``[0, n_blocks)``, split into ranges across up to torch's
     thread count (the caller runs the first). ``blocked`` holds (flat array, elements per block) pairs;

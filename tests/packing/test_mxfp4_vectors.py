@@ -7,6 +7,7 @@ the torch reference.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 
 import pytest
@@ -280,3 +281,26 @@ def test_parameter_input(path):
     x = torch.nn.Parameter(torch.tensor([6.0, 0.75] + [0.0] * 30))
     codes, scales = run(path, quantize, x)
     assert scales.tolist() == [127] and nibbles(codes)[:2] == [0x7, 0x2]
+
+
+def _quantize_in_child(queue, x):
+    codes, scales = quantize(x)
+    queue.put((int(codes.numpy().sum()), int(scales.numpy().sum())))  # numpy: no OpenMP in the child
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork start method only")
+def test_fast_path_works_in_a_forked_child():
+    # the parent's worker threads do not survive fork(); a child that inherits the pool must not hang.
+    # (x is made here and the child sums with numpy: torch's OpenMP ops can hang in a forked child)
+    x = torch.full((1024, 512), 6.0)
+    quantize(x)  # large enough to start the thread split in this process
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_quantize_in_child, args=(queue, x))
+    child.start()
+    child.join(30)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0
+    # every element is 6.0: code 7 in both nibbles (0x77) and scale byte 127
+    assert queue.get(timeout=5) == (0x77 * 1024 * 256, 127 * 1024 * 16)
