@@ -30,11 +30,11 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import torch
 
 try:  # any failure to load numba (missing, broken llvmlite, numpy mismatch) means: use the reference
     import numba
+    import numpy as np
     from numba import njit, types
     from numba.extending import intrinsic
 except Exception:  # noqa: BLE001

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -304,3 +306,18 @@ def test_fast_path_works_in_a_forked_child():
     assert child.exitcode == 0
     # every element is 6.0: code 7 in both nibbles (0x77) and scale byte 127
     assert queue.get(timeout=5) == (0x77 * 1024 * 256, 127 * 1024 * 16)
+
+
+def test_without_numba_the_reference_runs():
+    # numba unimportable (sys.modules entry None): the codec still works, on the reference path
+    script = (
+        "import sys; sys.modules['numba'] = None\n"
+        "import torch\n"
+        "from glm_pack.packing import _mxfp4_fast\n"
+        "from glm_pack.packing.mxfp4 import quantize\n"
+        "codes, scales = quantize(torch.tensor([6.0, 0.75, 1.25, 3.5] + [0.0] * 28))\n"
+        "print(_mxfp4_fast.available(), scales.tolist(), codes[:2].tolist())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    # 6.0 -> 0x7, 0.75 -> 0x2: byte 0x27; 1.25 -> 0x2, 3.5 -> 0x6: byte 0x62
+    assert out.split() == ["False", "[127]", "[39,", "98]"]
