@@ -124,7 +124,7 @@ if not _TRITON_ERROR:
         return v.to(tl.bfloat16)
 
     @triton.jit(do_not_specialize=["M"])
-    def _bmm_a16wfp4_kernel(
+    def _bmm_tiled_kernel(
         x_ptr,
         w_ptr,
         s_ptr,
@@ -181,7 +181,7 @@ if not _TRITON_ERROR:
         tl.store(y_ptrs, _to_bf16(acc, INTERPRET), mask=m_in & (offs_n[None, :] < N))
 
     @triton.jit(do_not_specialize=["M"])
-    def _bmm_ws_kernel(
+    def _bmm_stationary_kernel(
         x_ptr,
         w_ptr,
         s_ptr,
@@ -358,14 +358,12 @@ def bmm_a16wfp4(
     act_quant: str = "mxfp4",
     out: torch.Tensor | None = None,
     config: BmmConfig | None = None,
-    dot_scaled: bool | None = None,
 ) -> torch.Tensor:
     """``out[b] = act(x[b]) @ dequant(w[b])^T``; returns ``out`` ``[B, M, N]`` bf16.
 
     x ``[B, M, K]`` bf16, w_codes ``[B, N, K/2]`` u8, w_scales ``[B, N, K/32]`` u8, any non-negative strides;
     K a multiple of 32. Without ``out``, allocates a batch-major ``[M, B, N]`` buffer and returns its
-    ``[B, M, N]`` view. ``config`` overrides :func:`default_config`; ``dot_scaled`` picks the weight branch
-    (default: ``dot_scaled`` when compiled, the in-kernel decode under the interpreter, which lacks it).
+    ``[B, M, N]`` view. ``config`` overrides :func:`default_config`.
     """
     ok, why = available()
     if not ok:
@@ -393,9 +391,8 @@ def bmm_a16wfp4(
     )
     if cfg.tiles_m:
         grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m * cfg.tiles_m), B)
-        _bmm_ws_kernel[grid](*args, TILES_M=cfg.tiles_m, **consts)
+        _bmm_stationary_kernel[grid](*args, TILES_M=cfg.tiles_m, **consts)
     else:
-        use_dot_scaled = (not _INTERPRETED) if dot_scaled is None else dot_scaled
         grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m), B)
-        _bmm_a16wfp4_kernel[grid](*args, DOT_SCALED=use_dot_scaled, **consts)
+        _bmm_tiled_kernel[grid](*args, DOT_SCALED=not _INTERPRETED, **consts)
     return out
