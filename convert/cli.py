@@ -33,23 +33,23 @@ def main(debug: bool) -> None:
 
 def _register() -> None:
     from .commands import convert_command, demo_command, verify_command
+    from .inspect import inspect_command
+    from .push_commands import card_command, push_command
+    from .synth import synth_command
 
-    for command in (convert_command, verify_command, demo_command):
+    for command in (
+        synth_command,
+        inspect_command,
+        convert_command,
+        verify_command,
+        card_command,
+        push_command,
+        demo_command,
+    ):
         main.add_command(command)
 
 
 _register()
-
-from .push_commands import card_command, push_command  # noqa: E402
-
-main.add_command(push_command)
-main.add_command(card_command)
-
-from .inspect import inspect_command  # noqa: E402
-from .synth import synth_command  # noqa: E402
-
-main.add_command(inspect_command)
-main.add_command(synth_command)
 
 
 if __name__ == "__main__":
