@@ -31,6 +31,7 @@ from glm_pack.packing.layouts import stored_k
 from . import state
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from .items import Settings, plan_items, run_item, run_item_in_worker, worker_init
+from .plan import resolve_k_multiple
 from .writer import OutputError, write_text
 
 FILE_MODES = ("link", "copy", "none")
@@ -86,20 +87,6 @@ def file_sha256(path: Path, chunk: int = 16 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-def resolve_k_multiple(option: str, card_default: int | None) -> int | None:
-    if option == "card":
-        return card_default
-    if option == "none":
-        return None
-    try:
-        value = int(option)
-    except ValueError:
-        value = 0
-    if value <= 0 or value % 32:
-        raise PlanError(f"--k-pad must be 'card', 'none' or a positive multiple of 32, got {option!r}")
-    return value
 
 
 def store_sha256(store, rel: str) -> str:
