@@ -8,10 +8,17 @@ Layout of the outputs, for an input ``x`` of shape ``[..., L, ...]`` grouped alo
 
 Scale modes (``notes/mxfp4.md``): ``even`` (AMD Quark / aiter Triton), ``floor`` (OCP text), ``roundup``
 (next power of two >= amax/6) and ``mse`` (best of e-1, e, e+1 around the even choice, per block).
-Elements round to nearest with ties to the even code and saturate at 6.
+Elements round to nearest with ties to the even code and saturate at 6; the sign bit is kept (-0.0 and
+negatives rounding to zero give code 8).
+
+``even`` is bit-exact with aiter's Triton ``_mxfp4_quant_op`` (checked against ROCm/aiter e4048607,
+``aiter/ops/triton/_triton_kernels/quant/quant.py``): ``(bits(amax) + 0x200000) & 0xFF800000``, then
+``floor(log2) - 2`` clamped to [-127, 127]; an all-zero block and a block whose amax is denormal both get
+-127 (byte 0); an amax whose rounding overflows to Inf (>= 1.75 * 2**127) gets 127; elements scaled by
+``2**-e`` in float32 round to nearest, ties to even, saturating at 6.
 
 A block holding NaN/Inf (only reachable with ``check_finite_input=False``) gets exponent 127 in every
-mode, like aiter's even rule; NaN elements become +-0 and Inf +-6.
+mode, as aiter's even rule gives Inf; Inf elements become +-6 and NaN +-0 (aiter: +-1.5).
 
 This module holds the public API and the obvious vectorised torch reference; ``_mxfp4_fast`` holds the
 compiled (numba) fast path, which agrees with the reference bit for bit and is used for CPU tensors when
@@ -152,7 +159,7 @@ def block_exponents(xb: torch.Tensor, mode: str) -> torch.Tensor:
 def quantize_reference(xb: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Slow obvious path on float32 blocks ``[rows, nb, 32]`` -> (codes ``[rows, nb*16]``, scales ``[rows, nb]``)."""
     e = block_exponents(xb, mode)
-    nib = round_to_e2m1(xb * pow2(-e).unsqueeze(-1)).reshape(xb.shape[0], -1)
+    nib = round_to_e2m1(xb * pow2(-e).unsqueeze(-1)).reshape(xb.shape[0], xb.shape[1] * BLOCK)
     codes = nib[:, 0::2] | (nib[:, 1::2] << 4)
     return codes, (e + SCALE_BIAS).to(torch.uint8)
 
@@ -195,7 +202,7 @@ def quantize(
     if fast is None:
         if check_finite_input:
             check_finite(x.detach())
-        codes, scales = quantize_reference(rows.to(torch.float32).reshape(-1, length // BLOCK, BLOCK), mode)
+        codes, scales = quantize_reference(rows.to(torch.float32).reshape(len(rows), length // BLOCK, BLOCK), mode)
     else:
         codes, scales, n_nonfinite = fast
         if n_nonfinite and check_finite_input:

@@ -321,3 +321,11 @@ def test_without_numba_the_reference_runs():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     # 6.0 -> 0x7, 0.75 -> 0x2: byte 0x27; 1.25 -> 0x2, 3.5 -> 0x6: byte 0x62
     assert out.split() == ["False", "[127]", "[39,", "98]"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_empty_tensors(path):
+    for shape, codes_shape, scales_shape in (((0, 64), (0, 32), (0, 2)), ((3, 0), (3, 0), (3, 0))):
+        codes, scales = run(path, quantize, torch.zeros(shape, dtype=torch.bfloat16))
+        assert codes.shape == codes_shape and scales.shape == scales_shape
+        assert run(path, dequantize, codes, scales).shape == shape
