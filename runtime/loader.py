@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from pathlib import Path
 
 import torch
@@ -35,6 +36,44 @@ def file_sha256(path: Path) -> str:
         while block := f.read(16 << 20):
             h.update(block)
     return h.hexdigest()
+
+
+def raw_tensor_sha256(path: Path, name: str) -> str:
+    """sha256 of one tensor's stored bytes in a safetensors file (the fingerprint the converter records)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        info = json.loads(f.read(n)).get(name)
+        if info is None:
+            raise VerifyError("the checkpoint lacks a tensor the overlay was built from", file=path, tensor=name)
+        begin, end = info["data_offsets"]
+        f.seek(8 + n + begin)
+        h = hashlib.sha256()
+        left = end - begin
+        while left:
+            block = f.read(min(left, 16 << 20))
+            if not block:
+                raise VerifyError("safetensors file is truncated", file=path, tensor=name)
+            h.update(block)
+            left -= len(block)
+    return h.hexdigest()
+
+
+def tensor_files(served: Path) -> dict[str, Path]:
+    """Source tensor name -> the served safetensors file holding it (from the index, or the single file)."""
+    index = served / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: served / file for name, file in weight_map.items()}
+    single = served / "model.safetensors"
+    return {name: single for name in _header(single)} if single.is_file() else {}
+
+
+def _header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
 
 
 def config_geometry(config: dict) -> dict:
@@ -123,6 +162,24 @@ def _check_config(root: Path, manifest: dict, geometry: MlaGeometry) -> None:
         raise ManifestError(f"the manifest's geometry contradicts config.json ({detail})", file=config_path)
 
 
+def _verify_source(root: Path, manifest: dict) -> None:
+    """The source tensors the overlay was made from still hash as recorded (OUT's originals, else the source)."""
+    source = manifest["source"]
+    for base in (root, Path(source["path"]) if source.get("path") else None):
+        files = tensor_files(base) if base is not None else {}
+        if files:
+            break
+    else:
+        return  # overlay-only output of an unreachable source: nothing to compare with
+    for name, digest in sorted(source["tensors"].items()):
+        if name not in files:
+            raise VerifyError("the checkpoint's index lacks a source tensor of the overlay", tensor=name)
+        if raw_tensor_sha256(files[name], name) != digest:
+            raise VerifyError(
+                "source tensor differs from the one the overlay was made from", file=files[name], tensor=name
+            )
+
+
 def _verify_files(root: Path, manifest: dict) -> None:
     overlay = root / mf.OVERLAY_DIR
     for name, info in sorted(manifest["files"].items()):
@@ -136,7 +193,11 @@ def _verify_files(root: Path, manifest: dict) -> None:
 def open_packed(
     path, *, device="cpu", backend="auto", tp_rank: int = 0, tp_size: int = 1, verify: bool = False
 ) -> PackedModel:
-    """Open a converted output directory (the one holding ``glm-pack/manifest.json``) for one TP rank."""
+    """Open a converted output directory (the one holding ``glm-pack/manifest.json``) for one TP rank.
+
+    ``verify=True`` also checks every overlay file's sha256 and, where the original files are reachable (in OUT
+    or at the recorded source path), that the source tensors still hash as recorded.
+    """
     root = Path(path)
     manifest_path = root / mf.OVERLAY_DIR / mf.MANIFEST_NAME
     if not manifest_path.is_file():
@@ -157,6 +218,7 @@ def open_packed(
     _check_config(root, manifest, geometry)
     if verify:
         _verify_files(root, manifest)
+        _verify_source(root, manifest)
     configs = (manifest.get("kernel_configs") or {}).get("configs", {})
     chosen = select_backend(backend, torch.device(device), configs)
     return PackedModel(root, manifest, device, chosen, tp_rank, tp_size)

@@ -13,10 +13,7 @@ kv_b_proj slice; ``fast`` = the same without hashing the tensor bytes.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +23,7 @@ from glm_pack.packing.errors import BackendError, GlmPackError, VerifyError
 from glm_pack.packing.mla import MlaGeometry
 from glm_pack.packing.mxfp4 import dequantize, dequantize_reference
 from glm_pack.runtime.layer import MlaLayer, ProjectionWeights
-from glm_pack.runtime.loader import PackedModel, file_sha256, open_packed
+from glm_pack.runtime.loader import PackedModel, file_sha256, open_packed, raw_tensor_sha256, tensor_files
 
 ENV = "GLM_PACK_OVERLAY"
 ENV_CHECK = "GLM_PACK_OVERLAY_CHECK"
@@ -71,44 +68,6 @@ def overlay_root(setting: str, served: Path) -> Path:
     return served if setting == "beside" else Path(setting)
 
 
-def _tensor_files(served: Path) -> dict[str, Path]:
-    """Source tensor name -> the served safetensors file holding it (from the index, or the single file)."""
-    index = served / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: served / file for name, file in weight_map.items()}
-    single = served / "model.safetensors"
-    return {name: single for name in _header(single)} if single.is_file() else {}
-
-
-def _header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header
-
-
-def raw_tensor_sha256(path: Path, name: str) -> str:
-    """sha256 of one tensor's stored bytes in a safetensors file (the fingerprint the converter records)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        info = json.loads(f.read(n)).get(name)
-        if info is None:
-            raise VerifyError("the served checkpoint lacks a tensor the overlay was built from", file=path, tensor=name)
-        begin, end = info["data_offsets"]
-        f.seek(8 + n + begin)
-        h = hashlib.sha256()
-        left = end - begin
-        while left:
-            block = f.read(min(left, 16 << 20))
-            if not block:
-                raise VerifyError("safetensors file is truncated", file=path, tensor=name)
-            h.update(block)
-            left -= len(block)
-    return h.hexdigest()
-
-
 def check_source(manifest: dict, served: Path, level: str) -> None:
     """Raise VerifyError unless the served checkpoint is the one the overlay was converted from."""
     source = manifest.get("source") or {}
@@ -123,7 +82,7 @@ def check_source(manifest: dict, served: Path, level: str) -> None:
         )
     if level != "full":
         return
-    files = _tensor_files(served)
+    files = tensor_files(served)
     kv_b = {e["source"]["tensor"].rsplit(".", 1)[0] + "." for e in manifest["mla"]}
     for name, digest in sorted((source.get("tensors") or {}).items()):
         if not any(name.startswith(p) for p in kv_b):
