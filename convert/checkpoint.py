@@ -188,11 +188,19 @@ class Checkpoint:
         """The stored tensors the module weight is decoded from: the weight and its scale, if any."""
         return self.format_of(weight_name).tensors
 
-    def read_float(self, weight_name: str) -> torch.Tensor:
-        """The module weight dequantized exactly to float32 ``[out, in]`` (never through bf16)."""
+    def read_float(self, weight_name: str, *, digests: dict[str, str] | None = None) -> torch.Tensor:
+        """The module weight dequantized exactly to float32 ``[out, in]`` (never through bf16).
+
+        ``digests``: filled with the sha256 of each stored tensor read (the same bytes, no second read).
+        """
         fmt = self.format_of(weight_name)
         scale = self.read_raw(fmt.scale) if fmt.scale else None
-        return formats.dequantize(fmt, self.read_raw(fmt.weight), scale)
+        weight = self.read_raw(fmt.weight)
+        if digests is not None:
+            for name, raw in ((fmt.weight, weight), (fmt.scale, scale)):
+                if raw is not None:
+                    digests[name] = hashlib.sha256(raw.contiguous().view(torch.uint8).numpy()).hexdigest()
+        return formats.dequantize(fmt, weight, scale)
 
     def read_mxfp4(self, weight_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """An MXFP4 weight as stored: (codes u8 ``[out, in/2]``, E8M0 scales u8 ``[out, in/32]``)."""

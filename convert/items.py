@@ -131,10 +131,11 @@ def run_mla_item(ckpt: Checkpoint, item: WorkItem, settings: Settings, overlay: 
     prefix = card.layer_prefix(item.layer)
     kv_b_name = card.kv_b_proj(item.layer)
     fmt = ckpt.weight_format(kv_b_name)
+    source: dict[str, str] = {}  # sha256 of the stored tensors read, for the manifest's source fingerprint
     try:
         vc_source = split_kv_b_mxfp4_vc(*ckpt.read_mxfp4(kv_b_name), geom) if fmt == "mxfp4" else None
         kc, vc = absorb_layer(
-            ckpt.read_float(kv_b_name),
+            ckpt.read_float(kv_b_name, digests=source),
             geom,
             k_stored=settings.k_kc,
             quant_mode=settings.quant_mode,
@@ -152,7 +153,6 @@ def run_mla_item(ckpt: Checkpoint, item: WorkItem, settings: Settings, overlay: 
         if scale:
             tensors[scale] = stored.scale
         entry[proj_name] = mf.projection_entry(stored, weight, scale)
-    source = {name: ckpt.raw_sha256(name) for name in ckpt.source_tensors(kv_b_name)}
     return write_item(overlay, item, tensors, {}, source, mla=entry)
 
 

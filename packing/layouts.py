@@ -86,11 +86,16 @@ def pack_bmm_nk(codes: torch.Tensor, scales: torch.Tensor, *, k_stored: int) -> 
         k_stored >= k_logical and k_stored % BLOCK == 0,
         f"bmm_nk k_stored must be a multiple of 32 and >= K = {k_logical}, got {k_stored}",
     )
-    pad = k_stored - k_logical
-    return (
-        F.pad(codes, (0, pad // 2), value=CODE_PAD).contiguous(),
-        F.pad(scales, (0, pad // BLOCK), value=SCALE_PAD).contiguous(),
-    )
+    if k_stored == k_logical:
+        return codes.contiguous(), scales.contiguous()
+    return _pad_last(codes, k_stored // 2, CODE_PAD), _pad_last(scales, k_stored // BLOCK, SCALE_PAD)
+
+
+def _pad_last(t: torch.Tensor, size: int, value: int) -> torch.Tensor:
+    """``t`` with its last axis extended to ``size`` with ``value`` (a fill + one copy: F.pad is slow on uint8)."""
+    out = torch.full((*t.shape[:-1], size), value, dtype=t.dtype, device=t.device)
+    out[..., : t.shape[-1]] = t
+    return out
 
 
 def unpack_bmm_nk(

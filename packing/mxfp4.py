@@ -57,7 +57,9 @@ def _normalize_axis(axis: int, ndim: int) -> int:
 
 def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
     """Raise :class:`NonFiniteError` with the count and the first index of NaN/Inf elements in ``x``."""
-    bad = ~torch.isfinite(x)
+    if bool(torch.isfinite(x.sum())):  # fast path (one reduction): any NaN/Inf makes the sum NaN/Inf
+        return
+    bad = ~torch.isfinite(x)  # the sum may also have overflowed on finite values: count exactly
     n_bad = int(bad.sum())
     if n_bad:
         first = tuple(int(i) for i in torch.nonzero(bad)[0])
