@@ -4,7 +4,8 @@
 * ``read``: reading the same overlay files' bytes (the floor for any loader);
 * ``derive``: what engines do at start: read each BF16 kv_b_proj, split, quantize w_kc/w_vc (even rule,
   K padded to 256) for the same heads.
-Each in a fresh process (JIT compiled beforehand for ``derive``); wall seconds of the step only.
+Each in a fresh process with the page cache dropped first (root; best effort), JIT compiled beforehand for
+``derive``; wall seconds of the step only.
 
     python benchmarks/bench_runtime_load.py [--workdir /tmp/glm-pack-bench] [--tp-size 1]
 """
@@ -34,7 +35,9 @@ if mode == "derive":  # compile the codec first: engines pay that once too, but 
 start = time.perf_counter()
 if mode == "open":
     model = runtime.open(out, backend="torch", tp_size=tp)
-    n = sum(l.w_kc.weight.numel() + l.w_vc.weight.numel() for l in model.load_all())
+    # touch one byte per 4 KiB page so that memory-mapped tensors are really read
+    n = sum(int(t.reshape(-1)[::4096].sum()) for l in model.load_all() for p in (l.w_kc, l.w_vc)
+            for t in (p.weight, p.scale) if t is not None)
 elif mode == "read":
     n = sum(len(p.read_bytes()) for p in sorted((out / "glm-pack").glob("*.safetensors")))
 else:
@@ -77,6 +80,11 @@ def main() -> None:
     print(f"| step (79 layers, tp_size {args.tp_size}) | seconds |")
     print("|---|---|")
     for mode in ("open", "read", "derive"):
+        subprocess.run(["sync"], check=True)
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        except OSError:
+            pass
         res = subprocess.run(
             [sys.executable, "-c", STEP, mode, str(src), str(out), str(args.tp_size)],
             capture_output=True,

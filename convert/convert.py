@@ -32,7 +32,7 @@ from . import state
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from .items import Settings, plan_items, run_item, run_item_in_worker, worker_init
 from .plan import resolve_k_multiple
-from .writer import OutputError, write_text
+from .writer import OutputError, fsync_dir, write_text
 
 FILE_MODES = ("link", "copy", "none")
 TOOL_VERSION = "0.1.0"
@@ -155,34 +155,43 @@ def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict)
     return []
 
 
-def _copy_durably(src_file: Path, tmp: Path) -> None:
-    shutil.copyfile(src_file, tmp)
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # a copy is as durable as the overlay before the manifest claims completeness
-    finally:
-        os.close(fd)
+def place_original(src_file: Path, dst: Path, mode: str) -> bool:
+    """Hard-link (falling back to copy across filesystems) or copy one original file, via a temp name.
 
-
-def place_original(src_file: Path, dst: Path, mode: str) -> None:
-    """Hard-link (falling back to copy across filesystems) or copy one original file, via a temp name."""
+    Returns True when the bytes were copied: the caller fsyncs copies (all at once, see :func:`fsync_files`)
+    before the manifest claims completeness.
+    """
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.tmp")
     tmp.unlink(missing_ok=True)
+    copied = mode != "link"
     try:
-        if mode == "link":
+        if not copied:
             try:
                 os.link(src_file.resolve(), tmp)  # a symlinked source (HF cache): link the real blob
             except OSError:
-                _copy_durably(src_file, tmp)
-        else:
-            _copy_durably(src_file, tmp)
+                copied = True
+        if copied:
+            shutil.copyfile(src_file, tmp)
         os.replace(tmp, dst)
     except OSError as err:
         tmp.unlink(missing_ok=True)
         if err.errno == errno.ENOSPC:
             raise OutputError(f"no space left on device while placing {dst}", file=dst) from err
         raise OutputError(f"cannot place {dst}: {err.strerror or err}", file=dst) from err
+    return copied
+
+
+def fsync_files(paths: list[Path]) -> None:
+    """fsync copied files and their directories (after all copies: the kernel writes back meanwhile)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    for folder in sorted({p.parent for p in paths}):
+        fsync_dir(folder)
 
 
 def original_files(root: Path) -> list[Path]:
@@ -296,11 +305,13 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
         workers = 1 if hub and options.files != "copy" else options.workers
         _run_items(ckpt, todo, settings, overlay, workers, on_done)
         if options.files != "none":
+            copied = []
             for rel in originals:
-                if hub:  # hard-link the HF cache blob (copy across filesystems)
-                    place_original(ckpt.store.download(rel.as_posix()), out / rel, "link")
-                else:
-                    place_original(ckpt.root / rel, out / rel, options.files)
+                # A Hub source: hard-link the HF cache blob (copied across filesystems).
+                src_file = ckpt.store.download(rel.as_posix()) if hub else ckpt.root / rel
+                if place_original(src_file, out / rel, "link" if hub else options.files):
+                    copied.append(out / rel)
+            fsync_files(copied)
             report.original_files = len(originals)
         if not hub and source_stats(ckpt.root, originals) != stats:
             raise GlmPackError("source files changed during conversion; no manifest written", file=ckpt.root)
