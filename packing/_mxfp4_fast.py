@@ -227,25 +227,42 @@ if numba is not None:
             codes[cbase + j] = byte
         return bad
 
+    @njit(inline="always")
+    def _block_amax_bits(src, base, shift):
+        amax = 0
+        for j in range(32):
+            amax = max(amax, _load(src, base + j, shift) & _ABS_MASK)
+        return amax
+
     def _quantize_kernel_py(src, codes, scales, shift, mode):
-        """Blocks of 32 elements of ``src`` (see :func:`_load`) -> codes (16 bytes per block) and scale bytes;
-        returns the number of NaN/Inf elements met."""
+        """Blocks of 32 elements of ``src`` (see :func:`_load`) -> codes (16 bytes per block) and scale bytes,
+        for the closed-form modes (even, floor, roundup); returns the number of NaN/Inf elements met. (mse has
+        its own kernel: compiling it only when used keeps a cold start short.)"""
         n_bad = 0
-        sq = np.empty(32)
         for b in range(scales.size):
             base, cbase = 32 * b, 16 * b
-            amax = 0
-            for j in range(32):
-                amax = max(amax, _load(src, base + j, shift) & _ABS_MASK)
+            amax = _block_amax_bits(src, base, shift)
             if amax >= _INF_BITS:
                 n_bad += _nonfinite_block(src, base, shift, codes, cbase)
                 scales[b] = 254
-            elif mode == 3:
-                scales[b] = _mse_block(src, base, shift, amax, codes, cbase, sq) + 127
             else:
                 e = _exponent(amax, mode)
                 _encode_block(src, base, shift, e, codes, cbase)
                 scales[b] = e + 127
+        return n_bad
+
+    def _quantize_mse_kernel_py(src, codes, scales, shift, mode):
+        """As :func:`_quantize_kernel_py` for mode mse (``mode`` is unused)."""
+        n_bad = 0
+        sq = np.empty(32)
+        for b in range(scales.size):
+            base, cbase = 32 * b, 16 * b
+            amax = _block_amax_bits(src, base, shift)
+            if amax >= _INF_BITS:
+                n_bad += _nonfinite_block(src, base, shift, codes, cbase)
+                scales[b] = 254
+            else:
+                scales[b] = _mse_block(src, base, shift, amax, codes, cbase, sq) + 127
         return n_bad
 
     def _dequantize_kernel_py(codes, scales, out):
@@ -265,6 +282,7 @@ if numba is not None:
 
     with _numba_cache_dir():
         _quantize_kernel = njit(nogil=True, cache=True)(_quantize_kernel_py)
+        _quantize_mse_kernel = njit(nogil=True, cache=True)(_quantize_mse_kernel_py)
         _dequantize_kernel = njit(nogil=True, cache=True)(_dequantize_kernel_py)
 
 
@@ -321,7 +339,8 @@ def quantize_rows(rows: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Te
     codes = torch.empty(n_rows, length // 2, dtype=torch.uint8)
     scales = torch.empty(n_rows, length // 32, dtype=torch.uint8)
     blocked = ((src.reshape(-1), 32), (codes.view(-1).numpy(), 16), (scales.view(-1).numpy(), 1))
-    n_bad = _run_split(_quantize_kernel, scales.numel(), blocked, (shift, MODE_IDS[mode]))
+    kernel = _quantize_mse_kernel if mode == "mse" else _quantize_kernel
+    n_bad = _run_split(kernel, scales.numel(), blocked, (shift, MODE_IDS[mode]))
     return codes, scales, int(n_bad)
 
 
