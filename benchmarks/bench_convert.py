@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import glm5_79_layers, run_measured  # noqa: E402
+from common import drop_caches, glm5_79_layers, run_measured  # noqa: E402
 
 
 def io_floor(src: Path, out: Path) -> float:
@@ -47,15 +47,6 @@ def io_floor(src: Path, out: Path) -> float:
     return time.perf_counter() - start
 
 
-def _drop_caches() -> None:
-    """Write back and drop the page cache (root only) so each copy starts cold; best effort."""
-    subprocess.run(["sync"], check=True)
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        pass
-
-
 def copy_vs_cp(src: Path, work: Path, rounds: int = 3) -> tuple[float, float, float, int]:
     """Best of ``rounds`` (cold page cache each time): glm-pack's copy step (fsynced), cp, and cp + sync."""
     from glm_pack.convert.convert import fsync_files, original_files, place_original
@@ -68,7 +59,7 @@ def copy_vs_cp(src: Path, work: Path, rounds: int = 3) -> tuple[float, float, fl
             dst = work / "copy-bench"
             shutil.rmtree(dst, ignore_errors=True)
             dst.mkdir()
-            _drop_caches()
+            drop_caches()
             start = time.perf_counter()
             if step == "ours":
                 for f in files:

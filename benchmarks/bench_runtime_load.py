@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import glm5_79_layers  # noqa: E402
+from common import drop_caches, glm5_79_layers  # noqa: E402
 
 STEP = r"""
 import json, sys, time
@@ -80,11 +80,7 @@ def main() -> None:
     print(f"| step (79 layers, tp_size {args.tp_size}) | seconds |")
     print("|---|---|")
     for mode in ("open", "read", "derive"):
-        subprocess.run(["sync"], check=True)
-        try:
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        except OSError:
-            pass
+        drop_caches()
         res = subprocess.run(
             [sys.executable, "-c", STEP, mode, str(src), str(out), str(args.tp_size)],
             capture_output=True,

@@ -19,6 +19,15 @@ def glm5_79_layers(work: Path, fmt: str = "bf16") -> Path:
     return src
 
 
+def drop_caches() -> None:
+    """Write back and drop the page cache (root only; best effort) so a step starts cold."""
+    subprocess.run(["sync"], check=True)
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        pass
+
+
 def _tree_rss(pid: int) -> int:
     """Resident bytes of a process and all its descendants (from /proc)."""
     total, todo = 0, [pid]
