@@ -36,6 +36,8 @@ def _summary(report: ConvertReport) -> None:
         f"{bf16} tensors kept in BF16; "
         f"rel error w_kc max {max(kc, default=0):.4f}, w_vc max {max(vc, default=0):.4f}; {report.seconds:.1f} s"
     )
+    if report.resumed_items:
+        console.print(f"resumed: {report.resumed_items} finished overlay files re-checked by hash and kept")
     if report.hub_bytes is not None:
         console.print(f"read {report.hub_bytes:,} bytes ({report.hub_bytes / 2**20:.1f} MiB) from the Hub")
 

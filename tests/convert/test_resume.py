@@ -123,7 +123,8 @@ def test_resume_redoes_a_corrupted_finished_file(clean_run, tmp_path):
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
-    convert(src, out, ConvertOptions(files="copy", resume=True))
+    report = convert(src, out, ConvertOptions(files="copy", resume=True))
+    assert report.resumed_items == sum(name.startswith("layer-") for name in overlay(clean)) - 1  # all but the bad one
     assert overlay(out)["layer-001.safetensors"] == overlay(clean)["layer-001.safetensors"]
     assert verify(out).ok
 
