@@ -10,9 +10,10 @@ working set exceeds L2 (cold weights, as in a real model). The roofline column i
 when that is larger.
 
     python benchmarks/bench_triton_bmm.py --check [--out DIR] [--ops kup192,kup256,vup] [--heads 16,64]
-        [--tokens 1,16,64,256,1024,8192] [--sweep]
+        [--tokens 1,16,64,256,1024,8192] [--sweep] [--jobs N]
 
-``--sweep`` also times the candidate configs of each M bucket and reports the best.
+``--sweep`` also times the candidate configs of each M bucket (checking each) and reports them; ``--jobs N``
+compiles every kernel first in N processes, which saves minutes on a machine with an empty Triton cache.
 Results go to stdout (a markdown table) and, with ``--out``, to ``DIR/bench_triton_bmm.{md,json}``.
 """
 
@@ -22,6 +23,7 @@ import argparse
 import datetime
 import json
 import math
+import multiprocessing
 import platform
 import statistics
 import subprocess
@@ -40,23 +42,31 @@ OPS = {"kup192": (512, 192, 256), "kup256": (512, 256, 256), "vup": (256, 512, 5
 
 
 def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
-    """Configs worth timing for an M bucket (the default first)."""
-    bk = tb._block_k(K, 64)
-    C = tb.BmmConfig
+    """Configs worth timing for an M bucket (the default first): tiled shapes (smaller M tiles, longer K
+    steps, fewer warps for decode; wider N tiles so x is rounded fewer times) and predecode shapes."""
+    C, bk = tb.BmmConfig, tb._block_k
+
+    def pre(bm, bn, warps, stages, cap=64):
+        return C(bm, bn, bk(K, cap), warps, stages, 0, True)
+
     if M <= 16:
-        extra = [C(16, 32, bk, 4, 2, 1), C(16, 64, tb._block_k(K, 128), 4, 2, 0), C(16, 16, bk, 4, 2, 1),
-                 C(16, 32, bk, 8, 2, 1), C(16, 32, bk, 4, 2, 0)]  # fmt: skip
+        extra = [C(16, 16, bk(K, 256), 4, 2, 0), C(16, 32, bk(K, 256), 8, 2, 0), C(16, 64, bk(K, 256), 8, 2, 0),
+                 C(16, 32, bk(K, 512), 4, 1, 0), C(16, 64, bk(K, 128), 4, 3, 0), C(16, 16, bk(K, 128), 4, 3, 0),
+                 C(16, 32, bk(K, 128), 2, 3, 0), C(16, 32, bk(K, 64), 4, 2, 1)]  # fmt: skip
     elif M <= 64:
-        extra = [C(64, 64, bk, 4, 2, 1), C(64, 32, bk, 4, 2, 1), C(64, 64, bk, 4, 2, 0), C(64, 32, bk, 4, 3, 0)]
+        extra = [C(64, 256, bk(K, 64), 8, 3, 0), C(32, 64, bk(K, 128), 4, 3, 0), C(16, 64, bk(K, 128), 4, 3, 0),
+                 C(32, 128, bk(K, 64), 4, 3, 0), pre(64, 64, 4, 3), pre(64, 128, 4, 3), pre(32, 128, 4, 3),
+                 pre(64, 256, 8, 3)]  # fmt: skip
     elif M <= 256:
-        extra = [C(64, 128, bk, 4, 1, 4), C(64, 128, bk, 4, 1, 2), C(64, 64, bk, 4, 2, 2), C(64, 128, bk, 4, 3, 0),
-                 C(128, 128, bk, 8, 3, 0), C(64, 64, bk, 4, 3, 0)]  # fmt: skip
+        extra = [C(64, 256, bk(K, 64), 8, 3, 0), C(32, 128, bk(K, 64), 4, 3, 0), C(32, 256, bk(K, 64), 8, 3, 0),
+                 pre(64, 128, 4, 3), pre(128, 128, 8, 3), pre(64, 256, 8, 3), pre(128, 256, 8, 3),
+                 pre(32, 128, 4, 3)]  # fmt: skip
     else:
-        extra = [C(64, 128, bk, 4, 1, 8), C(64, 128, bk, 4, 1, 16), C(64, 64, bk, 4, 2, 8), C(128, 128, bk, 8, 3, 0),
-                 C(128, 256, bk, 8, 2, 0), C(64, 256, bk, 8, 3, 0)]  # fmt: skip
-        extra += [C(64, 256, bk, 8, 2, 8), C(128, 256, bk, 8, 1, 8)] if K <= 256 else []
-    default = tb.default_config(B, M, N, K)
-    return [default] + [c for c in extra if c != default]
+        extra = [C(64, 128, bk(K, 64), 4, 1, 8), C(128, 128, bk(K, 64), 8, 3, 0), pre(128, 128, 8, 3),
+                 pre(128, 256, 8, 3), pre(128, 256, 8, 4), pre(64, 256, 8, 3), pre(256, 128, 8, 3),
+                 pre(128, 128, 4, 4), pre(128, 256, 8, 2, cap=128)]  # fmt: skip
+        extra += [pre(64, 512, 8, 2)] if N >= 512 else []  # x rounded once per M tile
+    return list(dict.fromkeys([tb.default_config(B, M, N, K), *extra]))
 
 
 def environment() -> dict:
@@ -253,11 +263,32 @@ def sweep_table(rows: list[dict]) -> str:
         for e in r.get("sweep", []):
             c = e["config"]
             cfg = f"{c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} t{c['tiles_m']}"
+            cfg += " predecode" if c.get("predecode") else ""
             res = e.get("error") or f"{e['us']:.2f} us" + (
                 "" if "check" not in e else f" {'ok' if e['check']['ok'] else 'FAIL'}"
             )
             lines.append(f"{r['op']} H{r['H']} T{r['T']} default {r['us']['mxfp4']:.2f} | {cfg}: {res}")
     return "\n".join(lines)
+
+
+def _compile_case(case: tuple[str, int, int, bool]) -> None:
+    """Worker of ``--jobs``: run every config a case will time once, filling Triton's on-disk kernel cache."""
+    op, H, T, sweep = case
+    N, K, _ = OPS[op]
+    s = make_set(op, H, T, torch.Generator(device="cuda").manual_seed(0))
+    for cfg in candidates(H, T, N, K) if sweep else [tb.default_config(H, T, N, K)]:
+        for aq in tb.ACT_QUANT_MODES:
+            try:
+                tb.bmm_a16wfp4(s["x"], s["codes"], s["scales"], act_quant=aq, out=s["out"], config=cfg)
+            except Exception:  # noqa: BLE001, S110 - the timed run reports configs that fail
+                pass
+    torch.cuda.synchronize()
+
+
+def precompile(cases: list[tuple[str, int, int, bool]], jobs: int) -> None:
+    """Compile the kernels of all cases in ``jobs`` spawned processes (compiling is CPU-bound and serial)."""
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        pool.map(_compile_case, cases, chunksize=1)
 
 
 def main(argv=None) -> int:
@@ -268,6 +299,7 @@ def main(argv=None) -> int:
     p.add_argument("--heads", default="16,64")
     p.add_argument("--tokens", default="1,16,64,256,1024,8192")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--jobs", type=int, default=0, help="compile all kernels first in this many processes")
     args = p.parse_args(argv)
     ok, why = tb.available()
     if not ok or not torch.cuda.is_available():
@@ -280,15 +312,17 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(20261118)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
+    cases = [(op, H, T) for op in args.ops.split(",") for H in map(int, args.heads.split(","))
+             for T in map(int, args.tokens.split(","))]  # fmt: skip
+    if args.jobs:
+        precompile([(*c, args.sweep) for c in cases], args.jobs)
     rows = []
-    for op in args.ops.split(","):
-        for H in map(int, args.heads.split(",")):
-            for T in map(int, args.tokens.split(",")):
-                rows.append(bench_case(op, H, T, env, ceilings, args, gen))
-                r = rows[-1]
-                print(f"{op} H={H} T={T}: mxfp4 {r['us']['mxfp4']:.2f} us, none {r['us']['none']:.2f} us, "
-                      f"torch {r['torch_us']:.2f} us, roofline {r['roofline_us']:.2f} us "
-                      f"{json.dumps(r.get('check', {}))}", flush=True)  # fmt: skip
+    for op, H, T in cases:
+        rows.append(bench_case(op, H, T, env, ceilings, args, gen))
+        r = rows[-1]
+        print(f"{op} H={H} T={T}: mxfp4 {r['us']['mxfp4']:.2f} us, none {r['us']['none']:.2f} us, "
+              f"torch {r['torch_us']:.2f} us, roofline {r['roofline_us']:.2f} us "
+              f"{json.dumps(r.get('check', {}))}", flush=True)  # fmt: skip
     md = table(rows)
     if args.sweep:
         print(sweep_table(rows))

@@ -16,6 +16,9 @@ Two kernels, picked per call by :func:`default_config` (``BmmConfig.tiles_m``):
   go through ``tl.dot_scaled`` (bf16 x e2m1 with E8M0 scales; Triton upcasts them to bf16 on Hopper).
   Triton 3.6's interpreter has no ``dot_scaled``, so under ``TRITON_INTERPRET=1`` the same kernel decodes
   the weights itself (``DOT_SCALED=False``); the GPU benchmark checks both kernels against the reference.
+* predecode (``BmmConfig.predecode``, large M): one small kernel decodes all weights into a transient bf16
+  ``[B, N, K]`` buffer, then the tiled kernel reads it as a plain bf16 operand, so the weights are decoded
+  once per call instead of once per M tile.
 
 Importing this module never fails without Triton: :func:`available` says why the kernel cannot run.
 Triton picks interpreter or compiler when a kernel is defined, i.e. when this module is imported.
@@ -28,24 +31,16 @@ reference for blocks with amax < 2**-125 or >= 1.75 * 2**127."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from glm_pack.packing.errors import BackendError
+from glm_pack.runtime.kernels._triton import IMPORT_ERROR as _TRITON_ERROR
+from glm_pack.runtime.kernels._triton import availability, interpreted, tl, triton
 
 ACT_QUANT_MODES = ("mxfp4", "none")
-
-try:
-    import triton
-    import triton.language as tl
-
-    _TRITON_ERROR = ""
-except Exception as exc:  # any import failure means "unavailable"
-    _TRITON_ERROR = f"triton cannot be imported: {exc}"
-
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRETED = interpreted()  # read at import: Triton picks interpreter or compiler when a kernel is defined
 
 if not _TRITON_ERROR:
 
@@ -145,6 +140,7 @@ if not _TRITON_ERROR:
         stride_yn,
         K: tl.constexpr,
         ACT_MXFP4: tl.constexpr,
+        W_BF16: tl.constexpr,
         DOT_SCALED: tl.constexpr,
         INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -152,7 +148,8 @@ if not _TRITON_ERROR:
         BLOCK_K: tl.constexpr,
     ):
         """Grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), B)``: N tiles fastest, so programs running together
-        share x tiles and (at large M) weights in L2."""
+        share x tiles and (at large M) weights in L2. ``W_BF16``: ``w_ptr`` holds decoded bf16 weights
+        ``[B, N, K]`` (``s_ptr`` unused) instead of E2M1 codes."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         b = tl.program_id(2).to(tl.int64)
@@ -161,24 +158,61 @@ if not _TRITON_ERROR:
         m_in = offs_m[:, None] < M
         n_in = offs_n[:, None] < N
         x_ptrs = x_ptr + b * stride_xb + offs_m[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :] * stride_xk
-        w_ptrs = w_ptr + b * stride_wb + offs_n[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :] * stride_wk
+        w_base = w_ptr + b * stride_wb + offs_n[:, None] * stride_wn
         s_ptrs = s_ptr + b * stride_sb + offs_n[:, None] * stride_sn + tl.arange(0, BLOCK_K // 32)[None, :] * stride_sk
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, K // BLOCK_K):
+        for kk in range(0, K // BLOCK_K):
             x = tl.load(x_ptrs, mask=m_in, other=0.0)
-            codes = tl.load(w_ptrs, mask=n_in, other=0)
-            scales = tl.load(s_ptrs, mask=n_in, other=127)
+            if W_BF16:
+                w = tl.load(w_base + (kk * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]) * stride_wk, mask=n_in, other=0.0)
+            else:
+                codes = tl.load(w_base + (kk * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :]) * stride_wk,
+                                mask=n_in, other=0)  # fmt: skip
+                scales = tl.load(s_ptrs, mask=n_in, other=127)
+                s_ptrs += (BLOCK_K // 32) * stride_sk
             if ACT_MXFP4:
                 x = _mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K, INTERPRET)
-            if DOT_SCALED:  # fast_math: no NaN select for scale byte 255 (NaN scales give inf/NaN instead)
+            if W_BF16:
+                acc = _dot(x, tl.trans(w), acc, INTERPRET)
+            elif DOT_SCALED:  # fast_math: no NaN select for scale byte 255 (NaN scales give inf/NaN instead)
                 acc = tl.dot_scaled(x, None, "bf16", tl.trans(codes), scales, "e2m1", acc, fast_math=True)
             else:  # the interpreter's branch (3.6 has no dot_scaled there): decode the weights here
                 acc = _dot(x, tl.trans(_e2m1_dequant(codes, scales, BLOCK_N, BLOCK_K)), acc, INTERPRET)
             x_ptrs += BLOCK_K * stride_xk
-            w_ptrs += (BLOCK_K // 2) * stride_wk
-            s_ptrs += (BLOCK_K // 32) * stride_sk
         y_ptrs = y_ptr + b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
         tl.store(y_ptrs, _to_bf16(acc, INTERPRET), mask=m_in & (offs_n[None, :] < N))
+
+    @triton.jit
+    def _decode_kernel(
+        w_ptr,
+        s_ptr,
+        o_ptr,
+        N,
+        stride_wb,
+        stride_wn,
+        stride_wk,
+        stride_sb,
+        stride_sn,
+        stride_sk,
+        stride_ob,
+        stride_on,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """Grid ``(cdiv(N, BLOCK_N), K / BLOCK_K, B)``: codes + scales -> bf16 weights ``o [B, N, K]`` (k unit
+        stride); every value is exact in bf16."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_in = offs_n[:, None] < N
+        cols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :]
+        codes = tl.load(w_ptr + b * stride_wb + offs_n[:, None] * stride_wn + cols * stride_wk, mask=n_in, other=0)
+        blocks = pid_k * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)[None, :]
+        scales = tl.load(s_ptr + b * stride_sb + offs_n[:, None] * stride_sn + blocks * stride_sk, mask=n_in, other=127)
+        w = _e2m1_dequant(codes, scales, BLOCK_N, BLOCK_K).to(tl.bfloat16)
+        o_ptrs = o_ptr + b * stride_ob + offs_n[:, None] * stride_on + pid_k * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+        tl.store(o_ptrs, w, mask=n_in)
 
     @triton.jit(do_not_specialize=["M"])
     def _bmm_stationary_kernel(
@@ -241,11 +275,7 @@ if not _TRITON_ERROR:
 
 def available() -> tuple[bool, str]:
     """(usable, reason): Triton importable, and a GPU present or the interpreter selected."""
-    if _TRITON_ERROR:
-        return False, _TRITON_ERROR
-    if not _INTERPRETED and not torch.cuda.is_available():
-        return False, "no GPU visible to torch (set TRITON_INTERPRET=1 before import to run on CPU)"
-    return True, "ok"
+    return availability(_INTERPRETED)
 
 
 @dataclass(frozen=True)
@@ -253,7 +283,9 @@ class BmmConfig:
     """Tile shape and launch options; ``block_k`` divides K, the others are powers of two >= 16.
 
     ``tiles_m`` > 0 selects the weights-stationary kernel (a program sweeps that many M tiles);
-    0 selects the tiled ``dot_scaled`` kernel (a program owns one ``[block_m, block_n]`` tile)."""
+    0 selects the tiled ``dot_scaled`` kernel (a program owns one ``[block_m, block_n]`` tile).
+    ``predecode`` (tiled only): decode all weights once into a transient bf16 ``[B, N, K]`` buffer (2 bytes
+    per weight, freed after the call) and run the tiled kernel on it, instead of decoding per M tile."""
 
     block_m: int
     block_n: int
@@ -261,6 +293,7 @@ class BmmConfig:
     num_warps: int
     num_stages: int
     tiles_m: int = 1
+    predecode: bool = False
 
 
 def _block_k(K: int, cap: int) -> int:
@@ -402,7 +435,16 @@ def bmm_a16wfp4(
         raise BackendError(f"triton bmm_a16wfp4: block_k={cfg.block_k} must be a power of two >= 32 dividing K={K}")
     if any(v < 16 or v & (v - 1) for v in (cfg.block_m, cfg.block_n)) or cfg.tiles_m < 0:
         raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (block_m/block_n: powers of two >= 16)")
-    args = (x, w_codes, w_scales, out, M, N, *x.stride(), *w_codes.stride(), *w_scales.stride(), *out.stride())
+    if cfg.predecode and cfg.tiles_m:
+        raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (predecode needs the tiled kernel, tiles_m=0)")
+    w = w_codes
+    if cfg.predecode:
+        w = torch.empty(B, N, K, dtype=torch.bfloat16, device=x.device)
+        bk = _block_k(K, 128)
+        _decode_kernel[(triton.cdiv(N, 32), K // bk, B)](
+            w_codes, w_scales, w, N, *w_codes.stride(), *w_scales.stride(), *w.stride()[:2], BLOCK_N=32, BLOCK_K=bk
+        )
+    args = (x, w, w_scales, out, M, N, *x.stride(), *w.stride(), *w_scales.stride(), *out.stride())
     consts = dict(
         K=K,
         ACT_MXFP4=act_quant == "mxfp4",
@@ -418,5 +460,5 @@ def bmm_a16wfp4(
         _bmm_stationary_kernel[grid](*args, TILES_M=cfg.tiles_m, **consts)
     else:
         grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m), B)
-        _bmm_tiled_kernel[grid](*args, DOT_SCALED=not _INTERPRETED, **consts)
+        _bmm_tiled_kernel[grid](*args, W_BF16=cfg.predecode, DOT_SCALED=not _INTERPRETED, **consts)
     return out

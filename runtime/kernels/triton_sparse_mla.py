@@ -18,26 +18,17 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 from glm_pack.packing.errors import BackendError
+from glm_pack.runtime.kernels._triton import IMPORT_ERROR as _TRITON_ERROR
+from glm_pack.runtime.kernels._triton import availability, interpreted, tl, triton
 
 _LOG2E = 1.4426950408889634
 _INTERPRETER_SMS = 4  # stand-in multiprocessor count when running on CPU under the interpreter
-
-try:
-    import triton
-    import triton.language as tl
-
-    _TRITON_ERROR = ""
-except Exception as exc:  # any import failure means "unavailable"
-    _TRITON_ERROR = f"triton cannot be imported: {exc}"
-
-# Triton picks interpreter or compiler when a kernel is defined, i.e. when this module is imported.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRETED = interpreted()  # read at import: Triton picks interpreter or compiler when a kernel is defined
 
 if not _TRITON_ERROR:
 
@@ -199,12 +190,8 @@ class SparseMlaConfig:
 
 
 def available() -> tuple[bool, str]:
-    """``(True, "")`` when the kernel can run here, else ``(False, why)``."""
-    if _TRITON_ERROR:
-        return False, _TRITON_ERROR
-    if not _INTERPRETED and not torch.cuda.is_available():
-        return False, "no CUDA/ROCm device visible to torch (or import with TRITON_INTERPRET=1 to run on CPU)"
-    return True, ""
+    """``(True, "ok")`` when the kernel can run here, else ``(False, why)``."""
+    return availability(_INTERPRETED)
 
 
 @functools.cache

@@ -76,8 +76,8 @@ def test_matches_reference_on_strided_views(B, M, N, K, row, act_quant):
 
 @pytest.mark.parametrize(
     "config",
-    [tb.BmmConfig(16, 32, 32, 4, 1, 3), tb.BmmConfig(32, 64, 64, 4, 1, 0)],
-    ids=["weights-stationary", "tiled"],
+    [tb.BmmConfig(16, 32, 32, 4, 1, 3), tb.BmmConfig(32, 64, 64, 4, 1, 0), tb.BmmConfig(32, 64, 64, 4, 1, 0, True)],
+    ids=["weights-stationary", "tiled", "predecode"],
 )
 def test_every_kernel_shape_matches_reference(config):
     B, M, N, K = 2, 37, 80, 192
@@ -174,6 +174,7 @@ def test_accumulation_tolerance_units():
         (lambda a: a.update(out=torch.empty(1, 1, 32, dtype=torch.bfloat16, device=DEV).expand(2, 3, 32)), "zero"),
         (lambda a: a.update(config=tb.BmmConfig(16, 32, 48, 4, 1, 1)), "block_k=48"),
         (lambda a: a.update(config=tb.BmmConfig(8, 32, 64, 4, 1, 1)), "bad config"),
+        (lambda a: a.update(config=tb.BmmConfig(16, 32, 64, 4, 1, 2, True)), "predecode needs the tiled kernel"),
     ],
 )
 def test_rejects_calls_outside_the_contract(mutate, match):
@@ -193,7 +194,8 @@ def test_glm_shapes_on_gpu_all_kernels(op, T):
     H = 16
     codes, scales = weights(H, N, K, seed=T)
     x = activations(T, H, K, seed=T + 1, row=row)
-    for config in (None, tb.BmmConfig(64, 64, 64, 4, 2, 0), tb.BmmConfig(16, 32, 64, 4, 2, 2)):
+    C = tb.BmmConfig
+    for config in (None, C(64, 64, 64, 4, 2, 0), C(16, 32, 64, 4, 2, 2), C(64, 128, 64, 8, 3, 0, predecode=True)):
         for act_quant in ("mxfp4", "none"):
             _, out = poisoned_out(T, H, N)
             tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=config)

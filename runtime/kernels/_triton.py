@@ -1,0 +1,36 @@
+"""Triton, imported once for the kernel modules, and whether their kernels can run here.
+
+``triton`` / ``tl`` are None when Triton cannot be imported (then ``IMPORT_ERROR`` says why); importing this
+module never fails. Triton picks interpreter or compiler when a kernel is *defined*, so each kernel module
+reads :func:`interpreted` at its own import.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    IMPORT_ERROR = ""
+except Exception as exc:  # any import failure means "unavailable"
+    triton = tl = None
+    IMPORT_ERROR = f"triton cannot be imported: {exc}"
+
+
+def interpreted() -> bool:
+    """True when ``TRITON_INTERPRET=1``: kernels defined now run on CPU tensors in Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def availability(kernels_interpreted: bool) -> tuple[bool, str]:
+    """(usable, reason) for kernels defined with ``kernels_interpreted``: Triton importable, and a GPU visible
+    to torch (CUDA or ROCm) unless they run in the interpreter."""
+    if IMPORT_ERROR:
+        return False, IMPORT_ERROR
+    if not kernels_interpreted and not torch.cuda.is_available():
+        return False, "no GPU visible to torch (set TRITON_INTERPRET=1 before import to run on CPU)"
+    return True, "ok"
