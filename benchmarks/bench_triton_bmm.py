@@ -3,9 +3,10 @@
 For every case (op x heads x tokens) it checks the kernel against ``glm_pack.runtime.reference.bmm_a16wfp4``
 on fresh random inputs (output poisoned with NaN first; every element must be written and lie within
 :func:`glm_pack.runtime.kernels.triton_bmm.accumulation_tolerance`; the fraction of bit-identical elements
-is printed), then times it next to torch bf16 ``bmm`` on the dequantized weights. Decode sizes (T <= 256)
-are timed as CUDA-graph replays, larger ones as plain launches; both rotate over enough input sets that the
-working set exceeds L2 (cold weights, as in a real model). The roofline column is the kernel's bytes
+is printed), then times it next to torch bf16 ``bmm`` on the dequantized weights. Device time is measured as
+CUDA-graph replays (as engines run decode; for prefill sizes this leaves out the host's launch cost, which
+is reported apart as host microseconds per eager call), rotating over enough input sets that the working set
+exceeds L2 (cold weights, as in a real model). The roofline column is the kernel's bytes
 (x, w codes, scales, y) over the measured copy bandwidth, or its FLOPs over the measured bf16 matmul rate
 when that is larger.
 
@@ -28,6 +29,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -42,30 +44,28 @@ OPS = {"kup192": (512, 192, 256), "kup256": (512, 256, 256), "vup": (256, 512, 5
 
 
 def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
-    """Configs worth timing for an M bucket (the default first): tiled shapes (smaller M tiles, longer K
-    steps, fewer warps for decode; wider N tiles so x is rounded fewer times) and predecode shapes."""
+    """Configs worth timing for an M bucket (the default first): tiled shapes for decode (small M tiles, long
+    K steps, few warps), predecoded weights through the tiled or the persistent TMA kernel for larger M."""
     C, bk = tb.BmmConfig, tb._block_k
 
-    def pre(bm, bn, warps, stages, cap=64):
-        return C(bm, bn, bk(K, cap), warps, stages, 0, True)
+    def pre(bm, bn, warps, stages, tma=False):
+        return C(bm, bn, bk(K, 64), warps, stages, 0, True, tma)
 
     if M <= 16:
-        extra = [C(16, 16, bk(K, 256), 4, 2, 0), C(16, 32, bk(K, 256), 8, 2, 0), C(16, 64, bk(K, 256), 8, 2, 0),
-                 C(16, 32, bk(K, 512), 4, 1, 0), C(16, 64, bk(K, 128), 4, 3, 0), C(16, 16, bk(K, 128), 4, 3, 0),
-                 C(16, 32, bk(K, 128), 2, 3, 0), C(16, 32, bk(K, 64), 4, 2, 1)]  # fmt: skip
+        extra = [C(16, 32, bk(K, 64), 2, 3, 0), C(16, 64, bk(K, 64), 4, 3, 0), C(16, 32, bk(K, 512), 4, 1, 0),
+                 C(16, 64, bk(K, 128), 4, 3, 0), C(16, 32, bk(K, 256), 4, 1, 0), C(16, 16, bk(K, 512), 4, 1, 0),
+                 C(16, 32, bk(K, 512), 2, 1, 0), C(16, 64, bk(K, 512), 4, 1, 0)]  # fmt: skip
     elif M <= 64:
         extra = [C(64, 256, bk(K, 64), 8, 3, 0), C(32, 64, bk(K, 128), 4, 3, 0), C(16, 64, bk(K, 128), 4, 3, 0),
-                 C(32, 128, bk(K, 64), 4, 3, 0), pre(64, 64, 4, 3), pre(64, 128, 4, 3), pre(32, 128, 4, 3),
-                 pre(64, 256, 8, 3)]  # fmt: skip
+                 pre(64, 128, 4, 3, True), pre(64, 256, 8, 3, True), pre(64, 64, 4, 3, True)]  # fmt: skip
     elif M <= 256:
-        extra = [C(64, 256, bk(K, 64), 8, 3, 0), C(32, 128, bk(K, 64), 4, 3, 0), C(32, 256, bk(K, 64), 8, 3, 0),
-                 pre(64, 128, 4, 3), pre(128, 128, 8, 3), pre(64, 256, 8, 3), pre(128, 256, 8, 3),
-                 pre(32, 128, 4, 3)]  # fmt: skip
+        extra = [C(64, 256, bk(K, 64), 8, 3, 0), pre(128, 256, 8, 3), pre(128, 256, 8, 3, True),
+                 pre(64, 256, 8, 3, True), pre(128, 128, 8, 4, True), pre(64, 128, 4, 4, True),
+                 pre(64, 256, 4, 4, True)]  # fmt: skip
     else:
-        extra = [C(64, 128, bk(K, 64), 4, 1, 8), C(128, 128, bk(K, 64), 8, 3, 0), pre(128, 128, 8, 3),
-                 pre(128, 256, 8, 3), pre(128, 256, 8, 4), pre(64, 256, 8, 3), pre(256, 128, 8, 3),
-                 pre(128, 128, 4, 4), pre(128, 256, 8, 2, cap=128)]  # fmt: skip
-        extra += [pre(64, 512, 8, 2)] if N >= 512 else []  # x rounded once per M tile
+        extra = [C(64, 128, bk(K, 64), 4, 1, 8), pre(128, 256, 8, 3), pre(128, 256, 8, 3, True),
+                 pre(64, 256, 4, 4, True), pre(128, 128, 8, 4, True), pre(256, 128, 8, 3, True),
+                 pre(128, 256, 8, 2, True), pre(64, 256, 8, 4, True)]  # fmt: skip
     return list(dict.fromkeys([tb.default_config(B, M, N, K), *extra]))
 
 
@@ -158,46 +158,53 @@ def check(s: dict, act_quant: str, cfg: tb.BmmConfig | None, ref_tol) -> dict:
     }
 
 
-def time_ours(sets: list[dict], act_quant: str, cfg, graph: bool) -> float:
+def time_ours(sets: list[dict], act_quant: str, cfg) -> float:
     def run():
         for s in sets:
             tb.bmm_a16wfp4(s["x"], s["codes"], s["scales"], act_quant=act_quant, out=s["out"], config=cfg)
 
-    return _time(run, len(sets), graph)
+    return _time(run, len(sets))
 
 
-def time_torch(sets: list[dict], graph: bool) -> float:
+def time_torch(sets: list[dict]) -> float:
     def run():
         for s in sets:
             torch.bmm(s["xc"], s["wt"], out=s["yc"])
 
-    return _time(run, len(sets), graph)
+    return _time(run, len(sets))
 
 
-def _time(run, n_calls: int, graph: bool) -> float:
-    """Median microseconds per call: CUDA-graph replay of ``run`` or plain launches."""
+def host_us(call, n: int = 50) -> float:
+    """Host (CPU) microseconds per eager call: the launch cost a caller pays outside CUDA graphs."""
+    call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        call()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed * 1e6 / n
+
+
+def _time(run, n_calls: int) -> float:
+    """Median microseconds per call over 30 CUDA-graph replays of ``run`` (``n_calls`` calls)."""
     run()
     torch.cuda.synchronize()
-    if graph:
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            run()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=stream):
-            run()
-        g.replay()
-        torch.cuda.synchronize()
-        ms = _events_ms(g.replay, 30)
-    else:
-        ms = _events_ms(run, 15)
-    return ms * 1e3 / n_calls
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        run()
+    g.replay()
+    torch.cuda.synchronize()
+    return _events_ms(g.replay, 30) * 1e3 / n_calls
 
 
 def bench_case(op, H, T, env, ceilings, args, gen) -> dict:
     N, K, _ = OPS[op]
     l2 = env["l2_bytes"]
-    graph = T <= 256
     n_sets = max(1, min(128, math.ceil(3 * l2 / set_bytes(op, H, T))))
     sets = [make_set(op, H, T, gen) for _ in range(n_sets)]
     default = tb.default_config(H, T, N, K)
@@ -205,7 +212,9 @@ def bench_case(op, H, T, env, ceilings, args, gen) -> dict:
     refs = {aq: reference(sets[0], aq) for aq in tb.ACT_QUANT_MODES} if args.check else {}
     if args.check:
         row["check"] = {aq: check(sets[0], aq, None, refs[aq]) for aq in tb.ACT_QUANT_MODES}
-    row["us"] = {aq: time_ours(sets, aq, None, graph) for aq in tb.ACT_QUANT_MODES}
+    row["us"] = {aq: time_ours(sets, aq, None) for aq in tb.ACT_QUANT_MODES}
+    s0 = sets[0]
+    row["host_us"] = host_us(lambda: tb.bmm_a16wfp4(s0["x"], s0["codes"], s0["scales"], out=s0["out"]))
     if args.sweep:
         sweep = []
         for cfg in candidates(H, T, N, K)[1:]:
@@ -213,7 +222,7 @@ def bench_case(op, H, T, env, ceilings, args, gen) -> dict:
             try:
                 if args.check:
                     entry["check"] = check(sets[0], "mxfp4", cfg, refs["mxfp4"])
-                entry["us"] = time_ours(sets, "mxfp4", cfg, graph)
+                entry["us"] = time_ours(sets, "mxfp4", cfg)
             except Exception as err:  # noqa: BLE001 - a config that fails to compile or launch is reported
                 entry["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
             sweep.append(entry)
@@ -228,7 +237,9 @@ def bench_case(op, H, T, env, ceilings, args, gen) -> dict:
             "wt": dequantize(s["codes"], s["scales"], dtype=torch.bfloat16).transpose(1, 2),
             "yc": torch.empty(H, T, N, device="cuda", dtype=torch.bfloat16),
         })  # fmt: skip
-    row["torch_us"] = time_torch(tsets, graph)
+    row["torch_us"] = time_torch(tsets)
+    t0 = tsets[0]
+    row["torch_host_us"] = host_us(lambda: torch.bmm(t0["xc"], t0["wt"], out=t0["yc"]))
     flops = 2 * H * T * N * K
     row["roofline_us"] = 1e6 * max(set_bytes(op, H, T) / ceilings["copy_bytes_per_s"],
                                    flops / ceilings["bf16_flops_per_s"])  # fmt: skip
@@ -242,7 +253,7 @@ def bench_case(op, H, T, env, ceilings, args, gen) -> dict:
 
 def table(rows: list[dict]) -> str:
     head = ("| op | N | K | H | T | triton mxfp4 us | triton none us | torch bf16 bmm us | mxfp4 / torch | "
-            "roofline us | check (max err/tol, bit-identical) |")  # fmt: skip
+            "roofline us | host us/call ours, torch | check (max err/tol, bit-identical) |")  # fmt: skip
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         chk = r.get("check")
@@ -252,7 +263,8 @@ def table(rows: list[dict]) -> str:
         )  # fmt: skip
         lines.append(
             f"| {r['op']} | {r['N']} | {r['K']} | {r['H']} | {r['T']} | {r['us']['mxfp4']:.2f} | {r['us']['none']:.2f} "
-            f"| {r['torch_us']:.2f} | {r['us']['mxfp4'] / r['torch_us']:.2f} | {r['roofline_us']:.2f} | {chk_s} |"
+            f"| {r['torch_us']:.2f} | {r['us']['mxfp4'] / r['torch_us']:.2f} | {r['roofline_us']:.2f} "
+            f"| {r['host_us']:.1f}, {r['torch_host_us']:.1f} | {chk_s} |"
         )
     return "\n".join(lines)
 
@@ -264,6 +276,7 @@ def sweep_table(rows: list[dict]) -> str:
             c = e["config"]
             cfg = f"{c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} t{c['tiles_m']}"
             cfg += " predecode" if c.get("predecode") else ""
+            cfg += " tma" if c.get("tma") else ""
             res = e.get("error") or f"{e['us']:.2f} us" + (
                 "" if "check" not in e else f" {'ok' if e['check']['ok'] else 'FAIL'}"
             )

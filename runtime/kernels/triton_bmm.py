@@ -31,6 +31,7 @@ reference for blocks with amax < 2**-125 or >= 1.75 * 2**127."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,11 @@ import torch
 from glm_pack.packing.errors import BackendError
 from glm_pack.runtime.kernels._triton import IMPORT_ERROR as _TRITON_ERROR
 from glm_pack.runtime.kernels._triton import availability, interpreted, tl, triton
+
+try:  # Triton's host-side TMA descriptors (absent in old releases: then the tiled kernel serves)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except Exception:  # noqa: BLE001
+    TensorDescriptor = None
 
 ACT_QUANT_MODES = ("mxfp4", "none")
 _INTERPRETED = interpreted()  # read at import: Triton picks interpreter or compiler when a kernel is defined
@@ -183,6 +189,52 @@ if not _TRITON_ERROR:
         tl.store(y_ptrs, _to_bf16(acc, INTERPRET), mask=m_in & (offs_n[None, :] < N))
 
     @triton.jit
+    def _tma_tile(x_desc, w_desc, y_desc, tile, tiles_m, tiles_n, K, ACT_MXFP4, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K):
+        """One output tile of :func:`_bmm_tma_kernel` (tiles numbered N fastest, then M, then B)."""
+        n0 = (tile % tiles_n) * BLOCK_N
+        m0 = (tile // tiles_n % tiles_m) * BLOCK_M
+        b = tile // (tiles_n * tiles_m)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            x = x_desc.load([b, m0, k]).reshape(BLOCK_M, BLOCK_K)
+            w = w_desc.load([b, n0, k]).reshape(BLOCK_N, BLOCK_K)
+            if ACT_MXFP4:
+                x = _mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K, INTERPRET)
+            acc = _dot(x, w.T, acc, INTERPRET)
+        y_desc.store([b, m0, n0], _to_bf16(acc, INTERPRET).reshape(1, BLOCK_M, BLOCK_N))
+
+    @triton.jit(do_not_specialize=["M"])
+    def _bmm_tma_kernel(
+        x_desc,
+        w_desc,
+        y_desc,
+        M,
+        N,
+        B,
+        PROGRAMS,
+        K: tl.constexpr,
+        ACT_MXFP4: tl.constexpr,
+        INTERPRET: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """Persistent, tensor-descriptor (TMA) variant for decoded bf16 weights, grid ``(PROGRAMS,)``: 3-D
+        descriptors over x ``[B, M, K]``, w ``[B, N, K]`` and y ``[B, M, N]`` (unit last stride); each program
+        loops over output tiles, and the flattened loop overlaps one tile's store with the next tile's loads.
+        Out-of-range rows and columns are zero-filled on load and dropped on store. The 3.6 interpreter's
+        ``range`` takes no runtime bounds, so there (INTERPRET) each program does one tile (grid = tiles)."""
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        if INTERPRET:
+            _tma_tile(x_desc, w_desc, y_desc, tl.program_id(0), tiles_m, tiles_n,
+                      K, ACT_MXFP4, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        else:
+            for tile in tl.range(tl.program_id(0), B * tiles_m * tiles_n, PROGRAMS, flatten=True):
+                _tma_tile(x_desc, w_desc, y_desc, tile, tiles_m, tiles_n,
+                          K, ACT_MXFP4, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+
+    @triton.jit
     def _decode_kernel(
         w_ptr,
         s_ptr,
@@ -285,7 +337,10 @@ class BmmConfig:
     ``tiles_m`` > 0 selects the weights-stationary kernel (a program sweeps that many M tiles);
     0 selects the tiled ``dot_scaled`` kernel (a program owns one ``[block_m, block_n]`` tile).
     ``predecode`` (tiled only): decode all weights once into a transient bf16 ``[B, N, K]`` buffer (2 bytes
-    per weight, freed after the call) and run the tiled kernel on it, instead of decoding per M tile."""
+    per weight, freed after the call) and run the tiled kernel on it, instead of decoding per M tile.
+    ``tma`` (with ``predecode``): run the persistent tensor-descriptor kernel instead, where the GPU has TMA
+    (NVIDIA compute capability >= 9) and x / out qualify (unit last stride, 16-byte aligned base and strides);
+    elsewhere the call falls back to the tiled kernel with the same tiles."""
 
     block_m: int
     block_n: int
@@ -294,6 +349,7 @@ class BmmConfig:
     num_stages: int
     tiles_m: int = 1
     predecode: bool = False
+    tma: bool = False
 
 
 def _block_k(K: int, cap: int) -> int:
@@ -407,6 +463,41 @@ def _validate(x, w_codes, w_scales, act_quant, out) -> tuple[int, int, int, int]
     return B, M, N, K
 
 
+def _tma_usable(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors work here for these bf16 tensors: an NVIDIA GPU with TMA (sm_90+) or the interpreter,
+    unit last stride, base and other strides 16-byte aligned."""
+    if TensorDescriptor is None:
+        return False
+    if not _INTERPRETED and (  # the interpreter emulates descriptors on CPU tensors
+        torch.version.hip is not None or torch.cuda.get_device_capability(tensors[0].device) < (9, 0)
+    ):
+        return False
+    return all(
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1]) for t in tensors
+    )
+
+
+def _launch_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, cfg: BmmConfig) -> None:
+    """Persistent descriptor kernel over bf16 ``w [B, N, K]``: one program per multiprocessor at most."""
+    B, M, K = x.shape
+    N = w.shape[1]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    tiles = B * triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    programs = tiles if _INTERPRETED else min(tiles, _sm_count(x.device))
+    _bmm_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x, [1, bm, bk]),
+        TensorDescriptor.from_tensor(w, [1, bn, bk]),
+        TensorDescriptor.from_tensor(out, [1, bm, bn]),
+        M, N, B, programs, K=K, ACT_MXFP4=act_mxfp4, INTERPRET=_INTERPRETED, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def bmm_a16wfp4(
     x: torch.Tensor,
     w_codes: torch.Tensor,
@@ -437,6 +528,8 @@ def bmm_a16wfp4(
         raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (block_m/block_n: powers of two >= 16)")
     if cfg.predecode and cfg.tiles_m:
         raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (predecode needs the tiled kernel, tiles_m=0)")
+    if cfg.tma and not cfg.predecode:
+        raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (tma reads decoded weights: set predecode)")
     w = w_codes
     if cfg.predecode:
         w = torch.empty(B, N, K, dtype=torch.bfloat16, device=x.device)
@@ -444,6 +537,9 @@ def bmm_a16wfp4(
         _decode_kernel[(triton.cdiv(N, 32), K // bk, B)](
             w_codes, w_scales, w, N, *w_codes.stride(), *w_scales.stride(), *w.stride()[:2], BLOCK_N=32, BLOCK_K=bk
         )
+    if cfg.tma and _tma_usable(x, out):
+        _launch_tma(x, w, out, act_quant == "mxfp4", cfg)
+        return out
     args = (x, w, w_scales, out, M, N, *x.stride(), *w.stride(), *w_scales.stride(), *out.stride())
     consts = dict(
         K=K,

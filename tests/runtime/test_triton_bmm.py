@@ -76,8 +76,13 @@ def test_matches_reference_on_strided_views(B, M, N, K, row, act_quant):
 
 @pytest.mark.parametrize(
     "config",
-    [tb.BmmConfig(16, 32, 32, 4, 1, 3), tb.BmmConfig(32, 64, 64, 4, 1, 0), tb.BmmConfig(32, 64, 64, 4, 1, 0, True)],
-    ids=["weights-stationary", "tiled", "predecode"],
+    [
+        tb.BmmConfig(16, 32, 32, 4, 1, 3),
+        tb.BmmConfig(32, 64, 64, 4, 1, 0),
+        tb.BmmConfig(32, 64, 64, 4, 1, 0, predecode=True),
+        tb.BmmConfig(32, 64, 64, 4, 1, 0, predecode=True, tma=True),
+    ],
+    ids=["weights-stationary", "tiled", "predecode", "predecode-tma"],
 )
 def test_every_kernel_shape_matches_reference(config):
     B, M, N, K = 2, 37, 80, 192
@@ -85,6 +90,22 @@ def test_every_kernel_shape_matches_reference(config):
     x = activations(M, B, K, seed=8, row=256)
     buf, out = poisoned_out(M, B, N)
     tb.bmm_a16wfp4(x, codes, scales, out=out, config=config)
+    assert torch.isnan(buf[..., N:]).all()
+    assert_close_to_reference(out, x, codes, scales, "mxfp4")
+
+
+@pytest.mark.parametrize("row, tma", [(256, True), (196, False)], ids=["aligned", "unaligned-falls-back"])
+def test_tma_config_runs_where_descriptors_fit_and_falls_back_elsewhere(row, tma, monkeypatch):
+    """x rows 196 bf16 apart are not 16-byte aligned: no descriptor is made and the tiled kernel serves."""
+    B, M, N, K = 2, 37, 80, 192
+    codes, scales = weights(B, N, K, seed=3)
+    x = activations(M, B, K, seed=4, row=row)
+    buf, out = poisoned_out(M, B, N)
+    launched = []
+    real = tb._launch_tma
+    monkeypatch.setattr(tb, "_launch_tma", lambda *a: launched.append(1) or real(*a))
+    tb.bmm_a16wfp4(x, codes, scales, out=out, config=tb.BmmConfig(32, 64, 64, 4, 1, 0, predecode=True, tma=True))
+    assert bool(launched) == tma
     assert torch.isnan(buf[..., N:]).all()
     assert_close_to_reference(out, x, codes, scales, "mxfp4")
 
@@ -175,6 +196,7 @@ def test_accumulation_tolerance_units():
         (lambda a: a.update(config=tb.BmmConfig(16, 32, 48, 4, 1, 1)), "block_k=48"),
         (lambda a: a.update(config=tb.BmmConfig(8, 32, 64, 4, 1, 1)), "bad config"),
         (lambda a: a.update(config=tb.BmmConfig(16, 32, 64, 4, 1, 2, True)), "predecode needs the tiled kernel"),
+        (lambda a: a.update(config=tb.BmmConfig(16, 32, 64, 4, 1, 0, tma=True)), "tma reads decoded weights"),
     ],
 )
 def test_rejects_calls_outside_the_contract(mutate, match):
@@ -195,7 +217,8 @@ def test_glm_shapes_on_gpu_all_kernels(op, T):
     codes, scales = weights(H, N, K, seed=T)
     x = activations(T, H, K, seed=T + 1, row=row)
     C = tb.BmmConfig
-    for config in (None, C(64, 64, 64, 4, 2, 0), C(16, 32, 64, 4, 2, 2), C(64, 128, 64, 8, 3, 0, predecode=True)):
+    pre, tma = C(64, 128, 64, 8, 3, 0, predecode=True), C(128, 256, 64, 8, 3, 0, predecode=True, tma=True)
+    for config in (None, C(64, 64, 64, 4, 2, 0), C(16, 32, 64, 4, 2, 2), pre, tma):
         for act_quant in ("mxfp4", "none"):
             _, out = poisoned_out(T, H, N)
             tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=config)
