@@ -360,47 +360,48 @@ def _block_k(K: int, cap: int) -> int:
     return bk
 
 
-# Per-shape winners of an H200 sweep for GLM's K-up (N=512, K=192/256) and V-up (N=256, K=512), T <= 256:
-# (N, K, wide, M bucket) -> (block_m, block_n, block_k, num_stages), tiled kernel, 4 warps (BENCHMARKS.md).
-_TUNED_TILED = {
-    (512, 192, False, 64): (32, 64, 64, 3),
-    (512, 192, True, 64): (64, 128, 64, 3),
-    (512, 256, False, 16): (16, 64, 256, 2),
-    (512, 256, True, 16): (16, 128, 256, 2),
-    (512, 256, False, 64): (32, 64, 64, 3),
-    (512, 256, True, 64): (64, 128, 64, 3),
-    (256, 512, False, 16): (16, 32, 256, 2),
-    (256, 512, True, 16): (16, 64, 64, 3),
-    (256, 512, False, 64): (16, 64, 64, 3),
-    (256, 512, True, 64): (32, 128, 64, 3),
-    (256, 512, False, 256): (32, 128, 64, 3),
+_C = BmmConfig
+# Per-shape winners of H200 sweeps for GLM's K-up (N=512, K=192/256) and V-up (N=256, K=512), T <= 256,
+# keyed (N, K, wide, M bucket) (BENCHMARKS.md).
+_TUNED = {
+    (512, 192, False, 16): _C(16, 32, 64, 2, 3, 0),
+    (512, 192, True, 16): _C(16, 64, 64, 4, 1, 0),
+    (512, 256, False, 16): _C(16, 64, 256, 4, 2, 0),
+    (512, 256, True, 16): _C(16, 128, 256, 4, 2, 0),
+    (256, 512, False, 16): _C(16, 64, 512, 4, 1, 0),
+    (256, 512, True, 16): _C(16, 64, 512, 4, 1, 0),
+    (512, 192, False, 64): _C(32, 64, 64, 4, 3, 0),
+    (512, 192, True, 64): _C(64, 128, 64, 4, 3, 0),
+    (512, 256, False, 64): _C(32, 64, 128, 4, 3, 0),
+    (512, 256, True, 64): _C(64, 256, 64, 8, 3, 0),
+    (256, 512, False, 64): _C(16, 64, 128, 4, 3, 0),
+    (256, 512, True, 64): _C(32, 128, 64, 4, 3, 0),
+    (512, 192, True, 256): _C(64, 128, 64, 4, 1, 2),
+    (512, 256, True, 256): _C(128, 256, 64, 8, 3, 0, predecode=True, tma=True),
+    (256, 512, False, 256): _C(32, 128, 64, 4, 3, 0),
+    (256, 512, True, 256): _C(128, 256, 64, 8, 3, 0, predecode=True),
 }
 
 
 def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
     """Kernel and tiles by M bucket (16, 64, 256, larger), measured on an H200 (BENCHMARKS.md): the tuned GLM
-    shapes first, then general rules. ``wide``: enough 64-column tiles (B * N / 64 >= 256) to fill the GPU
-    with one-tile programs."""
+    shapes first, then general rules; above 256 rows, predecoded weights through the TMA kernel (the tiled
+    kernel where descriptors do not apply). ``wide``: enough 64-column tiles (B * N / 64 >= 256) to fill the
+    GPU with one-tile programs."""
     if _INTERPRETED:
         return BmmConfig(16 if M <= 16 else 32, 32 if N <= 32 else 64, _block_k(K, 64), 4, 1, 2)
     bk = _block_k(K, 64)
     wide = B * triton.cdiv(N, 64) >= 256
-    tuned = _TUNED_TILED.get((N, K, wide, 16 if M <= 16 else 64 if M <= 64 else 256 if M <= 256 else 0))
+    tuned = _TUNED.get((N, K, wide, 16 if M <= 16 else 64 if M <= 64 else 256 if M <= 256 else 0))
     if tuned:
-        bm, bn, tuned_bk, stages = tuned
-        return BmmConfig(bm, bn, tuned_bk, 4, stages, 0)
+        return tuned
     if M <= 16:
         return BmmConfig(16, 64, _block_k(K, 128), 4, 2, 0) if wide else BmmConfig(16, 32, bk, 4, 2, 1)
     if M <= 64:
         return BmmConfig(64, 64, bk, 4, 2, 1)
     if M <= 256:
-        if wide and K <= 256:  # K = 192: two M tiles per program measured 11% faster than four
-            return BmmConfig(64, 128, bk, 4, 1, 2 if K % 128 else 4)
         return BmmConfig(64, 128, bk, 4, 3, 0)
-    if K > 256:
-        return BmmConfig(64, 256, bk, 8, 3, 0)
-    stationary_programs = B * triton.cdiv(N, 128) * triton.cdiv(M, 64 * 8)
-    return BmmConfig(64, 128, bk, 4, 1, 8) if stationary_programs >= 512 else BmmConfig(128, 128, bk, 8, 3, 0)
+    return BmmConfig(128, 256, bk, 8, 3, 0, predecode=True, tma=True)
 
 
 def accumulation_tolerance(ref: torch.Tensor, abs_dot: torch.Tensor, K: int) -> torch.Tensor:
