@@ -8,17 +8,19 @@ of x along K to MXFP4 in the kernel (even rule, bit-exact with ``quantize(mode="
 dequantized values, which bf16 holds exactly, to the dot; ``"none"`` feeds x as is. Products of these
 values are exact in fp32, so only the accumulation order differs from the reference.
 
-Two kernels, picked per call by :func:`default_config` (``BmmConfig.tiles_m``):
+Kernels, picked per call by :func:`default_config` (``BmmConfig.tiles_m``, ``predecode``, ``tma``):
 
 * weights-stationary (``tiles_m > 0``): a program decodes its ``[BLOCK_N, K]`` weight tile once into bf16
-  dot operands and sweeps ``tiles_m`` tiles of M against it (decode, and large M with K <= 256);
+  dot operands and sweeps ``tiles_m`` tiles of M against it (some decode and mid-size shapes);
 * tiled (``tiles_m == 0``): a program owns one ``[BLOCK_M, BLOCK_N]`` tile and walks K; on GPUs the weights
   go through ``tl.dot_scaled`` (bf16 x e2m1 with E8M0 scales; Triton upcasts them to bf16 on Hopper).
   Triton 3.6's interpreter has no ``dot_scaled``, so under ``TRITON_INTERPRET=1`` the same kernel decodes
-  the weights itself (``DOT_SCALED=False``); the GPU benchmark checks both kernels against the reference.
+  the weights itself (``DOT_SCALED=False``); the GPU benchmark checks every kernel against the reference.
 * predecode (``BmmConfig.predecode``, large M): one small kernel decodes all weights into a transient bf16
   ``[B, N, K]`` buffer, then the tiled kernel reads it as a plain bf16 operand, so the weights are decoded
-  once per call instead of once per M tile.
+  once per call instead of once per M tile; with ``BmmConfig.tma`` (the default above 256 rows) a
+  persistent kernel reads x, the decoded weights and y through tensor descriptors (TMA) where the GPU has
+  them (NVIDIA sm_90+; the interpreter emulates them), and the tiled kernel serves elsewhere.
 
 Importing this module never fails without Triton: :func:`available` says why the kernel cannot run.
 Triton picks interpreter or compiler when a kernel is defined, i.e. when this module is imported.
