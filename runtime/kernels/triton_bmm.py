@@ -471,9 +471,7 @@ def _tma_usable(*tensors: torch.Tensor) -> bool:
     unit last stride, base and other strides 16-byte aligned."""
     if TensorDescriptor is None:
         return False
-    if not _INTERPRETED and (  # the interpreter emulates descriptors on CPU tensors
-        torch.version.hip is not None or torch.cuda.get_device_capability(tensors[0].device) < (9, 0)
-    ):
+    if not _INTERPRETED and not _has_tma(tensors[0].device):  # the interpreter emulates descriptors on CPU
         return False
     return all(
         t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1]) for t in tensors
@@ -494,6 +492,11 @@ def _launch_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act_mxfp4: 
         M, N, B, programs, K=K, ACT_MXFP4=act_mxfp4, INTERPRET=_INTERPRETED, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 @functools.cache
