@@ -7,6 +7,7 @@ reads :func:`interpreted` at its own import.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -26,11 +27,24 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+INTERPRETER_SMS = 4  # stand-in multiprocessor count for CPU tensors under the interpreter
+
+
+@functools.cache
 def availability(kernels_interpreted: bool) -> tuple[bool, str]:
     """(usable, reason) for kernels defined with ``kernels_interpreted``: Triton importable, and a GPU visible
-    to torch (CUDA or ROCm) unless they run in the interpreter."""
+    to torch (CUDA or ROCm) unless they run in the interpreter. Fixed per process, so computed once: it is
+    on every kernel call's path."""
     if IMPORT_ERROR:
         return False, IMPORT_ERROR
     if not kernels_interpreted and not torch.cuda.is_available():
         return False, "no GPU visible to torch (set TRITON_INTERPRET=1 before import to run on CPU)"
     return True, "ok"
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a GPU; :data:`INTERPRETER_SMS` for CPU tensors (the interpreter)."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -40,7 +40,7 @@ import torch
 
 from glm_pack.packing.errors import BackendError
 from glm_pack.runtime.kernels._triton import IMPORT_ERROR as _TRITON_ERROR
-from glm_pack.runtime.kernels._triton import availability, interpreted, tl, triton
+from glm_pack.runtime.kernels._triton import availability, interpreted, sm_count, tl, triton
 
 try:  # Triton's host-side TMA descriptors (absent in old releases: then the tiled kernel serves)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -327,10 +327,8 @@ if not _TRITON_ERROR:
             tl.store(y_base + offs_m[:, None] * stride_ym, _to_bf16(acc, INTERPRET), mask=m_in & (offs_n[None, :] < N))
 
 
-@functools.cache
 def available() -> tuple[bool, str]:
-    """(usable, reason): Triton importable, and a GPU present or the interpreter selected (fixed per process,
-    so computed once: it is on every call's path)."""
+    """(usable, reason): Triton importable, and a GPU present or the interpreter selected."""
     return availability(_INTERPRETED)
 
 
@@ -484,7 +482,7 @@ def _launch_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act_mxfp4: 
     N = w.shape[1]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     tiles = B * triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    programs = tiles if _INTERPRETED else min(tiles, _sm_count(x.device))
+    programs = tiles if _INTERPRETED else min(tiles, sm_count(x.device))
     _bmm_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [1, bm, bk]),
         TensorDescriptor.from_tensor(w, [1, bn, bk]),
@@ -497,11 +495,6 @@ def _launch_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act_mxfp4: 
 @functools.cache
 def _has_tma(device: torch.device) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def bmm_a16wfp4(

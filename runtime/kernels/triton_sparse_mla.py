@@ -16,7 +16,6 @@ interpreter).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -24,10 +23,9 @@ import torch
 
 from glm_pack.packing.errors import BackendError
 from glm_pack.runtime.kernels._triton import IMPORT_ERROR as _TRITON_ERROR
-from glm_pack.runtime.kernels._triton import availability, interpreted, tl, triton
+from glm_pack.runtime.kernels._triton import availability, interpreted, sm_count, tl, triton
 
 _LOG2E = 1.4426950408889634
-_INTERPRETER_SMS = 4  # stand-in multiprocessor count when running on CPU under the interpreter
 _INTERPRETED = interpreted()  # read at import: Triton picks interpreter or compiler when a kernel is defined
 
 if not _TRITON_ERROR:
@@ -194,19 +192,12 @@ def available() -> tuple[bool, str]:
     return availability(_INTERPRETED)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _with_splits(T, H, n_indices, device, block_h, block_n, num_warps, num_stages, per_sm) -> SparseMlaConfig:
     """Split the top-k axis only as far as one wave of ``per_sm`` programs per multiprocessor allows (a
     partial second wave costs more than the splits gain)."""
     programs = T * -(-H // block_h)
     max_splits = max(1, -(-max(1, n_indices // max(T, 1)) // block_n))
-    num_splits = min(max_splits, max(1, per_sm * _sm_count(device) // programs))
+    num_splits = min(max_splits, max(1, per_sm * sm_count(device) // programs))
     return SparseMlaConfig(block_h, block_n, num_splits, num_warps=num_warps, num_stages=num_stages)
 
 
@@ -216,7 +207,7 @@ def default_config(T: int, H: int, n_indices: int, device: torch.device) -> Spar
     one program per SM, ~220 KB shared memory) when heads and tokens are many; otherwise 16-head blocks
     (mma.sync), two programs per SM, or one deeper-pipelined program per SM while one wave of programs
     needs splitting (a quarter to one wave of tokens x head blocks)."""
-    sms = _sm_count(device)
+    sms = sm_count(device)
     if H > 16 and T * H > 256:
         return _with_splits(T, H, n_indices, device, 64, 64, 8, 3, per_sm=1)
     if sms // 4 <= T * -(-H // 16) < sms:
