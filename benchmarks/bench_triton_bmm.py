@@ -48,8 +48,12 @@ def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
     K steps, few warps), predecoded weights through the tiled or the persistent TMA kernel for larger M."""
     C, bk = tb.BmmConfig, tb._block_k
 
-    def pre(bm, bn, warps, stages, tma=False):
-        return C(bm, bn, bk(K, 64), warps, stages, 0, True, tma)
+    def pre(bm, bn, warps, stages, tma=False, wgmma=""):
+        return C(bm, bn, bk(K, 64), warps, stages, 0, True, tma, wgmma)
+
+    gluon = [pre(128, 256, 8, 3, True, "stationary"), pre(128, 256, 8, 3, True, "streaming"),
+             pre(128, 128, 8, 3, True, "stationary"), pre(64, 256, 4, 3, True, "stationary"),
+             pre(64, 256, 4, 3, True, "streaming")]  # fmt: skip
 
     if M <= 16:
         extra = [C(16, 32, bk(K, 64), 2, 3, 0), C(16, 64, bk(K, 64), 4, 3, 0), C(16, 32, bk(K, 512), 4, 1, 0),
@@ -57,15 +61,13 @@ def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
                  C(16, 32, bk(K, 512), 2, 1, 0), C(16, 64, bk(K, 512), 4, 1, 0)]  # fmt: skip
     elif M <= 64:
         extra = [C(64, 256, bk(K, 64), 8, 3, 0), C(32, 64, bk(K, 128), 4, 3, 0), C(16, 64, bk(K, 128), 4, 3, 0),
-                 pre(64, 128, 4, 3, True), pre(64, 256, 8, 3, True), pre(64, 64, 4, 3, True)]  # fmt: skip
+                 pre(64, 128, 4, 3, True), pre(64, 256, 8, 3, True), pre(64, 64, 4, 3, True), *gluon[3:]]  # fmt: skip
     elif M <= 256:
         extra = [C(64, 256, bk(K, 64), 8, 3, 0), pre(128, 256, 8, 3), pre(128, 256, 8, 3, True),
                  pre(64, 256, 8, 3, True), pre(128, 128, 8, 4, True), pre(64, 128, 4, 4, True),
-                 pre(64, 256, 4, 4, True)]  # fmt: skip
+                 pre(64, 256, 4, 4, True), *gluon]  # fmt: skip
     else:
-        extra = [C(64, 128, bk(K, 64), 4, 1, 8), pre(128, 256, 8, 3), pre(128, 256, 8, 3, True),
-                 pre(64, 256, 4, 4, True), pre(128, 128, 8, 4, True), pre(256, 128, 8, 3, True),
-                 pre(128, 256, 8, 2, True), pre(64, 256, 8, 4, True)]  # fmt: skip
+        extra = [pre(128, 256, 8, 3, True), *gluon]
     return list(dict.fromkeys([tb.default_config(B, M, N, K), *extra]))
 
 

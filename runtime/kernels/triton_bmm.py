@@ -39,8 +39,10 @@ from dataclasses import dataclass
 import torch
 
 from glm_pack.packing.errors import BackendError
+from glm_pack.runtime.kernels import gluon_bmm
 from glm_pack.runtime.kernels._triton import IMPORT_ERROR as _TRITON_ERROR
 from glm_pack.runtime.kernels._triton import availability, interpreted, sm_count, tl, triton
+from glm_pack.runtime.kernels.mxfp4_jit import mxfp4_even_round_trip, pow2
 
 try:  # Triton's host-side TMA descriptors (absent in old releases: then the tiled kernel serves)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -51,47 +53,6 @@ ACT_QUANT_MODES = ("mxfp4", "none")
 _INTERPRETED = interpreted()  # read at import: Triton picks interpreter or compiler when a kernel is defined
 
 if not _TRITON_ERROR:
-
-    @triton.jit
-    def _pow2(e):
-        """Exact float32 ``2**e`` for int32 ``e`` in [-127, 127] (2**-127 is the one subnormal needed)."""
-        return tl.where(e >= -126, (e + 127) << 23, 0x400000).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _mxfp4_even_round_trip(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
-        """bf16 x ``[BLOCK_M, BLOCK_K]`` -> ``dequant(quant_even(x))`` per 32-block along K, as bf16 (exact).
-
-        Even rule: round amax's fp32 mantissa to 1 bit, e = floor(log2) - 2 clamped to [-127, 127] (255 after
-        rounding -> 127). Elements: a = min(|x| / 2**e, 6) rounded to the E2M1 grid with ties to the even code:
-        adding then subtracting ``1.5 * 2**(p-1) * step`` (p = significand bits) rounds to a multiple of the
-        grid step (0.5 below 2, 1 below 4, else 2) with ties to even, which on this grid is the even code; the
-        sign of x goes back on last. Every step is exact in bf16, so the GPU runs it on packed bf16 pairs; the
-        3.6 interpreter has no bf16 arithmetic and runs the same steps in fp32.
-        """
-        if INTERPRET:
-            xb = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // 32, 32))
-            bits = xb.to(tl.int32, bitcast=True)
-            EXP_MASK: tl.constexpr = 0x7F800000
-            SIGN_MASK: tl.constexpr = -(2**31)
-            MAGIC: tl.constexpr = 6291456.0  # 3 * 2**21
-        else:
-            xb = tl.reshape(x, (BLOCK_M, BLOCK_K // 32, 32))
-            bits = xb.to(tl.int16, bitcast=True)
-            EXP_MASK: tl.constexpr = 0x7F80
-            SIGN_MASK: tl.constexpr = -(2**15)
-            MAGIC: tl.constexpr = 96.0  # 3 * 2**5
-        one = tl.full((1, 1, 1), 1.0, xb.dtype)
-        six = tl.full((1, 1, 1), 6.0, xb.dtype)
-        amax = tl.max(tl.abs(xb), axis=2).to(tl.float32)
-        biased = (amax.to(tl.int32, bitcast=True) + 0x200000) >> 23
-        e = tl.where(biased == 255, 127, tl.maximum(biased - 129, -127))
-        q = tl.abs(xb) * _pow2(-e).to(xb.dtype)[:, :, None]
-        a = tl.where(q < six, q, six)  # where, not minimum: tl.minimum promotes bf16 to fp32
-        t = tl.where(a > one, a, one)
-        magic = (t.to(bits.dtype, bitcast=True) & EXP_MASK).to(xb.dtype, bitcast=True) * MAGIC
-        r = (a + magic) - magic
-        r = (r.to(bits.dtype, bitcast=True) | (bits & SIGN_MASK)).to(xb.dtype, bitcast=True)
-        return tl.reshape(r * _pow2(e).to(xb.dtype)[:, :, None], (BLOCK_M, BLOCK_K)).to(tl.bfloat16)
 
     @triton.jit
     def _e2m1_dequant(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -105,7 +66,7 @@ if not _TRITON_ERROR:
         hi = ((c & 0x70) << 5) | ((c & 0x80) << 8)
         h = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)).to(tl.int16).to(tl.float16, bitcast=True)
         s = scales.to(tl.int32)
-        scale = tl.where(s == 255, float("nan"), _pow2(s - 127))
+        scale = tl.where(s == 255, float("nan"), pow2(s - 127))
         w = tl.reshape(h.to(tl.float32) * 16384.0, (BLOCK_N, BLOCK_K // 32, 32)) * scale[:, :, None]
         return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
@@ -179,7 +140,7 @@ if not _TRITON_ERROR:
                 scales = tl.load(s_ptrs, mask=n_in, other=127)
                 s_ptrs += (BLOCK_K // 32) * stride_sk
             if ACT_MXFP4:
-                x = _mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K, INTERPRET)
+                x = mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K, INTERPRET)
             if W_BF16:
                 acc = _dot(x, tl.trans(w), acc, INTERPRET)
             elif DOT_SCALED:  # fast_math: no NaN select for scale byte 255 (NaN scales give inf/NaN instead)
@@ -201,7 +162,7 @@ if not _TRITON_ERROR:
             x = x_desc.load([b, m0, k]).reshape(BLOCK_M, BLOCK_K)
             w = w_desc.load([b, n0, k]).reshape(BLOCK_N, BLOCK_K)
             if ACT_MXFP4:
-                x = _mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K, INTERPRET)
+                x = mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K, INTERPRET)
             acc = _dot(x, w.T, acc, INTERPRET)
         y_desc.store([b, m0, n0], _to_bf16(acc, INTERPRET).reshape(1, BLOCK_M, BLOCK_N))
 
@@ -322,7 +283,7 @@ if not _TRITON_ERROR:
             for kk in tl.static_range(K // BLOCK_K):
                 x = tl.load(x_base + offs_m[:, None] * stride_xm + kk * BLOCK_K * stride_xk, mask=m_in, other=0.0)
                 if ACT_MXFP4:
-                    x = _mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K, INTERPRET)
+                    x = mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K, INTERPRET)
                 acc = _dot(x, w_t[kk], acc, INTERPRET)
             tl.store(y_base + offs_m[:, None] * stride_ym, _to_bf16(acc, INTERPRET), mask=m_in & (offs_n[None, :] < N))
 
@@ -342,7 +303,11 @@ class BmmConfig:
     per weight, freed after the call) and run the tiled kernel on it, instead of decoding per M tile.
     ``tma`` (with ``predecode``): run the persistent tensor-descriptor kernel instead, where the GPU has TMA
     (NVIDIA compute capability >= 9) and x / out qualify (unit last stride, 16-byte aligned base and strides);
-    elsewhere the call falls back to the tiled kernel with the same tiles."""
+    elsewhere the call falls back to the tiled kernel with the same tiles.
+    ``wgmma`` (with ``predecode``): ``"stationary"`` or ``"streaming"`` runs the Hopper Gluon kernel of
+    :mod:`gluon_bmm` with that schedule where it can run (sm_90, TMA-compatible x / out, shared memory for at
+    least two stages; tiles: ``block_m = 16 * num_warps``, it picks its own stage count); elsewhere the call
+    falls back to ``tma`` / tiled as above."""
 
     block_m: int
     block_n: int
@@ -352,6 +317,7 @@ class BmmConfig:
     tiles_m: int = 1
     predecode: bool = False
     tma: bool = False
+    wgmma: str = ""
 
 
 def _block_k(K: int, cap: int) -> int:
@@ -403,7 +369,15 @@ def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
         return BmmConfig(64, 64, bk, 4, 2, 1)
     if M <= 256:
         return BmmConfig(64, 128, bk, 4, 3, 0)
-    return BmmConfig(128, 256, bk, 8, 3, 0, predecode=True, tma=True)
+    return _large_m(K)
+
+
+def _large_m(K: int) -> BmmConfig:
+    """Above 256 rows: predecoded weights through the Hopper wgmma kernel, weights-stationary while a 256-column
+    weight tile fits in shared memory next to the x ring (K <= 256), else streaming; the persistent TMA kernel
+    (then the tiled one) with the same tiles where it cannot run."""
+    return BmmConfig(128, 256, _block_k(K, 64), 8, 3, 0, predecode=True, tma=True,
+                     wgmma="stationary" if K <= 256 else "streaming")  # fmt: skip
 
 
 def accumulation_tolerance(ref: torch.Tensor, abs_dot: torch.Tensor, K: int) -> torch.Tensor:
@@ -529,6 +503,12 @@ def bmm_a16wfp4(
         raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (predecode needs the tiled kernel, tiles_m=0)")
     if cfg.tma and not cfg.predecode:
         raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (tma reads decoded weights: set predecode)")
+    if cfg.wgmma:
+        bad = gluon_bmm.tile_error(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps)
+        if cfg.wgmma not in ("stationary", "streaming") or not cfg.predecode or bad:
+            raise BackendError(
+                f"triton bmm_a16wfp4: bad config {cfg} (wgmma: 'stationary' or 'streaming', with predecode; {bad})"
+            )
     w = w_codes
     if cfg.predecode:
         w = torch.empty(B, N, K, dtype=torch.bfloat16, device=x.device)
@@ -536,6 +516,13 @@ def bmm_a16wfp4(
         _decode_kernel[(triton.cdiv(N, 32), K // bk, B)](
             w_codes, w_scales, w, N, *w_codes.stride(), *w_scales.stride(), *w.stride()[:2], BLOCK_N=32, BLOCK_K=bk
         )
+    if cfg.wgmma and not gluon_bmm.unusable_reason(x, out):
+        stationary = cfg.wgmma == "stationary"
+        smem = gluon_bmm.smem_limit(x.device)
+        plan = gluon_bmm.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, stationary, K, smem)
+        if plan:
+            gluon_bmm.launch(x, w, out, act_quant == "mxfp4", plan)
+            return out
     if cfg.tma and _tma_usable(x, out):
         _launch_tma(x, w, out, act_quant == "mxfp4", cfg)
         return out
