@@ -253,9 +253,21 @@ def bench_case(op, H, T, env, ceilings, args, gen) -> dict:
     return row
 
 
+def kernel_label(c: dict) -> str:
+    """Which kernel a config (as a dict) selects, and its tiles: e.g. ``wgmma stationary 128x256x64 w8``."""
+    tiles = f"{c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']}"
+    if c.get("wgmma"):
+        return f"wgmma {c['wgmma']} {tiles}"
+    if c.get("tma"):
+        return f"predecode+TMA {tiles}s{c['num_stages']}"
+    kind = "predecode tiled" if c.get("predecode") else f"ws t{c['tiles_m']}" if c["tiles_m"] else "tiled"
+    return f"{kind} {tiles}s{c['num_stages']}"
+
+
 def table(rows: list[dict]) -> str:
-    head = ("| op | N | K | H | T | triton mxfp4 us | triton none us | torch bf16 bmm us | mxfp4 / torch | "
-            "roofline us | host us/call ours, torch | check (max err/tol, bit-identical) |")  # fmt: skip
+    head = ("| op | N | K | H | T | kernel (default config) | triton mxfp4 us | triton none us "
+            "| torch bf16 bmm us | mxfp4 / torch | roofline us | host us/call ours, torch "
+            "| check (max err/tol, bit-identical) |")  # fmt: skip
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         chk = r.get("check")
@@ -264,7 +276,8 @@ def table(rows: list[dict]) -> str:
             for aq, c in chk.items()
         )  # fmt: skip
         lines.append(
-            f"| {r['op']} | {r['N']} | {r['K']} | {r['H']} | {r['T']} | {r['us']['mxfp4']:.2f} | {r['us']['none']:.2f} "
+            f"| {r['op']} | {r['N']} | {r['K']} | {r['H']} | {r['T']} | {kernel_label(r['default'])} "
+            f"| {r['us']['mxfp4']:.2f} | {r['us']['none']:.2f} "
             f"| {r['torch_us']:.2f} | {r['us']['mxfp4'] / r['torch_us']:.2f} | {r['roofline_us']:.2f} "
             f"| {r['host_us']:.1f}, {r['torch_host_us']:.1f} | {chk_s} |"
         )
@@ -275,10 +288,7 @@ def sweep_table(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         for e in r.get("sweep", []):
-            c = e["config"]
-            cfg = f"{c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} t{c['tiles_m']}"
-            cfg += " predecode" if c.get("predecode") else ""
-            cfg += " tma" if c.get("tma") else ""
+            cfg = kernel_label(e["config"])
             res = e.get("error") or f"{e['us']:.2f} us" + (
                 "" if "check" not in e else f" {'ok' if e['check']['ok'] else 'FAIL'}"
             )
