@@ -8,7 +8,7 @@ of x along K to MXFP4 in the kernel (even rule, bit-exact with ``quantize(mode="
 dequantized values, which bf16 holds exactly, to the dot; ``"none"`` feeds x as is. Products of these
 values are exact in fp32, so only the accumulation order differs from the reference.
 
-Kernels, picked per call by :func:`default_config` (``BmmConfig.tiles_m``, ``predecode``, ``tma``):
+Kernels, picked per call by :func:`default_config` (``BmmConfig.tiles_m``, ``predecode``, ``tma``, ``wgmma``):
 
 * weights-stationary (``tiles_m > 0``): a program decodes its ``[BLOCK_N, K]`` weight tile once into bf16
   dot operands and sweeps ``tiles_m`` tiles of M against it (some decode and mid-size shapes);
@@ -18,9 +18,12 @@ Kernels, picked per call by :func:`default_config` (``BmmConfig.tiles_m``, ``pre
   the weights itself (``DOT_SCALED=False``); the GPU benchmark checks every kernel against the reference.
 * predecode (``BmmConfig.predecode``, large M): one small kernel decodes all weights into a transient bf16
   ``[B, N, K]`` buffer, then the tiled kernel reads it as a plain bf16 operand, so the weights are decoded
-  once per call instead of once per M tile; with ``BmmConfig.tma`` (the default above 256 rows) a
-  persistent kernel reads x, the decoded weights and y through tensor descriptors (TMA) where the GPU has
-  them (NVIDIA sm_90+; the interpreter emulates them), and the tiled kernel serves elsewhere.
+  once per call instead of once per M tile; with ``BmmConfig.tma`` a persistent kernel reads x, the decoded
+  weights and y through tensor descriptors (TMA) where the GPU has them (NVIDIA sm_90+; the interpreter
+  emulates them), and the tiled kernel serves elsewhere;
+* wgmma (``BmmConfig.wgmma``, with predecode; the default above 256 rows): the Hopper Gluon kernel of
+  :mod:`~glm_pack.runtime.kernels.gluon_bmm` (weights kept in shared memory, x rounded there in place,
+  wgmma on both operands from shared memory) on sm_90 GPUs; the ``tma`` / tiled kernels elsewhere.
 
 Importing this module never fails without Triton: :func:`available` says why the kernel cannot run.
 Triton picks interpreter or compiler when a kernel is defined, i.e. when this module is imported.
@@ -345,9 +348,9 @@ _TUNED = {
     (256, 512, False, 64): _C(16, 64, 128, 4, 3, 0),
     (256, 512, True, 64): _C(32, 128, 64, 4, 3, 0),
     (512, 192, True, 256): _C(64, 128, 64, 4, 1, 2),
-    (512, 256, True, 256): _C(128, 256, 64, 8, 3, 0, predecode=True, tma=True),
+    (512, 256, True, 256): _C(128, 256, 64, 8, 3, 0, predecode=True, tma=True, wgmma="streaming"),
     (256, 512, False, 256): _C(32, 128, 64, 4, 3, 0),
-    (256, 512, True, 256): _C(128, 256, 64, 8, 3, 0, predecode=True),
+    (256, 512, True, 256): _C(128, 256, 64, 8, 3, 0, predecode=True, tma=True, wgmma="streaming"),
 }
 
 
