@@ -235,6 +235,12 @@ def unusable_reason(x: torch.Tensor, out: torch.Tensor) -> str:
     return ""
 
 
+@functools.cache
+def _smem_layout(block: tuple[int, ...]):
+    """The swizzled shared-memory layout of a bf16 TMA block (cached: it is on every call's path)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
+
+
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan) -> None:
     """``out[b] = act(x[b]) @ w[b]^T`` for bf16 ``w [B, N, K]`` (contiguous); the caller checked
     :func:`unusable_reason` and made ``p`` with :func:`plan`."""
@@ -242,8 +248,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act_mxfp4: bool,
     N = w.shape[1]
     bm, bn, bk = p.block_m, p.block_n, p.block_k
     x_desc, w_desc, y_desc = (
-        TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
-        for t, block in ((x, [1, bm, bk]), (w, [1, bn, bk]), (out, [1, bm, bn // 2]))
+        TensorDescriptor.from_tensor(t, list(block), _smem_layout(block))
+        for t, block in ((x, (1, bm, bk)), (w, (1, bn, bk)), (out, (1, bm, bn // 2)))
     )
     sms = sm_count(x.device)
     columns = B * triton.cdiv(N, bn)
