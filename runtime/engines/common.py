@@ -118,6 +118,20 @@ class Overlay:
             )
         return self.model.mla(layer_id)
 
+    def apply(self, module, layer_id: int, engine_geometry: MlaGeometry, attributes) -> bool:
+        """Set the absorbed weights of one engine attention ``module`` (it holds ``kv_b_proj``) to
+        ``attributes(mla)`` after checking its loaded kv_b_proj slice against the overlay; False when the overlay
+        has no such layer (the engine then rebuilds it itself)."""
+        mla = self.layer(layer_id, engine_geometry)
+        if mla is None:
+            return False
+        weight = getattr(module.kv_b_proj, "weight", None)
+        if weight is not None:
+            check_slice(mla, weight, "kv_b_proj")
+        for name, value in attributes(mla).items():
+            setattr(module, name, value)
+        return True
+
 
 _OPEN: dict[tuple, Overlay] = {}
 

@@ -81,15 +81,8 @@ def absorbed_attributes(mla: MlaLayer, *, fp4_path: bool) -> dict:
 
 def apply(self_attn, layer_id: int, overlay: common.Overlay, *, fp4_path: bool) -> bool:
     """Set one attention module's absorbed weights; False when the overlay lacks the layer."""
-    mla = overlay.layer(layer_id, engine_geometry(self_attn))
-    if mla is None:
-        return False
-    weight = getattr(self_attn.kv_b_proj, "weight", None)
-    if weight is not None:
-        common.check_slice(mla, weight, "kv_b_proj")
-    for name, value in absorbed_attributes(mla, fp4_path=fp4_path).items():
-        setattr(self_attn, name, value)
-    return True
+    build = functools.partial(absorbed_attributes, fp4_path=fp4_path)
+    return overlay.apply(self_attn, layer_id, engine_geometry(self_attn), build)
 
 
 def apply_model(model, overlay: common.Overlay, is_nextn: bool, weight_names, *, fp4_path: bool):

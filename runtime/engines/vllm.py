@@ -27,6 +27,7 @@ path with both aiter BMM flags turned off for that layer.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
@@ -86,18 +87,9 @@ def absorbed_attributes(mla: MlaLayer, *, fp4_path: bool, act_dtype: torch.dtype
 
 def apply(layer, overlay: common.Overlay, act_dtype: torch.dtype) -> bool:
     """Set one ``MLAAttention``'s absorbed weights from ``overlay``; False when the overlay lacks the layer."""
-    layer_id = layer_index(layer.layer_name)
-    mla = overlay.layer(layer_id, engine_geometry(layer))
-    if mla is None:
-        return False
-    weight = getattr(layer.kv_b_proj, "weight", None)
-    if weight is not None:
-        common.check_slice(mla, weight, "kv_b_proj")
-    for name, value in absorbed_attributes(
-        mla, fp4_path=bool(layer.is_aiter_triton_fp4_bmm_enabled), act_dtype=act_dtype
-    ).items():
-        setattr(layer, name, value)
-    return True
+    fp4_path = bool(layer.is_aiter_triton_fp4_bmm_enabled)
+    build = functools.partial(absorbed_attributes, fp4_path=fp4_path, act_dtype=act_dtype)
+    return overlay.apply(layer, layer_index(layer.layer_name), engine_geometry(layer), build)
 
 
 def _overlay_for(layer) -> common.Overlay | None:
