@@ -42,6 +42,7 @@ from rich.table import Table
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .convert import files_mode, is_hub
+from .modelcard import compact_ranges
 from .plan import FILE_MODES, make_plan
 
 SCHEMA = "glm-pack.inspect/1"
@@ -127,13 +128,7 @@ def _mib(n: int) -> str:
 
 
 def _ranges(ids: list[int]) -> str:
-    out, start = [], None
-    for i, x in enumerate(ids):
-        start = x if start is None else start
-        if i + 1 == len(ids) or ids[i + 1] != x + 1:
-            out.append(str(x) if start == x else f"{start}-{x}")
-            start = None
-    return ", ".join(out) or "-"
+    return compact_ranges(ids) or "-"
 
 
 def _shape(shape) -> str:

@@ -78,12 +78,12 @@ def _fmt(x: float) -> str:
     return f"{x:.4f}"
 
 
-def _layer_list(layers: list[int]) -> str:
-    """Compact ranges, e.g. [0, 1, 2, 5] -> '0-2, 5'."""
+def compact_ranges(ids: list[int]) -> str:
+    """Sorted integers as compact ranges, e.g. [0, 1, 2, 5] -> '0-2, 5' ('' for none)."""
     parts, start = [], None
-    for i, n in enumerate(layers):
+    for i, n in enumerate(ids):
         start = n if start is None else start
-        if i + 1 == len(layers) or layers[i + 1] != n + 1:
+        if i + 1 == len(ids) or ids[i + 1] != n + 1:
             parts.append(str(start) if start == n else f"{start}-{n}")
             start = None
     return ", ".join(parts)
@@ -231,7 +231,7 @@ def _body_fields(manifest: dict, overlay_only: bool, has_source_readme: bool, re
         "repo_id": repo_id or "<this repo>",
         "title": f"{name} — glm-pack MXFP4 MLA overlay for gfx950",
         "n_layers": len(layers),
-        "layer_list": _layer_list([lay.layer for lay in layers]),
+        "layer_list": compact_ranges([lay.layer for lay in layers]),
         "overlay_dir": mf.OVERLAY_DIR,
         "num_heads": geom.num_heads,
         "kv_lora_rank": geom.kv_lora_rank,
