@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from glm_pack.convert.cli import main
 from glm_pack.convert.convert import ConvertOptions, convert
@@ -131,20 +131,18 @@ def test_mse_mode_never_worse_and_recorded(synth_ckpt, tmp_path):
     assert verify(tmp_path / "mse").ok
 
 
-def test_auto_keeps_planted_hard_layer_in_bf16(synth_ckpt, tmp_path, ckpt_copy):
+def test_auto_keeps_planted_hard_layer_in_bf16(synth_ckpt, tmp_path, ckpt_copy, edit_tensor):
     src = ckpt_copy(synth_ckpt("glm-5", "bf16"))
-    index = json.loads((src / "model.safetensors.index.json").read_text())
-    name = "model.layers.1.self_attn.kv_b_proj.weight"
-    shard = src / index["weight_map"][name]
-    tensors = load_file(shard)
-    # One outlier (1.0) per 32-block along both reduction axes (kv_lora for w_vc, nope for w_kc): the other 31
-    # elements (+-0.06) fall below half the smallest code step and flush to zero, ~30% relative error.
-    w = torch.sign(tensors[name].float()) * 0.06
-    w[:, ::32] = 1.0
-    w[::32, :] = 1.0
-    tensors[name] = w.bfloat16()
-    shard.unlink()
-    save_file(tensors, shard, metadata={"format": "pt"})
+
+    def hard(t):
+        # One outlier (1.0) per 32-block along both reduction axes (kv_lora for w_vc, nope for w_kc): the other 31
+        # elements (+-0.06) fall below half the smallest code step and flush to zero, ~30% relative error.
+        w = torch.sign(t.float()) * 0.06
+        w[:, ::32] = 1.0
+        w[::32, :] = 1.0
+        return w.bfloat16()
+
+    edit_tensor(src, "model.layers.1.self_attn.kv_b_proj.weight", hard)
     out = tmp_path / "out"
     result = CliRunner().invoke(
         main, ["convert", str(src), str(out), "--mla-precision", "auto", "--max-rel-error", "0.2", "--files", "copy"]
@@ -185,15 +183,15 @@ def test_refusals(synth_ckpt, tmp_path):
     assert r.exit_code == 1 and "nope" in r.output
 
 
-def test_nan_weight_named_in_error(synth_ckpt, tmp_path, ckpt_copy):
+def test_nan_weight_named_in_error(synth_ckpt, tmp_path, ckpt_copy, edit_tensor):
     src = ckpt_copy(synth_ckpt("glm-5", "bf16"))
-    index = json.loads((src / "model.safetensors.index.json").read_text())
     name = "model.layers.0.self_attn.kv_b_proj.weight"
-    shard = src / index["weight_map"][name]
-    tensors = load_file(shard)
-    tensors[name][100, 3] = float("inf")
-    shard.unlink()
-    save_file(tensors, shard)
+
+    def poison(t):
+        t[100, 3] = float("inf")
+        return t
+
+    shard = edit_tensor(src, name, poison)
     r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "o")])
     assert r.exit_code == 1
     assert "1 non-finite" in r.output and "(100, 3)" in r.output and name in r.output and shard.name in r.output

@@ -188,18 +188,17 @@ def test_attend_checks(packed_dirs):
     assert o.shape == (3, 64, 512) and lse.shape == (3, 64)
 
 
-def test_open_verify_detects_a_changed_source_tensor(packed_dirs, tmp_path):
-    from safetensors.torch import load_file, save_file
-
+def test_open_verify_detects_a_changed_source_tensor(packed_dirs, tmp_path, edit_tensor):
     _, out = packed_dirs("glm-5")
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
-    index = json.loads((bad / "model.safetensors.index.json").read_text())
+
+    def bump(t):
+        t[0, 0] += 1
+        return t
+
     name = "model.layers.1.self_attn.kv_b_proj.weight"
-    shard = bad / index["weight_map"][name]
-    tensors = load_file(shard)
-    tensors[name][0, 0] += 1
-    save_file(tensors, shard)
+    shard = edit_tensor(bad, name, bump)
     runtime.open(bad)  # the overlay itself is intact
     with pytest.raises(VerifyError, match="source tensor differs") as err:
         runtime.open(bad, verify=True)
