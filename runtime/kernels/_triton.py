@@ -48,3 +48,9 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tma_strides_ok(t: torch.Tensor) -> bool:
+    """A 2-byte (bf16) tensor a TMA descriptor can address: unit last stride, base and other strides
+    16-byte aligned."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1])

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from glm_pack.runtime.kernels._triton import IMPORT_ERROR as _TRITON_ERROR
-from glm_pack.runtime.kernels._triton import interpreted, sm_count, triton
+from glm_pack.runtime.kernels._triton import interpreted, sm_count, tma_strides_ok, triton
 
 try:
     from triton.experimental import gluon
@@ -51,8 +51,9 @@ except Exception as exc:  # noqa: BLE001 - any import failure means "unavailable
 
 MAX_STAGES = 4
 _SMEM_SLACK = 1024  # barriers and alignment, bytes
+_INTERPRETED = interpreted()  # read at import, as the kernels below are defined (or not) by it
 
-if not IMPORT_ERROR and not interpreted():
+if not IMPORT_ERROR and not _INTERPRETED:
     from glm_pack.runtime.kernels.mxfp4_jit import mxfp4_even_round_trip
 
     @gluon.jit
@@ -222,7 +223,7 @@ def unusable_reason(x: torch.Tensor, out: torch.Tensor) -> str:
     sm_90 NVIDIA GPU, x and out with unit last stride and 16-byte-aligned base and other strides."""
     if IMPORT_ERROR:
         return IMPORT_ERROR
-    if interpreted():
+    if _INTERPRETED:
         return "Gluon kernels do not run in Triton's interpreter"
     if x.device.type != "cuda":
         return f"tensors on {x.device}"
@@ -230,7 +231,7 @@ def unusable_reason(x: torch.Tensor, out: torch.Tensor) -> str:
     if reason:
         return reason
     for name, t in (("x", x), ("out", out)):
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st % 8 for st in t.stride()[:-1]):
+        if not tma_strides_ok(t):
             return f"{name} strides {t.stride()} are not TMA-compatible (unit last, 16-byte aligned others)"
     return ""
 

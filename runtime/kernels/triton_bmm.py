@@ -44,7 +44,7 @@ import torch
 from glm_pack.packing.errors import BackendError
 from glm_pack.runtime.kernels import gluon_bmm
 from glm_pack.runtime.kernels._triton import IMPORT_ERROR as _TRITON_ERROR
-from glm_pack.runtime.kernels._triton import availability, interpreted, sm_count, tl, triton
+from glm_pack.runtime.kernels._triton import availability, interpreted, sm_count, tl, tma_strides_ok, triton
 from glm_pack.runtime.kernels.mxfp4_jit import mxfp4_even_round_trip, pow2
 
 try:  # Triton's host-side TMA descriptors (absent in old releases: then the tiled kernel serves)
@@ -448,9 +448,7 @@ def _tma_usable(*tensors: torch.Tensor) -> bool:
         return False
     if not _INTERPRETED and not _has_tma(tensors[0].device):  # the interpreter emulates descriptors on CPU
         return False
-    return all(
-        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1]) for t in tensors
-    )
+    return all(tma_strides_ok(t) for t in tensors)
 
 
 def _launch_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, cfg: BmmConfig) -> None:
