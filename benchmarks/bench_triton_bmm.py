@@ -45,29 +45,31 @@ OPS = {"kup192": (512, 192, 256), "kup256": (512, 256, 256), "vup": (256, 512, 5
 
 def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
     """Configs worth timing for an M bucket (the default first): tiled shapes for decode (small M tiles, long
-    K steps, few warps), predecoded weights through the tiled or the persistent TMA kernel for larger M."""
+    K steps, few warps); from 64 rows the Gluon kernel decoding its weight column itself (tiles whose column
+    fits in shared memory), on predecoded weights, and the Triton kernels on predecoded weights."""
     C, bk = tb.BmmConfig, tb._block_k
 
     def pre(bm, bn, warps, stages, tma=False, wgmma=""):
         return C(bm, bn, bk(K, 64), warps, stages, 0, True, tma, wgmma)
 
+    def dec(bm, bn, warps):  # Gluon kernel decoding its weight column itself; only tiles whose column fits
+        fits = tb.gluon_bmm.plan(bm, bn, bk(K, 64), warps, "decode", K, tb.gluon_bmm.smem_limit(torch.device("cuda")))
+        return [C(bm, bn, bk(K, 64), warps, 3, 0, wgmma="decode")] if fits else []
+
+    decoded = [*dec(64, 256, 8), *dec(64, 128, 4), *dec(64, 128, 8), *dec(64, 64, 4)]
     gluon = [pre(128, 256, 8, 3, True, "stationary"), pre(128, 256, 8, 3, True, "streaming"),
-             pre(128, 128, 8, 3, True, "stationary"), pre(64, 256, 4, 3, True, "stationary"),
-             pre(64, 256, 4, 3, True, "streaming")]  # fmt: skip
+             *dec(128, 256, 8), *dec(128, 128, 8)]  # fmt: skip
 
     if M <= 16:
         extra = [C(16, 32, bk(K, 64), 2, 3, 0), C(16, 64, bk(K, 64), 4, 3, 0), C(16, 32, bk(K, 512), 4, 1, 0),
                  C(16, 64, bk(K, 128), 4, 3, 0), C(16, 32, bk(K, 256), 4, 1, 0), C(16, 16, bk(K, 512), 4, 1, 0),
                  C(16, 32, bk(K, 512), 2, 1, 0), C(16, 64, bk(K, 512), 4, 1, 0)]  # fmt: skip
     elif M <= 64:
-        extra = [C(64, 256, bk(K, 64), 8, 3, 0), C(32, 64, bk(K, 128), 4, 3, 0), C(16, 64, bk(K, 128), 4, 3, 0),
-                 pre(64, 128, 4, 3, True), pre(64, 256, 8, 3, True), pre(64, 64, 4, 3, True), *gluon[3:]]  # fmt: skip
+        extra = [*decoded, C(64, 256, bk(K, 64), 8, 3, 0), C(32, 64, bk(K, 128), 4, 3, 0)]
     elif M <= 256:
-        extra = [C(64, 256, bk(K, 64), 8, 3, 0), pre(128, 256, 8, 3), pre(128, 256, 8, 3, True),
-                 pre(64, 256, 8, 3, True), pre(128, 128, 8, 4, True), pre(64, 128, 4, 4, True),
-                 pre(64, 256, 4, 4, True), *gluon]  # fmt: skip
+        extra = [*decoded, *gluon, C(64, 256, bk(K, 64), 8, 3, 0), pre(64, 128, 4, 4, True)]
     else:
-        extra = [pre(128, 256, 8, 3, True), *gluon]
+        extra = [*gluon, *decoded[:2]]
     return list(dict.fromkeys([tb.default_config(B, M, N, K), *extra]))
 
 

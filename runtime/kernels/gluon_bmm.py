@@ -1,20 +1,26 @@
-"""Hopper (sm_90) Gluon kernel for the A16WFP4 batched GEMM on predecoded bf16 weights: TMA + wgmma.
+"""Hopper (sm_90) Gluon kernel for the A16WFP4 batched GEMM: TMA + wgmma, weights decoded in the kernel or
+predecoded.
 
 Same function as :func:`glm_pack.runtime.kernels.triton_bmm.bmm_a16wfp4` (which dispatches here): x ``[B, M, K]``
-bf16 (unit last stride), decoded weights w ``[B, N, K]`` bf16, y ``[B, M, N]`` bf16 (unit last stride; the
-runtime passes a view of the batch-major ``[T, H, N]`` buffer), all read and written through 3-D tensor
-descriptors. With ``act_mxfp4`` each x tile is rounded to MXFP4 in shared memory, in place, by the shared
+bf16 (unit last stride) and y ``[B, M, N]`` bf16 (unit last stride; the runtime passes a view of the
+batch-major ``[T, H, N]`` buffer) through 3-D tensor descriptors; weights as E2M1 codes ``[B, N, K/2]`` + E8M0
+scales ``[B, N, K/32]`` (``decode``) or as predecoded bf16 ``[B, N, K]`` (the others). With ``act_mxfp4`` each
+x tile is rounded to MXFP4 in shared memory, in place, by the shared
 :func:`~glm_pack.runtime.kernels.mxfp4_jit.mxfp4_even_round_trip` (bit-exact), before the MMAs read it.
 
-One program per multiprocessor at most; ``[block_m, block_n]`` output tiles (``block_m = 16 * num_warps``, two
-warpgroups at 128 rows), ``block_k`` K steps, both operands from shared memory (wgmma SS), fp32 accumulators in
-registers; y leaves in two column halves through one ``[block_m, block_n / 2]`` buffer. Two schedules:
+``[block_m, block_n]`` output tiles (64 or 128 rows: one or two warpgroups along M, any other warps along N),
+``block_k`` K steps, both operands from shared memory (wgmma SS), fp32 accumulators in registers; y leaves
+through one buffer (:func:`y_columns`). Three schedules:
 
-* ``stationary``: a program owns one ``(b, n0)`` column of weights, kept in shared memory for the whole call
-  (``block_n * K * 2`` bytes), and a contiguous run of its M tiles; x streams through a ring. The weights then
-  cross L2 once per program instead of once per tile, which on the H200 is what bounds the streaming schedule.
-* ``streaming``: x and w tiles stream through one ring; programs walk all tiles (N fastest, then M, then B).
-  For weights too large to keep (GLM's V-up: 256 x 512 bf16 = 256 KiB per head).
+* ``decode``: a program owns one ``(b, n0)`` column of weights and a contiguous run of its M tiles. It loads
+  the column's codes and scales into registers at once and, during its first tile, decodes K step ``k`` into
+  shared memory (bf16; a byte-table lookup per code pair, :func:`_e2m1_dequant_ptx`) just before that step's
+  MMAs, so decoding overlaps the MMAs of step ``k - 1``; the column (``block_n * K * 2`` bytes) stays for the
+  remaining tiles. The weights cross HBM once per program and are never written back.
+* ``stationary``: the same, with the column loaded by TMA from predecoded bf16 weights.
+* ``streaming``: x and predecoded w tiles stream through one ring; programs (one per multiprocessor at most)
+  walk all tiles (N fastest, then M, then B). For weights too large to keep (GLM's V-up: 256 x 512 bf16 =
+  256 KiB per head at 256 columns).
 
 The x ring has as many stages as fit in shared memory, up to 4. TMA loads for step ``i + stages - 1`` are
 issued once the MMAs of step ``i - 1`` are done, so the rounding of step ``i`` overlaps the MMAs of ``i - 1``.
@@ -71,11 +77,10 @@ if not IMPORT_ERROR and not _INTERPRETED:
 
     @gluon.jit
     def _load_step(x_desc, w_desc, x_bufs, w_bufs, x_ready, w_ready, j, pid, M, N, PROGRAMS, SPLITS,
-                   K: gl.constexpr, STATIONARY: gl.constexpr):  # fmt: skip
+                   K: gl.constexpr, BN: gl.constexpr, STATIONARY: gl.constexpr):  # fmt: skip
         """Issue the TMA loads of flattened step j (tile j // KSTEPS, K step j % KSTEPS) into ring slot j % S."""
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
-        BN: gl.constexpr = w_desc.block_type.shape[1]
         KSTEPS: gl.constexpr = K // BK
         b, m0, n0 = _tile(j // KSTEPS, pid, M, N, PROGRAMS, SPLITS, BM, BN, STATIONARY)
         k = (j % KSTEPS) * BK
@@ -86,24 +91,162 @@ if not IMPORT_ERROR and not _INTERPRETED:
             mbarrier.expect(w_ready.index(s), w_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(w_desc, [b, n0, k], w_ready.index(s), w_bufs.index(s))
 
+    # bf16 bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (0x0000, 0x3F00, 0x3F80, ..., 0x40C0), as
+    # byte tables for prmt: high bytes in (_HI0, _HI1), low bytes in (_LO0, _LO1), magnitude m at byte m.
+    _E2M1_BF16_PTX = gl.constexpr("""
+    {
+    .reg .b32 s<2>, h<2>, l<2>, g<8>, t<4>;
+    and.b32 s0, $4, 0x7777;
+    shr.b32 s1, $4, 16;
+    and.b32 s1, s1, 0x7777;
+    prmt.b32 h0, 0x3F3F3F00, 0x40404040, s0;
+    prmt.b32 l0, 0xC0800000, 0xC0804000, s0;
+    prmt.b32 h1, 0x3F3F3F00, 0x40404040, s1;
+    prmt.b32 l1, 0xC0800000, 0xC0804000, s1;
+    prmt.b32 t0, l0, h0, 0x5140;
+    prmt.b32 t1, l0, h0, 0x7362;
+    prmt.b32 t2, l1, h1, 0x5140;
+    prmt.b32 t3, l1, h1, 0x7362;
+    shl.b32 g0, $4, 12;
+    and.b32 g0, g0, 0x8000;
+    shl.b32 g1, $4, 24;
+    and.b32 g1, g1, 0x80000000;
+    shl.b32 g2, $4, 4;
+    and.b32 g2, g2, 0x8000;
+    shl.b32 g3, $4, 16;
+    and.b32 g3, g3, 0x80000000;
+    shr.b32 g4, $4, 4;
+    and.b32 g4, g4, 0x8000;
+    shl.b32 g5, $4, 8;
+    and.b32 g5, g5, 0x80000000;
+    shr.b32 g6, $4, 12;
+    and.b32 g6, g6, 0x8000;
+    and.b32 g7, $4, 0x80000000;
+    or.b32 t0, t0, g0;
+    or.b32 t0, t0, g1;
+    or.b32 t1, t1, g2;
+    or.b32 t1, t1, g3;
+    or.b32 t2, t2, g4;
+    or.b32 t2, t2, g5;
+    or.b32 t3, t3, g6;
+    or.b32 t3, t3, g7;
+    mul.rn.bf16x2 $0, t0, $5;
+    mul.rn.bf16x2 $1, t1, $5;
+    mul.rn.bf16x2 $2, t2, $5;
+    mul.rn.bf16x2 $3, t3, $5;
+    }
+    """)
+
     @gluon.jit
-    def _bmm_kernel(x_desc, w_desc, y_desc, M, N, B, PROGRAMS, SPLITS, K: gl.constexpr, ACT_MXFP4: gl.constexpr,
-                    STATIONARY: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-        """Grid ``(PROGRAMS,)``; descriptors over x ``[B, M, K]`` (block ``[1, BM, BK]``), w ``[B, N, K]``
-        (``[1, BN, BK]``) and y ``[B, M, N]`` (``[1, BM, BN / 2]``). STATIONARY: PROGRAMS = columns * SPLITS."""
+    def _e2m1_dequant_ptx(codes, scales):
+        """codes u8 ``[R, NB, 16]`` + E8M0 scales u8 ``[R, NB]`` -> bf16 ``[R, NB * 32]``, the values of
+        the Triton kernels' ``_e2m1_dequant`` (exact: E2M1 values are bf16 values, times a
+        power of two in one bf16 multiply that rounds only what leaves bf16's range, as the float32 route's
+        final cast does). Per 4 code bytes: byte-table lookups (prmt) give the 8 magnitudes in k order, the
+        sign bits are or-ed in, one ``mul.bf16x2`` per pair applies the scale; the codes' layout must keep
+        each thread's 4-byte groups within one 32-block."""
+        R: gl.constexpr = codes.shape[0]
+        NB: gl.constexpr = codes.shape[1]
+        sc = scales.to(gl.int32)
+        bits = gl.where(sc == 0, 0x40, gl.where(sc == 255, 0x7FC0, sc << 7))  # bf16 2**(s - 127); 255 -> NaN
+        scale = bits.to(gl.int16).to(gl.bfloat16, bitcast=True)[:, :, None]
+        first, second = gl.inline_asm_elementwise(
+            _E2M1_BF16_PTX, "=r,=r,=r,=r,r,r,r", [codes, scale], (gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
+        )  # per 4 bytes: first holds k 0-3 of their 8 values, second k 4-7
+        pairs = gl.join(first.reshape([R, NB, 4, 4]), second.reshape([R, NB, 4, 4]))
+        return pairs.permute((0, 1, 2, 4, 3)).reshape([R, NB * 32])
+
+    @gluon.jit
+    def _load_column(c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0, N, BN: gl.constexpr,
+                     BK: gl.constexpr, K: gl.constexpr, DECODE_LAYOUT: gl.constexpr):  # fmt: skip
+        """Issue the loads of weight rows ``n0 .. n0 + BN`` of batch b, K step by K step: E2M1 codes
+        ``[B, N, K/2]`` as ``[BN, BK/32, 16]`` tiles and E8M0 scales ``[B, N, K/32]`` as ``[BN, BK/32]`` (both
+        unit last stride; rows past N read code 0). Returns (codes, scales), tuples of K/BK register tiles in
+        DECODE_LAYOUT (3-D, a thread holding one 16-byte 32-block); all loads are in flight together."""
+        rows_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, DECODE_LAYOUT))
+        blocks_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, DECODE_LAYOUT))
+        bytes_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, DECODE_LAYOUT))
+        rows = n0 + gl.arange(0, BN, layout=rows_l)
+        blocks = gl.arange(0, BK // 32, layout=blocks_l)
+        byte = gl.arange(0, 16, layout=bytes_l)
+        r_in = (rows < N)[:, None]
+        c_rows = c_ptr + b.to(gl.int64) * stride_cb + rows.to(gl.int64)[:, None, None] * stride_cn
+        s_rows = s_ptr + b.to(gl.int64) * stride_sb + rows.to(gl.int64)[:, None] * stride_sn
+        codes = ()
+        scales = ()
+        for kk in gl.static_range(K // BK):
+            blk = kk * (BK // 32) + blocks
+            codes = codes + (gl.load(c_rows + (blk * 16)[None, :, None] + byte[None, None, :],
+                                     mask=r_in[:, :, None], other=0),)  # fmt: skip
+            scales = scales + (gl.load(s_rows + blk[None, :], mask=r_in, other=127),)
+        return codes, scales
+
+    @gluon.jit
+    def _step(i, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, x_ready, w_ready, steps, pid, M, N, PROGRAMS,
+              SPLITS, K: gl.constexpr, BN: gl.constexpr, ACT_MXFP4: gl.constexpr, STATIONARY: gl.constexpr,
+              ROUND_LAYOUT: gl.constexpr):  # fmt: skip
+        """Flattened step i: round the x tile in place, issue its MMAs, refill the ring slot freed by step i - 1,
+        and after a tile's last K step write its y. Returns the accumulator."""
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
-        BN: gl.constexpr = w_desc.block_type.shape[1]
-        HN: gl.constexpr = BN // 2
+        YN: gl.constexpr = y_desc.block_type.shape[2]
+        STAGES: gl.constexpr = x_bufs.type.shape[0]
+        KSTEPS: gl.constexpr = K // BK
+        xs = x_bufs.index(i % STAGES).reshape([BM, BK])
+        mbarrier.wait(x_ready.index(i % STAGES), (i // STAGES) & 1)
+        if ACT_MXFP4:
+            xs.store(mxfp4_even_round_trip(xs.load(ROUND_LAYOUT), BM, BK, False))
+            fence_async_shared()  # generic-proxy writes before the MMA's (async-proxy) reads
+        if STATIONARY:
+            ws = w_bufs.index(i % KSTEPS).reshape([BN, BK])
+        else:
+            mbarrier.wait(w_ready.index(i % STAGES), (i // STAGES) & 1)
+            ws = w_bufs.index(i % STAGES).reshape([BN, BK])
+        acc = warpgroup_mma(xs, ws.permute((1, 0)), acc, use_acc=(i % KSTEPS) != 0, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        if i + STAGES - 1 < steps:  # into the slot of step i - 1, whose MMAs are done
+            _load_step(x_desc, w_desc, x_bufs, w_bufs, x_ready, w_ready, i + STAGES - 1, pid, M, N, PROGRAMS,
+                       SPLITS, K, BN, STATIONARY)  # fmt: skip
+        if i % KSTEPS == KSTEPS - 1:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            b, m0, n0 = _tile(i // KSTEPS, pid, M, N, PROGRAMS, SPLITS, BM, BN, STATIONARY)
+            tma.store_wait(0)  # the previous store has read y_buf
+            if YN == BN:
+                y_buf.reshape([BM, BN]).store(acc.to(gl.bfloat16))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(y_desc, [b, m0, n0], y_buf)
+            else:
+                y0, y1 = acc.to(gl.bfloat16).reshape([BM, 2, YN]).permute((0, 2, 1)).split()
+                y_buf.reshape([BM, YN]).store(y0)
+                fence_async_shared()
+                tma.async_copy_shared_to_global(y_desc, [b, m0, n0], y_buf)
+                tma.store_wait(0)
+                y_buf.reshape([BM, YN]).store(y1)
+                fence_async_shared()
+                tma.async_copy_shared_to_global(y_desc, [b, m0, n0 + YN], y_buf)
+        return acc
+
+    @gluon.jit
+    def _bmm_kernel(x_desc, w_desc, y_desc, c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn,
+                    M, N, B, PROGRAMS, SPLITS, K: gl.constexpr, BN: gl.constexpr, W_LAYOUT: gl.constexpr,
+                    ACT_MXFP4: gl.constexpr, STATIONARY: gl.constexpr, DECODE: gl.constexpr,
+                    ROUND_LAYOUT: gl.constexpr, DECODE_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
+                    num_warps: gl.constexpr):  # fmt: skip
+        """Grid ``(PROGRAMS,)``; descriptors over x ``[B, M, K]`` (block ``[1, BM, BK]``), y ``[B, M, N]``
+        (``[1, BM, YN]``, :func:`y_columns`) and, unless DECODE, bf16 w ``[B, N, K]`` (``[1, BN, BK]``); with DECODE
+        (stationary only) the weights come from codes ``c_ptr`` / scales ``s_ptr`` instead. STATIONARY:
+        PROGRAMS = columns * SPLITS."""
+        BM: gl.constexpr = x_desc.block_type.shape[1]
+        BK: gl.constexpr = x_desc.block_type.shape[2]
         KSTEPS: gl.constexpr = K // BK
         W_SLOTS: gl.constexpr = KSTEPS if STATIONARY else STAGES
+        WARPS_M: gl.constexpr = BM // 16  # one warpgroup per 64 rows; the others split N
+        WARPS_N: gl.constexpr = num_warps // WARPS_M
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16]
+            version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N], instr_shape=[16, BN // WARPS_N, 16]
         )
-        # rounding layout: a thread holds one whole 32-block of a row, so block maxima need no shuffles
-        round_layout: gl.constexpr = gl.BlockedLayout([1, 32], [32 // (BK // 32), BK // 32], [num_warps, 1], [1, 0])
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [W_SLOTS] + w_desc.block_type.shape, w_desc.layout)
+        w_bufs = gl.allocate_shared_memory(gl.bfloat16, [W_SLOTS, 1, BN, BK], W_LAYOUT)
         y_buf = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
         x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         w_ready = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], mbarrier.MBarrierLayout())
@@ -117,59 +260,50 @@ if not IMPORT_ERROR and not _INTERPRETED:
             per = gl.cdiv(tiles_m, SPLITS)
             n_tiles = gl.maximum(gl.minimum(per, tiles_m - (pid % SPLITS) * per), 0)
             b, m0, n0 = _tile(0, pid, M, N, PROGRAMS, SPLITS, BM, BN, STATIONARY)
-            mbarrier.expect(w_ready.index(0), KSTEPS * w_desc.block_type.nbytes)
-            for kk in gl.static_range(KSTEPS):
-                tma.async_copy_global_to_shared(w_desc, [b, n0, kk * BK], w_ready.index(0), w_bufs.index(kk))
+            if not DECODE:
+                mbarrier.expect(w_ready.index(0), KSTEPS * w_desc.block_type.nbytes)
+                for kk in gl.static_range(KSTEPS):
+                    tma.async_copy_global_to_shared(w_desc, [b, n0, kk * BK], w_ready.index(0), w_bufs.index(kk))
         else:
             n_tiles = gl.cdiv(B * gl.cdiv(M, BM) * gl.cdiv(N, BN) - pid, PROGRAMS)
         steps = n_tiles * KSTEPS
         for j in gl.static_range(STAGES - 1):
             if j < steps:
                 _load_step(x_desc, w_desc, x_bufs, w_bufs, x_ready, w_ready, j, pid, M, N, PROGRAMS, SPLITS,
-                           K, STATIONARY)  # fmt: skip
-        if STATIONARY:
-            mbarrier.wait(w_ready.index(0), 0)  # also keeps a program without tiles alive until its loads land
+                           K, BN, STATIONARY)  # fmt: skip
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
-        for i in range(steps):
-            xs = x_bufs.index(i % STAGES).reshape([BM, BK])
-            mbarrier.wait(x_ready.index(i % STAGES), (i // STAGES) & 1)
-            if ACT_MXFP4:
-                xs.store(mxfp4_even_round_trip(xs.load(round_layout), BM, BK, False))
-                fence_async_shared()  # generic-proxy writes before the MMA's (async-proxy) reads
-            if STATIONARY:
-                ws = w_bufs.index(i % KSTEPS).reshape([BN, BK])
-            else:
-                mbarrier.wait(w_ready.index(i % STAGES), (i // STAGES) & 1)
-                ws = w_bufs.index(i % STAGES).reshape([BN, BK])
-            acc = warpgroup_mma(xs, ws.permute((1, 0)), acc, use_acc=(i % KSTEPS) != 0, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            if i + STAGES - 1 < steps:  # into the slot of step i - 1, whose MMAs are done
-                _load_step(x_desc, w_desc, x_bufs, w_bufs, x_ready, w_ready, i + STAGES - 1, pid, M, N, PROGRAMS,
-                           SPLITS, K, STATIONARY)  # fmt: skip
-            if i % KSTEPS == KSTEPS - 1:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                b, m0, n0 = _tile(i // KSTEPS, pid, M, N, PROGRAMS, SPLITS, BM, BN, STATIONARY)
-                y0, y1 = acc.to(gl.bfloat16).reshape([BM, 2, HN]).permute((0, 2, 1)).split()
-                tma.store_wait(0)  # the previous store has read y_buf
-                y_buf.reshape([BM, HN]).store(y0)
-                fence_async_shared()
-                tma.async_copy_shared_to_global(y_desc, [b, m0, n0], y_buf)
-                tma.store_wait(0)
-                y_buf.reshape([BM, HN]).store(y1)
-                fence_async_shared()
-                tma.async_copy_shared_to_global(y_desc, [b, m0, n0 + HN], y_buf)
+        first = 0
+        if DECODE:  # the first tile's K steps each decode their weight slot first, overlapping the MMAs before
+            codes, scales = _load_column(c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0, N,
+                                         BN, BK, K, DECODE_LAYOUT)  # fmt: skip
+            if steps > 0:
+                for kk in gl.static_range(KSTEPS):
+                    w_bufs.index(kk).reshape([BN, BK]).store(_e2m1_dequant_ptx(codes[kk], scales[kk]))
+                    fence_async_shared()
+                    acc = _step(kk, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, x_ready, w_ready, steps, pid,
+                                M, N, PROGRAMS, SPLITS, K, BN, ACT_MXFP4, STATIONARY, ROUND_LAYOUT)  # fmt: skip
+                first = KSTEPS
+        elif STATIONARY:
+            mbarrier.wait(w_ready.index(0), 0)  # also keeps a program without tiles alive until its loads land
+        for i in range(first, steps):
+            acc = _step(i, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, x_ready, w_ready, steps, pid, M, N,
+                        PROGRAMS, SPLITS, K, BN, ACT_MXFP4, STATIONARY, ROUND_LAYOUT)  # fmt: skip
         tma.store_wait(0)
+
+
+SCHEDULES = ("stationary", "streaming", "decode")
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A launch: tile sizes, warps, schedule and x-ring stages (shared memory permitting)."""
+    """A launch: tile sizes, warps, schedule (one of :data:`SCHEDULES`) and x-ring stages (shared memory
+    permitting)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
-    stationary: bool
+    schedule: str
     stages: int
 
 
@@ -190,37 +324,51 @@ def smem_limit(device: torch.device) -> int:
     return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
+def y_columns(block_m: int, block_n: int) -> int:
+    """Columns of the y buffer: at 128 rows the tile leaves in two halves through one buffer (room for x
+    stages); at 64 rows, where the warps split N and each holds one half, whole."""
+    return block_n // 2 if block_m == 128 else block_n
+
+
 def smem_bytes(block_m: int, block_n: int, block_k: int, K: int, stationary: bool, stages: int) -> int:
-    """Shared memory of a launch (bytes): x ring, w (whole column, or a ring), the y half-tile buffer."""
+    """Shared memory of a launch (bytes): x ring, w (whole column, or a ring), the y buffer."""
     x_stage, w_stage = block_m * block_k * 2, block_n * block_k * 2
     w = (K // block_k) * w_stage if stationary else stages * w_stage
-    return stages * x_stage + w + block_m * block_n + _SMEM_SLACK
+    return stages * x_stage + w + block_m * y_columns(block_m, block_n) * 2 + _SMEM_SLACK
 
 
-def tile_error(block_m: int, block_n: int, block_k: int, num_warps: int) -> str:
-    """Why these tiles break the kernel's shape rules ("" when they do not): ``block_m == 16 * num_warps`` with
-    4 or 8 warps (one or two warpgroups), ``block_n`` a multiple of 32 up to 256, ``block_k`` 32 to 256."""
-    if num_warps not in (4, 8) or block_m != 16 * num_warps:
-        return f"block_m={block_m} with num_warps={num_warps}: needs 4 or 8 warps and block_m = 16 * num_warps"
+def tile_error(block_m: int, block_n: int, block_k: int, num_warps: int, schedule: str) -> str:
+    """Why these tiles break the kernel's shape rules ("" when they do not): 4 or 8 warps, ``block_m`` 64 or
+    128 rows with at least ``block_m / 16`` warps (one or two warpgroups along M, the others along N),
+    ``block_n`` a multiple of 32 up to 256, ``block_k`` 32 to 256; ``decode`` also needs a 32-block of
+    weights per thread: ``block_n >= 32 / (block_k / 32) * num_warps``."""
+    if schedule not in SCHEDULES:
+        return f"schedule {schedule!r}: needs one of {SCHEDULES}"
+    if num_warps not in (4, 8) or block_m not in (64, 128) or block_m > 16 * num_warps:
+        return f"block_m={block_m} with num_warps={num_warps}: needs 4 or 8 warps, block_m 64 or 128 <= 16 * num_warps"
     if block_n % 32 or not 32 <= block_n <= 256:
         return f"block_n={block_n}: needs a multiple of 32 up to 256"
     if not 32 <= block_k <= 256:
         return f"block_k={block_k}: needs 32 to 256"
+    if schedule == "decode" and block_n < 32 // (block_k // 32) * num_warps:
+        return f"block_n={block_n}: decode needs >= {32 // (block_k // 32) * num_warps} rows with these warps"
     return ""
 
 
-def plan(block_m: int, block_n: int, block_k: int, num_warps: int, stationary: bool, K: int, smem: int) -> Plan | None:
+def plan(block_m: int, block_n: int, block_k: int, num_warps: int, schedule: str, K: int, smem: int,
+         max_stages: int = MAX_STAGES) -> Plan | None:  # fmt: skip
     """The launch for tiles that pass :func:`tile_error` (``block_k`` dividing K) with the most x stages
-    (<= :data:`MAX_STAGES`, >= 2) fitting ``smem`` bytes; None when none fits."""
-    for stages in range(MAX_STAGES, 1, -1):
-        if smem_bytes(block_m, block_n, block_k, K, stationary, stages) <= smem:
-            return Plan(block_m, block_n, block_k, num_warps, stationary, stages)
+    (<= ``max_stages``, >= 2) fitting ``smem`` bytes; None when none fits."""
+    for stages in range(max_stages, 1, -1):
+        if smem_bytes(block_m, block_n, block_k, K, schedule != "streaming", stages) <= smem:
+            return Plan(block_m, block_n, block_k, num_warps, schedule, stages)
     return None
 
 
-def unusable_reason(x: torch.Tensor, out: torch.Tensor) -> str:
+def unusable_reason(x: torch.Tensor, out: torch.Tensor, *weights: torch.Tensor) -> str:
     """Why this kernel cannot serve these tensors ("" when it can): Gluon importable, compiled kernels, an
-    sm_90 NVIDIA GPU, x and out with unit last stride and 16-byte-aligned base and other strides."""
+    sm_90 NVIDIA GPU, x and out with unit last stride and 16-byte-aligned base and other strides; ``weights``
+    (codes and scales, for ``decode``) with unit last stride."""
     if IMPORT_ERROR:
         return IMPORT_ERROR
     if _INTERPRETED:
@@ -233,6 +381,9 @@ def unusable_reason(x: torch.Tensor, out: torch.Tensor) -> str:
     for name, t in (("x", x), ("out", out)):
         if not tma_strides_ok(t):
             return f"{name} strides {t.stride()} are not TMA-compatible (unit last, 16-byte aligned others)"
+    for t in weights:
+        if t.stride(-1) != 1:
+            return f"weight strides {t.stride()}: decode needs a unit last stride"
     return ""
 
 
@@ -242,25 +393,47 @@ def _smem_layout(block: tuple[int, ...]):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
 
 
-def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan) -> None:
-    """``out[b] = act(x[b]) @ w[b]^T`` for bf16 ``w [B, N, K]`` (contiguous); the caller checked
+@functools.cache
+def _register_layouts(block_m: int, block_n: int, block_k: int, num_warps: int):
+    """(rounding, decode) register layouts: x ``[block_m, block_k]`` with whole 32-blocks in a thread where
+    there is one per thread (else halves, quarters...), and codes ``[block_n, block_k / 32, 16]`` with one
+    16-byte block per thread."""
+    per_thread = min(32, block_m * block_k // (32 * num_warps))
+    along_k = block_k // per_thread
+    rounding = gl.BlockedLayout([1, per_thread], [32 // along_k, along_k], [num_warps, 1], [1, 0])
+    blocks = block_k // 32
+    decode = gl.BlockedLayout([1, 1, 16], [32 // blocks, blocks, 1], [num_warps, 1, 1], [2, 1, 0])
+    return rounding, decode
+
+
+def launch(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: torch.Tensor | None = None,
+           w_codes: torch.Tensor | None = None, w_scales: torch.Tensor | None = None) -> None:  # fmt: skip
+    """``out[b] = act(x[b]) @ w[b]^T`` with bf16 ``w [B, N, K]`` (contiguous; ``stationary`` / ``streaming``)
+    or, for ``decode``, E2M1 ``w_codes [B, N, K/2]`` and E8M0 ``w_scales [B, N, K/32]``; the caller checked
     :func:`unusable_reason` and made ``p`` with :func:`plan`."""
     B, M, K = x.shape
-    N = w.shape[1]
     bm, bn, bk = p.block_m, p.block_n, p.block_k
-    x_desc, w_desc, y_desc = (
-        TensorDescriptor.from_tensor(t, list(block), _smem_layout(block))
-        for t, block in ((x, (1, bm, bk)), (w, (1, bn, bk)), (out, (1, bm, bn // 2)))
-    )
+    decode = p.schedule == "decode"
+    N = (w_codes if decode else w).shape[1]
+    x_desc = TensorDescriptor.from_tensor(x, [1, bm, bk], _smem_layout((1, bm, bk)))
+    yn = y_columns(bm, bn)
+    y_desc = TensorDescriptor.from_tensor(out, [1, bm, yn], _smem_layout((1, bm, yn)))
+    w_layout = _smem_layout((1, bn, bk))
+    if decode:
+        w_desc, c, sc = None, w_codes, w_scales
+    else:
+        w_desc, c, sc = TensorDescriptor.from_tensor(w, [1, bn, bk], w_layout), w, w
     sms = sm_count(x.device)
     columns = B * triton.cdiv(N, bn)
-    if p.stationary:  # spread each column's M tiles over the multiprocessors left over
-        splits = max(1, min(triton.cdiv(M, bm), sms // columns))
-        programs = columns * splits
-    else:
+    if p.schedule == "streaming":
         splits = 1
         programs = min(sms, columns * triton.cdiv(M, bm))
+    else:  # spread each column's M tiles over the multiprocessors left over
+        splits = max(1, min(triton.cdiv(M, bm), sms // columns))
+        programs = columns * splits
+    rounding, decoding = _register_layouts(bm, bn, bk, p.num_warps)
     _bmm_kernel[(programs,)](
-        x_desc, w_desc, y_desc, M, N, B, programs, splits, K=K, ACT_MXFP4=act_mxfp4, STATIONARY=p.stationary,
-        STAGES=p.stages, num_warps=p.num_warps,
+        x_desc, w_desc, y_desc, c, sc, c.stride(0), c.stride(1), sc.stride(0), sc.stride(1), M, N, B, programs,
+        splits, K=K, BN=bn, W_LAYOUT=w_layout, ACT_MXFP4=act_mxfp4, STATIONARY=p.schedule != "streaming",
+        DECODE=decode, ROUND_LAYOUT=rounding, DECODE_LAYOUT=decoding, STAGES=p.stages, num_warps=p.num_warps,
     )  # fmt: skip

@@ -21,9 +21,11 @@ Kernels, picked per call by :func:`default_config` (``BmmConfig.tiles_m``, ``pre
   once per call instead of once per M tile; with ``BmmConfig.tma`` a persistent kernel reads x, the decoded
   weights and y through tensor descriptors (TMA) where the GPU has them (NVIDIA sm_90+; the interpreter
   emulates them), and the tiled kernel serves elsewhere;
-* wgmma (``BmmConfig.wgmma``, with predecode; the default above 256 rows): the Hopper Gluon kernel of
-  :mod:`~glm_pack.runtime.kernels.gluon_bmm` (weights kept in shared memory, x rounded there in place,
-  wgmma on both operands from shared memory) on sm_90 GPUs; the ``tma`` / tiled kernels elsewhere.
+* wgmma (``BmmConfig.wgmma``; the GLM defaults from 64 rows on): the Hopper Gluon kernel of
+  :mod:`~glm_pack.runtime.kernels.gluon_bmm` (x rounded in shared memory in place, wgmma on both operands
+  from shared memory) on sm_90 GPUs. ``"decode"`` decodes each program's weight column from the codes into
+  shared memory itself (no predecode pass); ``"stationary"`` / ``"streaming"`` read predecoded weights. The
+  tiled (``decode``) or ``tma`` / tiled (the others) kernels serve where it cannot run.
 
 Importing this module never fails without Triton: :func:`available` says why the kernel cannot run.
 Triton picks interpreter or compiler when a kernel is defined, i.e. when this module is imported.
@@ -307,10 +309,11 @@ class BmmConfig:
     ``tma`` (with ``predecode``): run the persistent tensor-descriptor kernel instead, where the GPU has TMA
     (NVIDIA compute capability >= 9) and x / out qualify (unit last stride, 16-byte aligned base and strides);
     elsewhere the call falls back to the tiled kernel with the same tiles.
-    ``wgmma`` (with ``predecode``): ``"stationary"`` or ``"streaming"`` runs the Hopper Gluon kernel of
-    :mod:`gluon_bmm` with that schedule where it can run (sm_90, TMA-compatible x / out, shared memory for at
-    least two stages; tiles: ``block_m = 16 * num_warps``, it picks its own stage count); elsewhere the call
-    falls back to ``tma`` / tiled as above."""
+    ``wgmma``: runs the Hopper Gluon kernel of :mod:`gluon_bmm` with that schedule where it can run (sm_90,
+    TMA-compatible x / out, shared memory for at least two stages; tiles: :func:`gluon_bmm.tile_error`, it
+    picks its own stage count; ``tiles_m`` 0): ``"decode"`` (without ``predecode``) decodes the weights in
+    the kernel, ``"stationary"`` / ``"streaming"`` (with ``predecode``) read predecoded ones; elsewhere the
+    call falls back to the tiled kernel (``decode``) or ``tma`` / tiled (the others) with the same tiles."""
 
     block_m: int
     block_n: int
@@ -341,24 +344,25 @@ _TUNED = {
     (512, 256, True, 16): _C(16, 128, 256, 4, 2, 0),
     (256, 512, False, 16): _C(16, 64, 512, 4, 1, 0),
     (256, 512, True, 16): _C(16, 64, 512, 4, 1, 0),
-    (512, 192, False, 64): _C(32, 64, 64, 4, 3, 0),
-    (512, 192, True, 64): _C(64, 128, 64, 4, 3, 0),
+    (512, 192, False, 64): _C(64, 64, 64, 4, 3, 0, wgmma="decode"),
+    (512, 192, True, 64): _C(64, 128, 64, 8, 3, 0, wgmma="decode"),
     (512, 256, False, 64): _C(32, 64, 128, 4, 3, 0),
-    (512, 256, True, 64): _C(64, 256, 64, 8, 3, 0),
+    (512, 256, True, 64): _C(64, 128, 64, 8, 3, 0, wgmma="decode"),
     (256, 512, False, 64): _C(16, 64, 128, 4, 3, 0),
-    (256, 512, True, 64): _C(32, 128, 64, 4, 3, 0),
-    (512, 192, True, 256): _C(64, 128, 64, 4, 1, 2),
-    (512, 256, True, 256): _C(128, 256, 64, 8, 3, 0, predecode=True, tma=True, wgmma="streaming"),
-    (256, 512, False, 256): _C(32, 128, 64, 4, 3, 0),
-    (256, 512, True, 256): _C(128, 256, 64, 8, 3, 0, predecode=True, tma=True, wgmma="streaming"),
+    (256, 512, True, 64): _C(64, 128, 64, 8, 3, 0, wgmma="decode"),
+    (512, 192, False, 256): _C(128, 128, 64, 8, 3, 0, wgmma="decode"),
+    (512, 192, True, 256): _C(64, 256, 64, 8, 3, 0, wgmma="decode"),
+    (512, 256, False, 256): _C(128, 128, 64, 8, 3, 0, wgmma="decode"),
+    (512, 256, True, 256): _C(128, 256, 64, 8, 3, 0, wgmma="decode"),
+    (256, 512, False, 256): _C(64, 128, 64, 8, 3, 0, wgmma="decode"),
+    (256, 512, True, 256): _C(128, 128, 64, 8, 3, 0, wgmma="decode"),
 }
 
 
 def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
     """Kernel and tiles by M bucket (16, 64, 256, larger), measured on an H200 (BENCHMARKS.md): the tuned GLM
-    shapes first, then general rules; above 256 rows, predecoded weights through the TMA kernel (the tiled
-    kernel where descriptors do not apply). ``wide``: enough 64-column tiles (B * N / 64 >= 256) to fill the
-    GPU with one-tile programs."""
+    shapes first, then general rules; above 256 rows :func:`_large_m`. ``wide``: enough 64-column tiles
+    (B * N / 64 >= 256) to fill the GPU with one-tile programs."""
     if _INTERPRETED:
         return BmmConfig(16 if M <= 16 else 32, 32 if N <= 32 else 64, _block_k(K, 64), 4, 1, 2)
     bk = _block_k(K, 64)
@@ -376,11 +380,12 @@ def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
 
 
 def _large_m(K: int) -> BmmConfig:
-    """Above 256 rows: predecoded weights through the Hopper wgmma kernel, weights-stationary while a 256-column
-    weight tile fits in shared memory next to the x ring (K <= 256), else streaming; the persistent TMA kernel
-    (then the tiled one) with the same tiles where it cannot run."""
-    return BmmConfig(128, 256, _block_k(K, 64), 8, 3, 0, predecode=True, tma=True,
-                     wgmma="stationary" if K <= 256 else "streaming")  # fmt: skip
+    """Above 256 rows: the Hopper wgmma kernel, decoding its weight column into shared memory itself while a
+    256-column bf16 column fits next to the x ring (K <= 256), else streaming predecoded weights; the tiled
+    ``dot_scaled`` kernel / the persistent TMA kernel on predecoded weights (same tiles) where it cannot run."""
+    if K <= 256:
+        return BmmConfig(128, 256, _block_k(K, 64), 8, 3, 0, wgmma="decode")
+    return BmmConfig(128, 256, _block_k(K, 64), 8, 3, 0, predecode=True, tma=True, wgmma="streaming")
 
 
 def accumulation_tolerance(ref: torch.Tensor, abs_dot: torch.Tensor, K: int) -> torch.Tensor:
@@ -505,11 +510,20 @@ def bmm_a16wfp4(
     if cfg.tma and not cfg.predecode:
         raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (tma reads decoded weights: set predecode)")
     if cfg.wgmma:
-        bad = gluon_bmm.tile_error(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps)
-        if cfg.wgmma not in ("stationary", "streaming") or not cfg.predecode or bad:
+        bad = gluon_bmm.tile_error(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma)
+        if bad or cfg.predecode == (cfg.wgmma == "decode") or cfg.tiles_m:
             raise BackendError(
-                f"triton bmm_a16wfp4: bad config {cfg} (wgmma: 'stationary' or 'streaming', with predecode; {bad})"
+                f"triton bmm_a16wfp4: bad config {cfg} (wgmma: 'stationary' or 'streaming' with predecode, "
+                f"'decode' without, tiles_m=0; {bad})"
             )
+    plan = None
+    decode_args = (w_codes, w_scales) if cfg.wgmma == "decode" else ()
+    if cfg.wgmma and not gluon_bmm.unusable_reason(x, out, *decode_args):
+        smem = gluon_bmm.smem_limit(x.device)
+        plan = gluon_bmm.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma, K, smem)
+    if plan and decode_args:
+        gluon_bmm.launch(x, out, act_quant == "mxfp4", plan, w_codes=w_codes, w_scales=w_scales)
+        return out
     w = w_codes
     if cfg.predecode:
         w = torch.empty(B, N, K, dtype=torch.bfloat16, device=x.device)
@@ -517,13 +531,9 @@ def bmm_a16wfp4(
         _decode_kernel[(triton.cdiv(N, 32), K // bk, B)](
             w_codes, w_scales, w, N, *w_codes.stride(), *w_scales.stride(), *w.stride()[:2], BLOCK_N=32, BLOCK_K=bk
         )
-    if cfg.wgmma and not gluon_bmm.unusable_reason(x, out):
-        stationary = cfg.wgmma == "stationary"
-        smem = gluon_bmm.smem_limit(x.device)
-        plan = gluon_bmm.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, stationary, K, smem)
-        if plan:
-            gluon_bmm.launch(x, w, out, act_quant == "mxfp4", plan)
-            return out
+    if plan:
+        gluon_bmm.launch(x, out, act_quant == "mxfp4", plan, w=w)
+        return out
     if cfg.tma and _tma_usable(x, out):
         _launch_tma(x, w, out, act_quant == "mxfp4", cfg)
         return out

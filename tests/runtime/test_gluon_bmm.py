@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from glm_pack.packing.errors import BackendError  # noqa: E402
+from glm_pack.packing.mxfp4 import dequantize  # noqa: E402
 from glm_pack.runtime.kernels import gluon_bmm as gb  # noqa: E402
 from glm_pack.runtime.kernels import triton_bmm as tb  # noqa: E402
 from tests.runtime.test_triton_bmm import activations, assert_close_to_reference, poisoned_out, weights  # noqa: E402
@@ -31,39 +32,53 @@ def test_plans_take_the_most_stages_that_fit():
     # GLM K-up (K 192 / 256): a 256 x K bf16 weight column (96 / 128 KiB) plus 4 x 16 KiB of x plus the
     # 32 KiB y half-tile: 4 stages fit in 227 KiB (at K = 256 a fifth would not; at 192 the cap stops it)
     for K in (192, 256):
-        p = gb.plan(128, 256, 64, 8, True, K, H200_SMEM)
-        assert (p.stages, p.stationary) == (4, True) and gb.MAX_STAGES == 4
+        for schedule in ("stationary", "decode"):
+            p = gb.plan(128, 256, 64, 8, schedule, K, H200_SMEM)
+            assert (p.stages, p.schedule) == (4, schedule) and gb.MAX_STAGES == 4
     assert gb.smem_bytes(128, 256, 64, 256, True, 4) <= H200_SMEM < gb.smem_bytes(128, 256, 64, 256, True, 5)
-    # V-up's 256 x 512 column is 256 KiB by itself: only the streaming schedule runs, with 4 x (16 + 32) KiB
-    assert gb.plan(128, 256, 64, 8, True, 512, H200_SMEM) is None
-    assert gb.plan(128, 256, 64, 8, False, 512, H200_SMEM).stages == 4
-    # hand count for one case: 3 x 16 KiB x + 3 x 32 KiB w + 32 KiB y + 1 KiB slack
+    # V-up's 256 x 512 column is 256 KiB by itself: only the streaming schedule runs, with 4 x (16 + 32) KiB;
+    # a 128-column one (128 KiB) fits
+    assert gb.plan(128, 256, 64, 8, "stationary", 512, H200_SMEM) is None
+    assert gb.plan(128, 256, 64, 8, "decode", 512, H200_SMEM) is None
+    assert gb.plan(128, 256, 64, 8, "streaming", 512, H200_SMEM).stages == 4
+    assert gb.plan(128, 128, 64, 8, "decode", 512, H200_SMEM).stages == 4
+    # hand counts: 3 x 16 KiB x + 3 x 32 KiB w + 32 KiB y (one 128-column half) + 1 KiB slack; at 64 rows the
+    # y buffer holds the whole 64 x 256 tile (32 KiB) and the column is 256 x 256 x 2 bytes
     assert gb.smem_bytes(128, 256, 64, 512, False, 3) == 3 * 16384 + 3 * 32768 + 32768 + 1024
-    # fewer stages where less memory is available, none below two
-    assert gb.plan(128, 256, 64, 8, False, 512, 150_000).stages == 2
-    assert gb.plan(128, 256, 64, 8, False, 512, 100_000) is None
+    assert gb.smem_bytes(64, 256, 64, 256, True, 4) == 4 * 8192 + 131072 + 32768 + 1024
+    assert (gb.y_columns(128, 256), gb.y_columns(64, 256)) == (128, 256)
+    # fewer stages where less memory is available, none below two, and no more than asked for
+    assert gb.plan(128, 256, 64, 8, "streaming", 512, 150_000).stages == 2
+    assert gb.plan(128, 256, 64, 8, "streaming", 512, 100_000) is None
+    assert gb.plan(128, 256, 64, 8, "streaming", 512, H200_SMEM, max_stages=3).stages == 3
 
 
 @pytest.mark.parametrize(
-    "tiles, bad",
-    [((128, 256, 64, 8), ""), ((64, 256, 64, 4), ""), ((128, 256, 64, 4), "16 \\* num_warps"),
-     ((256, 256, 64, 16), "4 or 8 warps"), ((128, 16, 64, 8), "multiple of 32"), ((128, 512, 64, 8), "up to 256"),
-     ((128, 256, 512, 8), "32 to 256")],
+    "tiles, schedule, bad",
+    [((128, 256, 64, 8), "streaming", ""), ((64, 256, 64, 4), "stationary", ""), ((64, 128, 64, 8), "decode", ""),
+     ((64, 64, 64, 4), "decode", ""), ((128, 256, 64, 4), "streaming", "64 or 128 <= 16 \\* num_warps"),
+     ((32, 256, 64, 4), "decode", "64 or 128"), ((256, 256, 64, 16), "streaming", "4 or 8 warps"),
+     ((128, 16, 64, 8), "streaming", "multiple of 32"), ((128, 512, 64, 8), "streaming", "up to 256"),
+     ((128, 256, 512, 8), "streaming", "32 to 256"), ((64, 64, 64, 8), "decode", "decode needs >= 128 rows"),
+     ((128, 256, 64, 8), "both", "one of")],
 )  # fmt: skip
-def test_tile_rules(tiles, bad):
-    err = gb.tile_error(*tiles)
+def test_tile_rules(tiles, schedule, bad):
+    """Each rule against a hand-picked violation; the decode rule: 32 / (64 / 32) = 16 rows per warp, so 8 warps
+    need 128 weight rows."""
+    err = gb.tile_error(*tiles, schedule)
     assert (err == "") == (bad == "")
     if bad:
         codes, scales = weights(1, 64, 512, seed=0)
-        cfg = tb.BmmConfig(*tiles, 3, 0, predecode=True, wgmma="streaming")
+        cfg = tb.BmmConfig(*tiles, 3, 0, predecode=schedule != "decode", wgmma=schedule)
         with pytest.raises(BackendError, match=bad):
             tb.bmm_a16wfp4(activations(4, 1, 512, seed=1), codes, scales, config=cfg)
 
 
 @pytest.mark.parametrize(
     "change, match",
-    [(dict(wgmma="both"), "stationary' or 'streaming"), (dict(predecode=False), "with predecode")],
-)
+    [(dict(predecode=False), "with predecode"), (dict(wgmma="decode"), "'decode' without"),
+     (dict(tiles_m=2, predecode=False, wgmma="decode"), "tiles_m=0")],
+)  # fmt: skip
 def test_rejects_wgmma_configs_outside_the_contract(change, match):
     cfg = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tiles_m=0, predecode=True)
     cfg.update({"wgmma": "streaming", **change})
@@ -73,23 +88,29 @@ def test_rejects_wgmma_configs_outside_the_contract(change, match):
 
 
 @pytest.mark.skipif(SM90, reason="checks the fallback where the kernel cannot run")
-def test_falls_back_to_the_triton_kernels_where_it_cannot_run(monkeypatch):
+@pytest.mark.parametrize(
+    "cfg",
+    [tb.BmmConfig(64, 64, 64, 4, 1, 0, predecode=True, tma=True, wgmma="stationary"),
+     tb.BmmConfig(64, 64, 64, 4, 1, 0, wgmma="decode")],
+    ids=["stationary", "decode"],
+)  # fmt: skip
+def test_falls_back_to_the_triton_kernels_where_it_cannot_run(cfg, monkeypatch):
     """Here (interpreter or another GPU) a wgmma config runs the TMA / tiled kernels with the same tiles."""
     B, M, N, K = 2, 37, 80, 192
     codes, scales = weights(B, N, K, seed=5)
     x = activations(M, B, K, seed=6, row=256)
     buf, out = poisoned_out(M, B, N)
     assert gb.unusable_reason(x, out)
-    monkeypatch.setattr(gb, "launch", lambda *a: pytest.fail("gluon kernel launched"))
-    cfg = tb.BmmConfig(64, 64, 64, 4, 1, 0, predecode=True, tma=True, wgmma="stationary")
+    monkeypatch.setattr(gb, "launch", lambda *a, **kw: pytest.fail("gluon kernel launched"))
     tb.bmm_a16wfp4(x, codes, scales, out=out, config=cfg)
     assert torch.isnan(buf[..., N:]).all()
     assert_close_to_reference(out, x, codes, scales, "mxfp4")
 
 
 def test_large_m_defaults_pick_the_schedule_by_weight_size():
-    assert tb._large_m(192).wgmma == tb._large_m(256).wgmma == "stationary"
-    assert tb._large_m(512).wgmma == "streaming"
+    assert tb._large_m(192).wgmma == tb._large_m(256).wgmma == "decode"
+    assert not tb._large_m(256).predecode
+    assert (tb._large_m(512).wgmma, tb._large_m(512).predecode) == ("streaming", True)
 
 
 _COMPILE = textwrap.dedent(
@@ -101,65 +122,118 @@ _COMPILE = textwrap.dedent(
     from triton.experimental.gluon._runtime import GluonASTSource
     from glm_pack.runtime.kernels import gluon_bmm as gb
 
-    K, stationary, act = json.loads(sys.argv[1])
-    p = gb.plan(128, 256, 64, 8, stationary, K, 232448)
+    bm, bn, bk, warps, schedule, K, act = json.loads(sys.argv[1])
+    p = gb.plan(bm, bn, bk, warps, schedule, K, 232448)
+    decode = schedule == "decode"
     def desc(block):
-        return f"tensordesc<bf16{block},{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)!r}>"
-    sig = {"x_desc": desc([1, 128, 64]), "w_desc": desc([1, 256, 64]), "y_desc": desc([1, 128, 128]),
-           "M": "i32", "N": "i32", "B": "i32", "PROGRAMS": "i32", "SPLITS": "i32", "K": "constexpr",
-           "ACT_MXFP4": "constexpr", "STATIONARY": "constexpr", "STAGES": "constexpr", "num_warps": "constexpr"}
-    consts = dict(K=K, ACT_MXFP4=act, STATIONARY=stationary, STAGES=p.stages, num_warps=8)
+        return f"tensordesc<bf16{block},{gb._smem_layout(tuple(block))!r}>"
+    sig = {"x_desc": desc([1, bm, bk]), "w_desc": "constexpr" if decode else desc([1, bn, bk]),
+           "y_desc": desc([1, bm, gb.y_columns(bm, bn)]), "c_ptr": "*u8" if decode else "*bf16",
+           "s_ptr": "*u8" if decode else "*bf16", "stride_cb": "i32", "stride_cn": "i32", "stride_sb": "i32",
+           "stride_sn": "i32", "M": "i32", "N": "i32", "B": "i32", "PROGRAMS": "i32", "SPLITS": "i32"}
+    rounding, decoding = gb._register_layouts(bm, bn, bk, warps)
+    consts = dict(K=K, BN=bn, W_LAYOUT=gb._smem_layout((1, bn, bk)), ACT_MXFP4=act, STATIONARY=schedule != "streaming",
+                  DECODE=decode, ROUND_LAYOUT=rounding, DECODE_LAYOUT=decoding, STAGES=p.stages, num_warps=warps)
+    if decode:
+        consts["w_desc"] = None
+    sig.update(dict.fromkeys(consts, "constexpr"))
     src = GluonASTSource(fn=gb._bmm_kernel, signature=sig, constexprs=consts)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     ptx = k.asm["ptx"]
     print(json.dumps({"shared": k.metadata.shared, "warps": k.metadata.num_warps, "stages": p.stages,
-                      "estimate": gb.smem_bytes(128, 256, 64, K, stationary, p.stages),
-                      "wgmma": ptx.count("wgmma.mma_async"), "cubin": len(k.asm["cubin"])}))
+                      "estimate": gb.smem_bytes(bm, bn, bk, K, schedule != "streaming", p.stages),
+                      "wgmma": ptx.count("wgmma.mma_async"), "prmt": ptx.count("prmt.b32"),
+                      "cubin": len(k.asm["cubin"])}))
     """
 )
 
 
 @pytest.mark.parametrize(
-    "K, stationary, act",
-    [(192, True, True), (256, True, True), (512, False, True), (512, False, False)],
-    ids=["kup192-stationary", "kup256-stationary", "vup-streaming", "vup-streaming-none"],
-)
-def test_kernel_compiles_for_sm90_within_shared_memory(K, stationary, act):
+    "tiles, schedule, K, act",
+    [((128, 256, 64, 8), "decode", 192, True), ((128, 256, 64, 8), "decode", 256, True),
+     ((64, 128, 64, 8), "decode", 256, True), ((128, 128, 64, 8), "decode", 512, True),
+     ((128, 256, 64, 8), "stationary", 256, True), ((128, 256, 64, 8), "streaming", 512, True),
+     ((128, 256, 64, 8), "streaming", 512, False)],
+    ids=["kup192-decode", "kup256-decode", "kup256-decode-64rows", "vup-decode-128cols", "kup256-stationary",
+         "vup-streaming", "vup-streaming-none"],
+)  # fmt: skip
+def test_kernel_compiles_for_sm90_within_shared_memory(tiles, schedule, K, act):
     """The real kernel, compiled for sm_90a by Triton's bundled ptxas on this machine (no GPU needed): it
-    builds, uses 8 warps, the wgmma instructions are there, and its shared memory is within the H200's limit
-    and the planner's estimate."""
+    builds with the warps asked for, the wgmma instructions (and for ``decode`` the byte-table lookups) are
+    there, and its shared memory is within the H200's limit and the planner's estimate."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([K, stationary, act])],
+    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([*tiles, schedule, K, act])],
                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    assert got["warps"] == 8 and got["wgmma"] >= 1 and got["cubin"] > 0
+    assert got["warps"] == tiles[3] and got["wgmma"] >= 1 and got["cubin"] > 0
+    assert (got["prmt"] > 0) == (schedule == "decode")
     assert got["shared"] <= got["estimate"] <= H200_SMEM
     assert got["stages"] == 4
 
 
+_GPU_CONFIGS = {
+    "stationary": tb.BmmConfig(128, 256, 64, 8, 3, 0, predecode=True, tma=True, wgmma="stationary"),
+    "streaming": tb.BmmConfig(128, 256, 64, 8, 3, 0, predecode=True, tma=True, wgmma="streaming"),
+    "decode": tb.BmmConfig(128, 256, 64, 8, 3, 0, wgmma="decode"),
+    "decode-128cols": tb.BmmConfig(128, 128, 64, 8, 3, 0, wgmma="decode"),
+    "decode-64rows": tb.BmmConfig(64, 128, 64, 8, 3, 0, wgmma="decode"),
+    "decode-64x64": tb.BmmConfig(64, 64, 64, 4, 3, 0, wgmma="decode"),
+}
+
+
+def _launches(monkeypatch) -> list:
+    """Record the plan of every Gluon launch (then launch for real)."""
+    launched = []
+    real = gb.launch
+    monkeypatch.setattr(gb, "launch", lambda x, out, act, p, **kw: launched.append(p) or real(x, out, act, p, **kw))
+    return launched
+
+
 @sm90_only
-@pytest.mark.parametrize("schedule", ["stationary", "streaming"])
+@pytest.mark.parametrize("name", list(_GPU_CONFIGS))
 @pytest.mark.parametrize(
     "B, M, N, K, row",
     [(16, 300, 512, 192, 256), (16, 300, 512, 256, 256), (16, 300, 256, 512, 512), (3, 1000, 80, 192, 256),
      (1, 5000, 256, 256, 256), (7, 129, 512, 128, 128)],
 )  # fmt: skip
-def test_matches_reference_on_gpu(B, M, N, K, row, schedule, monkeypatch):
-    """Both schedules on GLM shapes and ragged ones (M and N not multiples of the tiles, programs without
+def test_matches_reference_on_gpu(B, M, N, K, row, name, monkeypatch):
+    """Every schedule on GLM shapes and ragged ones (M and N not multiples of the tiles, programs without
     tiles when a column's M tiles do not split evenly), through the runtime's strided views."""
-    launched = []
-    real = gb.launch
-    monkeypatch.setattr(gb, "launch", lambda *a: launched.append(a[-1]) or real(*a))
+    launched = _launches(monkeypatch)
     codes, scales = weights(B, N, K, seed=M + N)
     x = activations(M, B, K, seed=K, row=row)
-    cfg = tb.BmmConfig(128, 256, 64, 8, 3, 0, predecode=True, tma=True, wgmma=schedule)
+    cfg = _GPU_CONFIGS[name]
     for act_quant in ("mxfp4", "none"):
         buf, out = poisoned_out(M, B, N)
         tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=cfg)
         assert torch.isnan(buf[..., N:]).all()
         assert_close_to_reference(out, x, codes, scales, act_quant)
-    if gb.plan(128, 256, 64, 8, schedule == "stationary", K, gb.smem_limit(x.device)) is None:
-        assert not launched  # no room for the weight column: the TMA kernel served
+    smem = gb.smem_limit(x.device)
+    if gb.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma, K, smem) is None:
+        assert not launched  # no room for the weight column: a Triton kernel served
     else:
-        assert launched and launched[0].stationary == (schedule == "stationary")
+        assert launched and launched[0].schedule == cfg.wgmma
+
+
+@sm90_only
+@pytest.mark.parametrize("K", [192, 512])
+def test_decode_is_exact_for_every_code_and_scale(K, monkeypatch):
+    """Identity activations (``act_quant="none"``) make y the decoded weights transposed: every E2M1 code with
+    scale bytes across the whole range (0 = 2**-127, bf16-subnormal results, 253 / 254 overflowing to inf,
+    255 = NaN) must come out as the float32 dequantization rounded to bf16, bit for bit (NaN where it is)."""
+    launched = _launches(monkeypatch)
+    B, N = 2, 128
+    g = torch.Generator().manual_seed(K)
+    codes = torch.randint(0, 256, (B, N, K // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 140, (B, N, K // 32), generator=g, dtype=torch.uint8)
+    special = torch.tensor([0, 1, 2, 5, 120, 127, 128, 200, 252, 253, 254, 255], dtype=torch.uint8)
+    scales[0, : len(special), 0] = special  # one special block per row keeps the other rows finite
+    scales[1, 3, :] = special[: K // 32] if K // 32 <= len(special) else special.repeat(2)[: K // 32]
+    x = torch.eye(K, dtype=torch.bfloat16).expand(B, K, K).contiguous()
+    expected = torch.bmm(x.float(), dequantize(codes, scales).transpose(1, 2)).to(torch.bfloat16)
+    out = torch.full((B, K, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    tb.bmm_a16wfp4(x.cuda(), codes.cuda(), scales.cuda(), act_quant="none", out=out,
+                   config=_GPU_CONFIGS["decode-128cols"])  # fmt: skip
+    assert launched and launched[0].schedule == "decode"
+    torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0, equal_nan=True)
