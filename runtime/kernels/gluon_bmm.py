@@ -59,6 +59,34 @@ MAX_STAGES = 4
 _SMEM_SLACK = 1024  # barriers and alignment, bytes
 _INTERPRETED = interpreted()  # read at import, as the kernels below are defined (or not) by it
 
+def _e2m1_bf16_ptx() -> str:
+    """PTX for :func:`_e2m1_dequant_ptx`, one invocation per 4 code bytes ``$4`` (8 nibbles, k order) and a bf16
+    scale pair ``$5``: writes the 8 scaled bf16 values as pairs ``$0 .. $3``.
+
+    prmt picks bytes out of two 32-bit words by 3-bit selectors, four at a time: with each nibble's magnitude
+    bits as selector, the words holding the high (then low) bytes of bf16(E2M1[m]) at byte m give four values'
+    high (low) bytes, which two more prmt interleave into k-ordered pairs. Nibble j's sign (bit 4j + 3) goes
+    to bit 15 (even j) or 31 (odd j) of pair j // 2; one ``mul.rn.bf16x2`` per pair applies the scale."""
+    bits = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]).to(torch.bfloat16).view(torch.int16).tolist()
+
+    def word(values: list[int]) -> str:
+        return hex(sum(v << (8 * i) for i, v in enumerate(values)))
+
+    high, low = [(b >> 8) & 0xFF for b in bits], [b & 0xFF for b in bits]
+    tables = {"h": (word(high[:4]), word(high[4:])), "l": (word(low[:4]), word(low[4:]))}
+    lines = ["and.b32 s0, $4, 0x7777;", "shr.b32 s1, $4, 16;", "and.b32 s1, s1, 0x7777;"]
+    for half in (0, 1):  # nibbles 4 * half .. 4 * half + 3 -> pairs 2 * half, 2 * half + 1
+        lines += [f"prmt.b32 {t}{half}, {lo}, {hi}, s{half};" for t, (lo, hi) in tables.items()]
+        lines += [f"prmt.b32 t{2 * half + i}, l{half}, h{half}, {sel};" for i, sel in enumerate(("0x5140", "0x7362"))]
+    for j in range(8):
+        target = 31 if j % 2 else 15
+        shift = target - (4 * j + 3)
+        lines += [f"{'shl' if shift >= 0 else 'shr'}.b32 g, $4, {abs(shift)};", f"and.b32 g, g, {hex(1 << target)};",
+                  f"or.b32 t{j // 2}, t{j // 2}, g;"]  # fmt: skip
+    lines += [f"mul.rn.bf16x2 ${i}, t{i}, $5;" for i in range(4)]
+    return "{\n.reg .b32 s<2>, h<2>, l<2>, t<4>, g;\n" + "\n".join(lines) + "\n}"
+
+
 if not IMPORT_ERROR and not _INTERPRETED:
     from glm_pack.runtime.kernels.mxfp4_jit import mxfp4_even_round_trip
 
@@ -91,51 +119,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
             mbarrier.expect(w_ready.index(s), w_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(w_desc, [b, n0, k], w_ready.index(s), w_bufs.index(s))
 
-    # bf16 bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (0x0000, 0x3F00, 0x3F80, ..., 0x40C0), as
-    # byte tables for prmt: high bytes in (_HI0, _HI1), low bytes in (_LO0, _LO1), magnitude m at byte m.
-    _E2M1_BF16_PTX = gl.constexpr("""
-    {
-    .reg .b32 s<2>, h<2>, l<2>, g<8>, t<4>;
-    and.b32 s0, $4, 0x7777;
-    shr.b32 s1, $4, 16;
-    and.b32 s1, s1, 0x7777;
-    prmt.b32 h0, 0x3F3F3F00, 0x40404040, s0;
-    prmt.b32 l0, 0xC0800000, 0xC0804000, s0;
-    prmt.b32 h1, 0x3F3F3F00, 0x40404040, s1;
-    prmt.b32 l1, 0xC0800000, 0xC0804000, s1;
-    prmt.b32 t0, l0, h0, 0x5140;
-    prmt.b32 t1, l0, h0, 0x7362;
-    prmt.b32 t2, l1, h1, 0x5140;
-    prmt.b32 t3, l1, h1, 0x7362;
-    shl.b32 g0, $4, 12;
-    and.b32 g0, g0, 0x8000;
-    shl.b32 g1, $4, 24;
-    and.b32 g1, g1, 0x80000000;
-    shl.b32 g2, $4, 4;
-    and.b32 g2, g2, 0x8000;
-    shl.b32 g3, $4, 16;
-    and.b32 g3, g3, 0x80000000;
-    shr.b32 g4, $4, 4;
-    and.b32 g4, g4, 0x8000;
-    shl.b32 g5, $4, 8;
-    and.b32 g5, g5, 0x80000000;
-    shr.b32 g6, $4, 12;
-    and.b32 g6, g6, 0x8000;
-    and.b32 g7, $4, 0x80000000;
-    or.b32 t0, t0, g0;
-    or.b32 t0, t0, g1;
-    or.b32 t1, t1, g2;
-    or.b32 t1, t1, g3;
-    or.b32 t2, t2, g4;
-    or.b32 t2, t2, g5;
-    or.b32 t3, t3, g6;
-    or.b32 t3, t3, g7;
-    mul.rn.bf16x2 $0, t0, $5;
-    mul.rn.bf16x2 $1, t1, $5;
-    mul.rn.bf16x2 $2, t2, $5;
-    mul.rn.bf16x2 $3, t3, $5;
-    }
-    """)
+    _E2M1_BF16_PTX = gl.constexpr(_e2m1_bf16_ptx())
 
     @gluon.jit
     def _e2m1_dequant_ptx(codes, scales):
