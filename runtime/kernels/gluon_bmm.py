@@ -104,7 +104,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
             return tile // (tiles_n * tiles_m), (tile // tiles_n % tiles_m) * BM, (tile % tiles_n) * BN
 
     @gluon.jit
-    def _load_step(x_desc, w_desc, x_bufs, w_bufs, x_ready, w_ready, j, pid, M, N, PROGRAMS, SPLITS,
+    def _load_step(x_desc, w_desc, x_bufs, w_bufs, ready, w_ready, j, pid, M, N, PROGRAMS, SPLITS,
                    K: gl.constexpr, BN: gl.constexpr, STATIONARY: gl.constexpr):  # fmt: skip
         """Issue the TMA loads of flattened step j (tile j // KSTEPS, K step j % KSTEPS) into ring slot j % S."""
         BM: gl.constexpr = x_desc.block_type.shape[1]
@@ -113,11 +113,12 @@ if not IMPORT_ERROR and not _INTERPRETED:
         b, m0, n0 = _tile(j // KSTEPS, pid, M, N, PROGRAMS, SPLITS, BM, BN, STATIONARY)
         k = (j % KSTEPS) * BK
         s = j % x_bufs.type.shape[0]
-        mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [b, m0, k], x_ready.index(s), x_bufs.index(s))
-        if not STATIONARY:
-            mbarrier.expect(w_ready.index(s), w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(w_desc, [b, n0, k], w_ready.index(s), w_bufs.index(s))
+        if STATIONARY:
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes)
+        else:  # one barrier per stage for both tiles
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [b, n0, k], ready.index(s), w_bufs.index(s))
+        tma.async_copy_global_to_shared(x_desc, [b, m0, k], ready.index(s), x_bufs.index(s))
 
     _E2M1_BF16_PTX = gl.constexpr(_e2m1_bf16_ptx())
 
@@ -166,7 +167,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
         return codes, scales
 
     @gluon.jit
-    def _step(i, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, x_ready, w_ready, steps, pid, M, N, PROGRAMS,
+    def _step(i, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, w_ready, steps, pid, M, N, PROGRAMS,
               SPLITS, K: gl.constexpr, BN: gl.constexpr, ACT_MXFP4: gl.constexpr, STATIONARY: gl.constexpr,
               ROUND_LAYOUT: gl.constexpr):  # fmt: skip
         """Flattened step i: round the x tile in place, issue its MMAs, refill the ring slot freed by step i - 1,
@@ -177,19 +178,18 @@ if not IMPORT_ERROR and not _INTERPRETED:
         STAGES: gl.constexpr = x_bufs.type.shape[0]
         KSTEPS: gl.constexpr = K // BK
         xs = x_bufs.index(i % STAGES).reshape([BM, BK])
-        mbarrier.wait(x_ready.index(i % STAGES), (i // STAGES) & 1)
+        mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
         if ACT_MXFP4:
             xs.store(mxfp4_even_round_trip(xs.load(ROUND_LAYOUT), BM, BK, False))
             fence_async_shared()  # generic-proxy writes before the MMA's (async-proxy) reads
         if STATIONARY:
             ws = w_bufs.index(i % KSTEPS).reshape([BN, BK])
         else:
-            mbarrier.wait(w_ready.index(i % STAGES), (i // STAGES) & 1)
             ws = w_bufs.index(i % STAGES).reshape([BN, BK])
         acc = warpgroup_mma(xs, ws.permute((1, 0)), acc, use_acc=(i % KSTEPS) != 0, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         if i + STAGES - 1 < steps:  # into the slot of step i - 1, whose MMAs are done
-            _load_step(x_desc, w_desc, x_bufs, w_bufs, x_ready, w_ready, i + STAGES - 1, pid, M, N, PROGRAMS,
+            _load_step(x_desc, w_desc, x_bufs, w_bufs, ready, w_ready, i + STAGES - 1, pid, M, N, PROGRAMS,
                        SPLITS, K, BN, STATIONARY)  # fmt: skip
         if i % KSTEPS == KSTEPS - 1:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -232,12 +232,11 @@ if not IMPORT_ERROR and not _INTERPRETED:
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
         w_bufs = gl.allocate_shared_memory(gl.bfloat16, [W_SLOTS, 1, BN, BK], W_LAYOUT)
         y_buf = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
-        x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        w_ready = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        w_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())  # the stationary column
         for st in gl.static_range(STAGES):
-            mbarrier.init(x_ready.index(st), count=1)
-        for st in gl.static_range(W_SLOTS):
-            mbarrier.init(w_ready.index(st), count=1)
+            mbarrier.init(ready.index(st), count=1)
+        mbarrier.init(w_ready.index(0), count=1)
         pid = gl.program_id(0)
         if STATIONARY:
             tiles_m = gl.cdiv(M, BM)
@@ -253,7 +252,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
         steps = n_tiles * KSTEPS
         for j in gl.static_range(STAGES - 1):
             if j < steps:
-                _load_step(x_desc, w_desc, x_bufs, w_bufs, x_ready, w_ready, j, pid, M, N, PROGRAMS, SPLITS,
+                _load_step(x_desc, w_desc, x_bufs, w_bufs, ready, w_ready, j, pid, M, N, PROGRAMS, SPLITS,
                            K, BN, STATIONARY)  # fmt: skip
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
         first = 0
@@ -264,13 +263,13 @@ if not IMPORT_ERROR and not _INTERPRETED:
                 for kk in gl.static_range(KSTEPS):
                     w_bufs.index(kk).reshape([BN, BK]).store(_e2m1_dequant_ptx(codes[kk], scales[kk]))
                     fence_async_shared()
-                    acc = _step(kk, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, x_ready, w_ready, steps, pid,
+                    acc = _step(kk, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, w_ready, steps, pid,
                                 M, N, PROGRAMS, SPLITS, K, BN, ACT_MXFP4, STATIONARY, ROUND_LAYOUT)  # fmt: skip
                 first = KSTEPS
         elif STATIONARY:
             mbarrier.wait(w_ready.index(0), 0)  # also keeps a program without tiles alive until its loads land
         for i in range(first, steps):
-            acc = _step(i, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, x_ready, w_ready, steps, pid, M, N,
+            acc = _step(i, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, w_ready, steps, pid, M, N,
                         PROGRAMS, SPLITS, K, BN, ACT_MXFP4, STATIONARY, ROUND_LAYOUT)  # fmt: skip
         tma.store_wait(0)
 
