@@ -59,6 +59,7 @@ MAX_STAGES = 4
 _SMEM_SLACK = 1024  # barriers and alignment, bytes
 _INTERPRETED = interpreted()  # read at import, as the kernels below are defined (or not) by it
 
+
 def _e2m1_bf16_ptx() -> str:
     """PTX for :func:`_e2m1_dequant_ptx`, one invocation per 4 code bytes ``$4`` (8 nibbles, k order) and a bf16
     scale pair ``$5``: writes the 8 scaled bf16 values as pairs ``$0 .. $3``.
@@ -104,7 +105,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
             return tile // (tiles_n * tiles_m), (tile // tiles_n % tiles_m) * BM, (tile % tiles_n) * BN
 
     @gluon.jit
-    def _load_step(x_desc, w_desc, x_bufs, w_bufs, ready, w_ready, j, pid, M, N, PROGRAMS, SPLITS,
+    def _load_step(x_desc, w_desc, x_bufs, w_bufs, ready, j, pid, M, N, PROGRAMS, SPLITS,
                    K: gl.constexpr, BN: gl.constexpr, STATIONARY: gl.constexpr):  # fmt: skip
         """Issue the TMA loads of flattened step j (tile j // KSTEPS, K step j % KSTEPS) into ring slot j % S."""
         BM: gl.constexpr = x_desc.block_type.shape[1]
@@ -124,12 +125,11 @@ if not IMPORT_ERROR and not _INTERPRETED:
 
     @gluon.jit
     def _e2m1_dequant_ptx(codes, scales):
-        """codes u8 ``[R, NB, 16]`` + E8M0 scales u8 ``[R, NB]`` -> bf16 ``[R, NB * 32]``, the values of
-        the Triton kernels' ``_e2m1_dequant`` (exact: E2M1 values are bf16 values, times a
-        power of two in one bf16 multiply that rounds only what leaves bf16's range, as the float32 route's
-        final cast does). Per 4 code bytes: byte-table lookups (prmt) give the 8 magnitudes in k order, the
-        sign bits are or-ed in, one ``mul.bf16x2`` per pair applies the scale; the codes' layout must keep
-        each thread's 4-byte groups within one 32-block."""
+        """codes u8 ``[R, NB, 16]`` + E8M0 scales u8 ``[R, NB]`` -> bf16 ``[R, NB * 32]``, the values of the
+        Triton kernels' ``_e2m1_dequant`` (exact: E2M1 values are bf16 values, times a power of two in one bf16
+        multiply that rounds only what leaves bf16's range, as the float32 route's final cast does), computed
+        by :func:`_e2m1_bf16_ptx` per 4 code bytes; the codes' layout must keep each thread's 4-byte groups
+        within one 32-block."""
         R: gl.constexpr = codes.shape[0]
         NB: gl.constexpr = codes.shape[1]
         sc = scales.to(gl.int32)
@@ -167,7 +167,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
         return codes, scales
 
     @gluon.jit
-    def _step(i, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, w_ready, steps, pid, M, N, PROGRAMS,
+    def _step(i, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, steps, pid, M, N, PROGRAMS,
               SPLITS, K: gl.constexpr, BN: gl.constexpr, ACT_MXFP4: gl.constexpr, STATIONARY: gl.constexpr,
               ROUND_LAYOUT: gl.constexpr):  # fmt: skip
         """Flattened step i: round the x tile in place, issue its MMAs, refill the ring slot freed by step i - 1,
@@ -189,7 +189,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
         acc = warpgroup_mma(xs, ws.permute((1, 0)), acc, use_acc=(i % KSTEPS) != 0, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         if i + STAGES - 1 < steps:  # into the slot of step i - 1, whose MMAs are done
-            _load_step(x_desc, w_desc, x_bufs, w_bufs, ready, w_ready, i + STAGES - 1, pid, M, N, PROGRAMS,
+            _load_step(x_desc, w_desc, x_bufs, w_bufs, ready, i + STAGES - 1, pid, M, N, PROGRAMS,
                        SPLITS, K, BN, STATIONARY)  # fmt: skip
         if i % KSTEPS == KSTEPS - 1:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -252,7 +252,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
         steps = n_tiles * KSTEPS
         for j in gl.static_range(STAGES - 1):
             if j < steps:
-                _load_step(x_desc, w_desc, x_bufs, w_bufs, ready, w_ready, j, pid, M, N, PROGRAMS, SPLITS,
+                _load_step(x_desc, w_desc, x_bufs, w_bufs, ready, j, pid, M, N, PROGRAMS, SPLITS,
                            K, BN, STATIONARY)  # fmt: skip
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
         first = 0
@@ -263,13 +263,13 @@ if not IMPORT_ERROR and not _INTERPRETED:
                 for kk in gl.static_range(KSTEPS):
                     w_bufs.index(kk).reshape([BN, BK]).store(_e2m1_dequant_ptx(codes[kk], scales[kk]))
                     fence_async_shared()
-                    acc = _step(kk, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, w_ready, steps, pid,
+                    acc = _step(kk, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, steps, pid,
                                 M, N, PROGRAMS, SPLITS, K, BN, ACT_MXFP4, STATIONARY, ROUND_LAYOUT)  # fmt: skip
                 first = KSTEPS
         elif STATIONARY:
             mbarrier.wait(w_ready.index(0), 0)  # also keeps a program without tiles alive until its loads land
         for i in range(first, steps):
-            acc = _step(i, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, w_ready, steps, pid, M, N,
+            acc = _step(i, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, steps, pid, M, N,
                         PROGRAMS, SPLITS, K, BN, ACT_MXFP4, STATIONARY, ROUND_LAYOUT)  # fmt: skip
         tma.store_wait(0)
 
