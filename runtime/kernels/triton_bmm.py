@@ -21,7 +21,7 @@ Kernels, picked per call by :func:`default_config` (``BmmConfig.tiles_m``, ``pre
   once per call instead of once per M tile; with ``BmmConfig.tma`` a persistent kernel reads x, the decoded
   weights and y through tensor descriptors (TMA) where the GPU has them (NVIDIA sm_90+; the interpreter
   emulates them), and the tiled kernel serves elsewhere;
-* wgmma (``BmmConfig.wgmma``; the GLM defaults from 64 rows on): the Hopper Gluon kernel of
+* wgmma (``BmmConfig.wgmma``; most GLM defaults from 64 rows on): the Hopper Gluon kernel of
   :mod:`~glm_pack.runtime.kernels.gluon_bmm` (x rounded in shared memory in place, wgmma on both operands
   from shared memory) on sm_90 GPUs. ``"decode"`` decodes each program's weight column from the codes into
   shared memory itself (no predecode pass); ``"stationary"`` / ``"streaming"`` read predecoded weights. The
