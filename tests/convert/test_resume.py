@@ -67,17 +67,9 @@ def manifest_without_time(out):
     return m
 
 
-@pytest.fixture(scope="module")
-def clean_run(synth_ckpt, tmp_path_factory):
-    src = synth_ckpt("glm-5", "mxfp4-quark", layers=4, experts=2)
-    out = tmp_path_factory.mktemp("clean") / "out"
-    convert(src, out, ConvertOptions(files="copy", repack_experts="aiter-a4w4"))
-    return src, out
-
-
 @pytest.mark.parametrize("point", ["mid-file", "between-files", "manifest"])
-def test_sigkill_then_resume_is_byte_identical(clean_run, tmp_path, point):
-    src, clean = clean_run
+def test_sigkill_then_resume_is_byte_identical(converted, tmp_path, point):
+    src, clean = converted
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-c", DRIVER, str(src), str(out), point, "aiter-a4w4"], capture_output=True, text=True
@@ -114,8 +106,8 @@ def test_sigkill_then_resume_is_byte_identical(clean_run, tmp_path, point):
     assert verify(out).ok
 
 
-def test_resume_redoes_a_corrupted_finished_file(clean_run, tmp_path):
-    src, clean = clean_run
+def test_resume_redoes_a_corrupted_finished_file(converted, tmp_path):
+    src, clean = converted
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-c", DRIVER, str(src), str(out), "manifest", "none"], capture_output=True)
     assert proc.returncode == -signal.SIGKILL
@@ -129,8 +121,8 @@ def test_resume_redoes_a_corrupted_finished_file(clean_run, tmp_path):
     assert verify(out).ok
 
 
-def test_resume_with_other_options_is_refused(clean_run, tmp_path):
-    src, _ = clean_run
+def test_resume_with_other_options_is_refused(converted, tmp_path):
+    src, _ = converted
     out = tmp_path / "out"
     subprocess.run([sys.executable, "-c", DRIVER, str(src), str(out), "between-files", "none"], capture_output=True)
     with pytest.raises(PlanError, match="other options"):
@@ -140,16 +132,16 @@ def test_resume_with_other_options_is_refused(clean_run, tmp_path):
         convert(src, tmp_path / "done", ConvertOptions(files="none", resume=True))
 
 
-def test_second_concurrent_run_is_refused(clean_run, tmp_path):
-    src, _ = clean_run
+def test_second_concurrent_run_is_refused(converted, tmp_path):
+    src, _ = converted
     out = tmp_path / "out"
     with OutputLock(out):
         r = CliRunner().invoke(main, ["convert", str(src), str(out)])
         assert r.exit_code == 1 and f"pid {os.getpid()}" in r.output and "another glm-pack run" in r.output
 
 
-def test_stale_lock_of_a_killed_process_is_recovered(clean_run, tmp_path):
-    src, _ = clean_run
+def test_stale_lock_of_a_killed_process_is_recovered(converted, tmp_path):
+    src, _ = converted
     out = tmp_path / "out"
     holder = subprocess.Popen(
         [
@@ -176,8 +168,8 @@ def test_stale_lock_of_a_killed_process_is_recovered(clean_run, tmp_path):
     assert verify(out).ok
 
 
-def test_ctrl_c_exits_cleanly_and_leaves_a_resumable_state(clean_run, tmp_path):
-    src, clean = clean_run
+def test_ctrl_c_exits_cleanly_and_leaves_a_resumable_state(converted, tmp_path):
+    src, clean = converted
     out = tmp_path / "out"
     proc = subprocess.Popen(
         [
