@@ -13,14 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from glm_pack.packing.errors import BackendError
+from glm_pack.packing.mxfp4 import dequantize
+from tests.runtime.kernel_modules import kernel_module
+from tests.runtime.test_triton_bmm import activations, assert_close_to_reference, poisoned_out, weights
 
-from glm_pack.packing.errors import BackendError  # noqa: E402
-from glm_pack.packing.mxfp4 import dequantize  # noqa: E402
-from glm_pack.runtime.kernels import gluon_bmm as gb  # noqa: E402
-from glm_pack.runtime.kernels import triton_bmm as tb  # noqa: E402
-from tests.runtime.test_triton_bmm import activations, assert_close_to_reference, poisoned_out, weights  # noqa: E402
+gb = kernel_module("gluon_bmm")
+tb = kernel_module("triton_bmm")
 
 pytestmark = pytest.mark.skipif(bool(gb.IMPORT_ERROR), reason=f"gluon unavailable: {gb.IMPORT_ERROR}")
 

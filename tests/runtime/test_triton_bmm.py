@@ -7,22 +7,15 @@ plus one bf16 ulp). Paths that sum one product per output (identity operands) mu
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported: Triton decides at definition
+from glm_pack.packing.errors import BackendError
+from glm_pack.packing.mxfp4 import dequantize, quantize
+from glm_pack.runtime import reference
+from tests.runtime.kernel_modules import kernel_module
 
-from glm_pack.packing.errors import BackendError  # noqa: E402
-from glm_pack.packing.mxfp4 import dequantize, quantize  # noqa: E402
-from glm_pack.runtime import reference  # noqa: E402
-from glm_pack.runtime.kernels import triton_bmm as tb  # noqa: E402
-
-if not torch.cuda.is_available() and not tb._INTERPRETED:
-    tb = importlib.reload(tb)  # imported earlier without the interpreter flag
+tb = kernel_module("triton_bmm")
 _ok, _why = tb.available()
 pytestmark = pytest.mark.skipif(not _ok, reason=f"triton bmm unavailable: {_why}")
 

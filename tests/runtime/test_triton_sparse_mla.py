@@ -9,21 +9,14 @@ bar is 1e-4.
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported: Triton decides at definition
+from glm_pack.packing.errors import BackendError
+from glm_pack.runtime import reference
+from tests.runtime.kernel_modules import kernel_module
 
-from glm_pack.packing.errors import BackendError  # noqa: E402
-from glm_pack.runtime import reference  # noqa: E402
-from glm_pack.runtime.kernels import triton_sparse_mla as tsm  # noqa: E402
-
-if not torch.cuda.is_available() and not tsm._INTERPRETED:
-    tsm = importlib.reload(tsm)  # imported earlier without the interpreter flag
+tsm = kernel_module("triton_sparse_mla")
 _ok, _why = tsm.available()
 pytestmark = pytest.mark.skipif(not _ok, reason=f"triton sparse MLA unavailable: {_why}")
 

@@ -1,0 +1,20 @@
+"""The Triton kernel modules as the tests import them: on a machine without a GPU, with their kernels defined for
+Triton's interpreter (``TRITON_INTERPRET=1`` must be set before a kernel is defined, i.e. before the module is
+imported; a module imported earlier without it is reloaded)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+
+def kernel_module(name: str):
+    """``glm_pack.runtime.kernels.<name>``, interpreted where no CUDA GPU is visible."""
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    module = importlib.import_module(f"glm_pack.runtime.kernels.{name}")
+    if not torch.cuda.is_available() and not module._INTERPRETED:
+        module = importlib.reload(module)
+    return module
