@@ -309,7 +309,8 @@ def smem_limit(device: torch.device) -> int:
 
 def y_columns(block_m: int, block_n: int) -> int:
     """Columns of the y buffer: at 128 rows the tile leaves in two halves through one buffer (room for x
-    stages); at 64 rows, where the warps split N and each holds one half, whole."""
+    stages); at 64 rows whole, in the same 32 KiB (with 8 warps each warpgroup holds a different half of N,
+    so the accumulator cannot be split in registers)."""
     return block_n // 2 if block_m == 128 else block_n
 
 
