@@ -15,10 +15,13 @@ ACT_QUANT_MODES = ("mxfp4", "none")
 
 
 def activation_as_float(x: torch.Tensor, act_quant: str) -> torch.Tensor:
-    """bf16 activation ``[..., K]`` -> float32 values the kernel multiplies (MXFP4 even round trip or as is)."""
+    """bf16 activation ``[..., K]`` -> float32 values the kernel multiplies (MXFP4 even round trip or as is).
+
+    A NaN stays NaN, so a NaN activation row gives a NaN output row: E2M1 has no NaN and the codec writes it
+    as +-0, which would hide it (the rest of its block goes to scale 2**127, i.e. +-0 or +-Inf)."""
     if act_quant == "mxfp4":
         codes, scales = quantize(x, mode="even", axis=-1, check_finite_input=False)
-        return dequantize(codes, scales, axis=-1)
+        return torch.where(torch.isnan(x), x.float(), dequantize(codes, scales, axis=-1))
     if act_quant == "none":
         return x.float()
     raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, got {act_quant!r}")

@@ -139,6 +139,21 @@ def test_activation_path_is_bit_exact(act_quant):
     assert torch.equal(y, expected)  # -0.0 == 0.0; everything else bit for bit
 
 
+@pytest.mark.parametrize("M", [3, 300] if DEV == "cuda" else [3])
+def test_nan_activation_gives_a_nan_output_row(M):
+    """A NaN activation makes its output row NaN (the codec's +-0 would hide it, so the reference keeps it)
+    and leaves every other row as the reference has it."""
+    B, N, K = 2, 64, 256
+    codes, scales = weights(B, N, K, seed=11)
+    x = activations(M, B, K, seed=12).contiguous()
+    x[1, M // 2, 37] = float("nan")
+    y = tb.bmm_a16wfp4(x, codes, scales)
+    assert y[1, M // 2].isnan().all()
+    rows = [m for m in range(M) if m != M // 2]
+    assert_close_to_reference(y[:1], x[:1], codes[:1], scales[:1], "mxfp4")
+    assert_close_to_reference(y[1:, rows], x[1:, rows], codes[1:], scales[1:], "mxfp4")
+
+
 def test_weight_decode_is_bit_exact():
     """x = identity with act_quant="none" turns y into dequant(W)^T: every nibble, scales from 2**-127 up."""
     B, N, K = 2, 64, 64
