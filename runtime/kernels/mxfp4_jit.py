@@ -50,7 +50,7 @@ if not IMPORT_ERROR:
         q = tl.abs(xb) * pow2(-e).to(xb.dtype)[:, :, None, None]
         if INTERPRET:
             a = tl.where(q > six, six, q)
-        else:  # one packed min that keeps NaN (tl.minimum would go through fp32, a where to selects)
+        else:  # one packed min that keeps NaN (tl.minimum would go through fp32, a where through selects)
             a = tl.inline_asm_elementwise("{.reg .b32 c; mov.b32 c, 0x40C040C0; min.NaN.bf16x2 $0, $1, c;}", "=r,r",
                                           [q], dtype=xb.dtype, is_pure=True, pack=2)  # fmt: skip
         t = tl.where(a > one, a, one)
