@@ -21,6 +21,7 @@ Results go to stdout (a markdown table) and, with ``--out``, to ``DIR/bench_trit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -46,7 +47,8 @@ OPS = {"kup192": (512, 192, 256), "kup256": (512, 256, 256), "vup": (256, 512, 5
 def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
     """Configs worth timing for an M bucket (the default first): tiled shapes for decode (small M tiles, long
     K steps, few warps); from 64 rows the Gluon kernel decoding its weight column itself (tiles whose column
-    fits in shared memory), on predecoded weights, and the Triton kernels on predecoded weights."""
+    fits in shared memory) and on predecoded weights, each with and without rounding warps, and the Triton
+    kernels on predecoded weights."""
     C, bk = tb.BmmConfig, tb._block_k
 
     def pre(bm, bn, warps, stages, tma=False, wgmma=""):
@@ -60,16 +62,19 @@ def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
     gluon = [pre(128, 256, 8, 3, True, "stationary"), pre(128, 256, 8, 3, True, "streaming"),
              *dec(128, 256, 8), *dec(128, 128, 8)]  # fmt: skip
 
+    def ws(configs):  # the same with rounding warps (warp specialisation)
+        return [dataclasses.replace(c, ws=True) for c in configs]
+
     if M <= 16:
         extra = [C(16, 32, bk(K, 64), 2, 3, 0), C(16, 64, bk(K, 64), 4, 3, 0), C(16, 32, bk(K, 512), 4, 1, 0),
                  C(16, 64, bk(K, 128), 4, 3, 0), C(16, 32, bk(K, 256), 4, 1, 0), C(16, 16, bk(K, 512), 4, 1, 0),
                  C(16, 32, bk(K, 512), 2, 1, 0), C(16, 64, bk(K, 512), 4, 1, 0)]  # fmt: skip
     elif M <= 64:
-        extra = [*decoded, C(64, 256, bk(K, 64), 8, 3, 0), C(32, 64, bk(K, 128), 4, 3, 0)]
+        extra = [*decoded, *ws(decoded), C(64, 256, bk(K, 64), 8, 3, 0), C(32, 64, bk(K, 128), 4, 3, 0)]
     elif M <= 256:
-        extra = [*decoded, *gluon, C(64, 256, bk(K, 64), 8, 3, 0), pre(64, 128, 4, 4, True)]
+        extra = [*decoded, *gluon, *ws(decoded + gluon), C(64, 256, bk(K, 64), 8, 3, 0), pre(64, 128, 4, 4, True)]
     else:
-        extra = [*gluon, *decoded[:2]]
+        extra = [*gluon, *ws(gluon), *decoded[:2]]
     return list(dict.fromkeys([tb.default_config(B, M, N, K), *extra]))
 
 
@@ -259,7 +264,7 @@ def kernel_label(c: dict) -> str:
     """Which kernel a config (as a dict) selects, and its tiles: e.g. ``wgmma stationary 128x256x64 w8``."""
     tiles = f"{c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']}"
     if c.get("wgmma"):
-        return f"wgmma {c['wgmma']} {tiles}"
+        return f"wgmma {c['wgmma']}{' ws' if c.get('ws') else ''} {tiles}"
     if c.get("tma"):
         return f"predecode+TMA {tiles}s{c['num_stages']}"
     kind = "predecode tiled" if c.get("predecode") else f"ws t{c['tiles_m']}" if c["tiles_m"] else "tiled"

@@ -10,20 +10,24 @@ x tile is rounded to MXFP4 in shared memory, in place, by the shared
 
 ``[block_m, block_n]`` output tiles (64 or 128 rows: one or two warpgroups along M, any other warps along N),
 ``block_k`` K steps, both operands from shared memory (wgmma SS), fp32 accumulators in registers; y leaves
-through one buffer (:func:`y_columns`). Three schedules:
+through one buffer (:func:`y_columns`). A program owns one ``(b, n0)`` column of weights and a contiguous run
+of its M tiles (each column's tiles split over the multiprocessors left over). Three schedules:
 
-* ``decode``: a program owns one ``(b, n0)`` column of weights and a contiguous run of its M tiles. It loads
-  the column's codes and scales into registers at once and, during its first tile, decodes K step ``k`` into
-  shared memory (bf16; a byte-table lookup per code pair, :func:`_e2m1_dequant_ptx`) just before that step's
-  MMAs, so decoding overlaps the MMAs of step ``k - 1``; the column (``block_n * K * 2`` bytes) stays for the
-  remaining tiles. The weights cross HBM once per program and are never written back.
+* ``decode``: the program loads the column's codes and scales into registers at once and decodes them into
+  shared memory (bf16; a byte-table lookup per code pair, :func:`_e2m1_dequant_ptx`): without ``ws`` K step
+  ``k`` during the first tile, just before that step's MMAs, so decoding overlaps the MMAs of step ``k - 1``;
+  with ``ws`` all of it before the first MMA. The column (``block_n * K * 2`` bytes) stays for the remaining
+  tiles. The weights cross HBM once per program and are never written back.
 * ``stationary``: the same, with the column loaded by TMA from predecoded bf16 weights.
-* ``streaming``: x and predecoded w tiles stream through one ring; programs (one per multiprocessor at most)
-  walk all tiles (N fastest, then M, then B). For weights too large to keep (GLM's V-up: 256 x 512 bf16 =
-  256 KiB per head at 256 columns).
+* ``streaming``: x and predecoded w tiles stream through one ring, for weights too large to keep (GLM's V-up:
+  256 x 512 bf16 = 256 KiB per head at 256 columns).
 
 The x ring has as many stages as fit in shared memory, up to 4. TMA loads for step ``i + stages - 1`` are
-issued once the MMAs of step ``i - 1`` are done, so the rounding of step ``i`` overlaps the MMAs of ``i - 1``.
+issued once the MMAs of step ``i - 1`` are done. Without ``ws`` the MMA warps round step ``i`` while the MMAs
+of ``i - 1`` run. With ``ws`` (warp specialisation) :data:`ROUND_WARPS` more warps round each x tile as soon
+as it lands and signal an mbarrier, so the MMA warps only wait, issue MMAs, refill the ring and write y; the
+registers are rebalanced between the two groups (``setmaxnreg``), within 65536 per multiprocessor: one
+program per multiprocessor.
 
 Gluon has no interpreter: under ``TRITON_INTERPRET=1``, on AMD GPUs and on NVIDIA GPUs other than sm_90 (wgmma
 is sm_90-only), :func:`unusable_reason` says why and the caller runs its Triton kernels instead.
@@ -56,6 +60,8 @@ except Exception as exc:  # noqa: BLE001 - any import failure means "unavailable
     IMPORT_ERROR = _TRITON_ERROR or f"triton's gluon cannot be imported: {exc}"
 
 MAX_STAGES = 4
+ROUND_WARPS = 4  # warps rounding x with warp specialisation (WS)
+ROUND_REGS = 96  # their registers per thread
 _SMEM_SLACK = 1024  # barriers and alignment, bytes
 _INTERPRETED = interpreted()  # read at import, as the kernels below are defined (or not) by it
 
@@ -92,26 +98,23 @@ if not IMPORT_ERROR and not _INTERPRETED:
     from glm_pack.runtime.kernels.mxfp4_jit import mxfp4_even_round_trip
 
     @gluon.jit
-    def _tile(t, pid, M, N, PROGRAMS, SPLITS, BM: gl.constexpr, BN: gl.constexpr, STATIONARY: gl.constexpr):
-        """(b, m0, n0) of this program's t-th tile."""
+    def _tile(t, pid, M, N, SPLITS, BM: gl.constexpr, BN: gl.constexpr):
+        """(b, m0, n0) of this program's t-th tile: program = (column, split), SPLITS consecutive programs share a
+        column and each walks a contiguous run of its M tiles."""
         tiles_m = gl.cdiv(M, BM)
         tiles_n = gl.cdiv(N, BN)
-        if STATIONARY:  # program = (column, split): SPLITS consecutive programs share a column
-            col = pid // SPLITS
-            m_tile = (pid % SPLITS) * gl.cdiv(tiles_m, SPLITS) + t
-            return col // tiles_n, m_tile * BM, (col % tiles_n) * BN
-        else:
-            tile = pid + t * PROGRAMS
-            return tile // (tiles_n * tiles_m), (tile // tiles_n % tiles_m) * BM, (tile % tiles_n) * BN
+        col = pid // SPLITS
+        m_tile = (pid % SPLITS) * gl.cdiv(tiles_m, SPLITS) + t
+        return col // tiles_n, m_tile * BM, (col % tiles_n) * BN
 
     @gluon.jit
-    def _load_step(x_desc, w_desc, x_bufs, w_bufs, ready, j, pid, M, N, PROGRAMS, SPLITS,
-                   K: gl.constexpr, BN: gl.constexpr, STATIONARY: gl.constexpr):  # fmt: skip
+    def _load_step(x_desc, w_desc, x_bufs, w_bufs, ready, j, pid, M, N, SPLITS, K: gl.constexpr, BN: gl.constexpr,
+                   STATIONARY: gl.constexpr):  # fmt: skip
         """Issue the TMA loads of flattened step j (tile j // KSTEPS, K step j % KSTEPS) into ring slot j % S."""
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
         KSTEPS: gl.constexpr = K // BK
-        b, m0, n0 = _tile(j // KSTEPS, pid, M, N, PROGRAMS, SPLITS, BM, BN, STATIONARY)
+        b, m0, n0 = _tile(j // KSTEPS, pid, M, N, SPLITS, BM, BN)
         k = (j % KSTEPS) * BK
         s = j % x_bufs.type.shape[0]
         if STATIONARY:
@@ -122,6 +125,8 @@ if not IMPORT_ERROR and not _INTERPRETED:
         tma.async_copy_global_to_shared(x_desc, [b, m0, k], ready.index(s), x_bufs.index(s))
 
     _E2M1_BF16_PTX = gl.constexpr(_e2m1_bf16_ptx())
+    _ROUND_WARPS = gl.constexpr(ROUND_WARPS)
+    _ROUND_REGS = gl.constexpr(ROUND_REGS)
 
     @gluon.jit
     def _e2m1_dequant_ptx(codes, scales):
@@ -167,21 +172,25 @@ if not IMPORT_ERROR and not _INTERPRETED:
         return codes, scales
 
     @gluon.jit
-    def _step(i, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, steps, pid, M, N, PROGRAMS,
-              SPLITS, K: gl.constexpr, BN: gl.constexpr, ACT_MXFP4: gl.constexpr, STATIONARY: gl.constexpr,
-              ROUND_LAYOUT: gl.constexpr):  # fmt: skip
-        """Flattened step i: round the x tile in place, issue its MMAs, refill the ring slot freed by step i - 1,
-        and after a tile's last K step write its y. Returns the accumulator."""
+    def _step(i, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, steps, pid, M, N, SPLITS,
+              K: gl.constexpr, BN: gl.constexpr, ACT_MXFP4: gl.constexpr, STATIONARY: gl.constexpr,
+              WS: gl.constexpr, ROUND_LAYOUT: gl.constexpr):  # fmt: skip
+        """Flattened step i: wait for the x tile (rounded by the worker warps with WS, else rounded here, in
+        place), issue its MMAs, refill the ring slot freed by step i - 1, and after a tile's last K step write its
+        y. Returns the accumulator."""
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
         YN: gl.constexpr = y_desc.block_type.shape[2]
         STAGES: gl.constexpr = x_bufs.type.shape[0]
         KSTEPS: gl.constexpr = K // BK
         xs = x_bufs.index(i % STAGES).reshape([BM, BK])
-        mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
-        if ACT_MXFP4:
-            xs.store(mxfp4_even_round_trip(xs.load(ROUND_LAYOUT), BM, BK, False))
-            fence_async_shared()  # generic-proxy writes before the MMA's (async-proxy) reads
+        if WS:
+            mbarrier.wait(rounded.index(i % STAGES), (i // STAGES) & 1)
+        else:
+            mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
+            if ACT_MXFP4:
+                xs.store(mxfp4_even_round_trip(xs.load(ROUND_LAYOUT), BM, BK, False))
+                fence_async_shared()  # generic-proxy writes before the MMA's (async-proxy) reads
         if STATIONARY:
             ws = w_bufs.index(i % KSTEPS).reshape([BN, BK])
         else:
@@ -189,11 +198,10 @@ if not IMPORT_ERROR and not _INTERPRETED:
         acc = warpgroup_mma(xs, ws.permute((1, 0)), acc, use_acc=(i % KSTEPS) != 0, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         if i + STAGES - 1 < steps:  # into the slot of step i - 1, whose MMAs are done
-            _load_step(x_desc, w_desc, x_bufs, w_bufs, ready, i + STAGES - 1, pid, M, N, PROGRAMS,
-                       SPLITS, K, BN, STATIONARY)  # fmt: skip
+            _load_step(x_desc, w_desc, x_bufs, w_bufs, ready, i + STAGES - 1, pid, M, N, SPLITS, K, BN, STATIONARY)
         if i % KSTEPS == KSTEPS - 1:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            b, m0, n0 = _tile(i // KSTEPS, pid, M, N, PROGRAMS, SPLITS, BM, BN, STATIONARY)
+            b, m0, n0 = _tile(i // KSTEPS, pid, M, N, SPLITS, BM, BN)
             tma.store_wait(0)  # the previous store has read y_buf
             if YN == BN:
                 y_buf.reshape([BM, BN]).store(acc.to(gl.bfloat16))
@@ -211,67 +219,100 @@ if not IMPORT_ERROR and not _INTERPRETED:
         return acc
 
     @gluon.jit
+    def _mma_loop(acc, first, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready, steps, pid,
+                  M, N, SPLITS, K: gl.constexpr, BN: gl.constexpr, ACT_MXFP4: gl.constexpr, STATIONARY: gl.constexpr,
+                  DECODE: gl.constexpr, WS: gl.constexpr, ROUND_LAYOUT: gl.constexpr):  # fmt: skip
+        """The program's steps from ``first`` on, on the MMA warps."""
+        if STATIONARY and not DECODE:
+            mbarrier.wait(w_ready.index(0), 0)  # also keeps a program without tiles alive until its loads land
+        for i in range(first, steps):
+            acc = _step(i, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, steps, pid, M, N,
+                        SPLITS, K, BN, ACT_MXFP4, STATIONARY, WS, ROUND_LAYOUT)  # fmt: skip
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _round_loop(x_bufs, ready, rounded, steps, ROUND_LAYOUT: gl.constexpr):
+        """The worker warps' steps (WS): round each x tile to MXFP4 in place once its TMA load lands, then signal
+        the MMA warps."""
+        STAGES: gl.constexpr = x_bufs.type.shape[0]
+        BM: gl.constexpr = x_bufs.type.shape[2]
+        BK: gl.constexpr = x_bufs.type.shape[3]
+        for i in range(steps):
+            mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
+            xs = x_bufs.index(i % STAGES).reshape([BM, BK])
+            xs.store(mxfp4_even_round_trip(xs.load(ROUND_LAYOUT), BM, BK, False))
+            fence_async_shared()  # generic-proxy writes before the MMA's (async-proxy) reads
+            gl.thread_barrier()  # every worker thread's stores, before one thread arrives
+            mbarrier.arrive(rounded.index(i % STAGES), count=1)
+
+    @gluon.jit
     def _bmm_kernel(x_desc, w_desc, y_desc, c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn,
-                    M, N, B, PROGRAMS, SPLITS, K: gl.constexpr, BN: gl.constexpr, W_LAYOUT: gl.constexpr,
-                    ACT_MXFP4: gl.constexpr, STATIONARY: gl.constexpr, DECODE: gl.constexpr,
+                    M, N, SPLITS, K: gl.constexpr, BN: gl.constexpr, W_LAYOUT: gl.constexpr,
+                    ACT_MXFP4: gl.constexpr, STATIONARY: gl.constexpr, DECODE: gl.constexpr, WS: gl.constexpr,
                     ROUND_LAYOUT: gl.constexpr, DECODE_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
                     num_warps: gl.constexpr):  # fmt: skip
-        """Grid ``(PROGRAMS,)``; descriptors over x ``[B, M, K]`` (block ``[1, BM, BK]``), y ``[B, M, N]``
+        """Grid ``(columns * SPLITS,)``; descriptors over x ``[B, M, K]`` (block ``[1, BM, BK]``), y ``[B, M, N]``
         (``[1, BM, YN]``, :func:`y_columns`) and, unless DECODE, bf16 w ``[B, N, K]`` (``[1, BN, BK]``); with DECODE
-        (stationary only) the weights come from codes ``c_ptr`` / scales ``s_ptr`` instead. STATIONARY:
-        PROGRAMS = columns * SPLITS."""
+        (stationary only) the weights come from codes ``c_ptr`` / scales ``s_ptr`` instead. WS: the x tiles are
+        rounded by :data:`ROUND_WARPS` more warps (``ROUND_LAYOUT`` over those), else by the MMA warps."""
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
         KSTEPS: gl.constexpr = K // BK
         W_SLOTS: gl.constexpr = KSTEPS if STATIONARY else STAGES
+        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+        w_bufs = gl.allocate_shared_memory(gl.bfloat16, [W_SLOTS, 1, BN, BK], W_LAYOUT)
+        y_buf = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        rounded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        w_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())  # the stationary column
+        for st in gl.static_range(STAGES):
+            mbarrier.init(ready.index(st), count=1)
+            mbarrier.init(rounded.index(st), count=1)
+        mbarrier.init(w_ready.index(0), count=1)
+        pid = gl.program_id(0)
+        tiles_m = gl.cdiv(M, BM)
+        per = gl.cdiv(tiles_m, SPLITS)
+        n_tiles = gl.maximum(gl.minimum(per, tiles_m - (pid % SPLITS) * per), 0)
+        steps = n_tiles * KSTEPS
+        for j in gl.static_range(STAGES - 1):
+            if j < steps:
+                _load_step(x_desc, w_desc, x_bufs, w_bufs, ready, j, pid, M, N, SPLITS, K, BN, STATIONARY)
         WARPS_M: gl.constexpr = BM // 16  # one warpgroup per 64 rows; the others split N
         WARPS_N: gl.constexpr = num_warps // WARPS_M
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N], instr_shape=[16, BN // WARPS_N, 16]
         )
-        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-        w_bufs = gl.allocate_shared_memory(gl.bfloat16, [W_SLOTS, 1, BN, BK], W_LAYOUT)
-        y_buf = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        w_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())  # the stationary column
-        for st in gl.static_range(STAGES):
-            mbarrier.init(ready.index(st), count=1)
-        mbarrier.init(w_ready.index(0), count=1)
-        pid = gl.program_id(0)
-        if STATIONARY:
-            tiles_m = gl.cdiv(M, BM)
-            per = gl.cdiv(tiles_m, SPLITS)
-            n_tiles = gl.maximum(gl.minimum(per, tiles_m - (pid % SPLITS) * per), 0)
-            b, m0, n0 = _tile(0, pid, M, N, PROGRAMS, SPLITS, BM, BN, STATIONARY)
-            if not DECODE:
-                mbarrier.expect(w_ready.index(0), KSTEPS * w_desc.block_type.nbytes)
-                for kk in gl.static_range(KSTEPS):
-                    tma.async_copy_global_to_shared(w_desc, [b, n0, kk * BK], w_ready.index(0), w_bufs.index(kk))
-        else:
-            n_tiles = gl.cdiv(B * gl.cdiv(M, BM) * gl.cdiv(N, BN) - pid, PROGRAMS)
-        steps = n_tiles * KSTEPS
-        for j in gl.static_range(STAGES - 1):
-            if j < steps:
-                _load_step(x_desc, w_desc, x_bufs, w_bufs, ready, j, pid, M, N, PROGRAMS, SPLITS,
-                           K, BN, STATIONARY)  # fmt: skip
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
         first = 0
-        if DECODE:  # the first tile's K steps each decode their weight slot first, overlapping the MMAs before
+        b, m0, n0 = _tile(0, pid, M, N, SPLITS, BM, BN)
+        if DECODE:
             codes, scales = _load_column(c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0, N,
                                          BN, BK, K, DECODE_LAYOUT)  # fmt: skip
-            if steps > 0:
+            if WS:  # the whole column first, while the first x tiles load
+                for kk in gl.static_range(KSTEPS):
+                    w_bufs.index(kk).reshape([BN, BK]).store(_e2m1_dequant_ptx(codes[kk], scales[kk]))
+                fence_async_shared()
+                gl.thread_barrier()
+            elif steps > 0:  # the first tile's K steps each decode their weight slot first, overlapping the MMAs
                 for kk in gl.static_range(KSTEPS):
                     w_bufs.index(kk).reshape([BN, BK]).store(_e2m1_dequant_ptx(codes[kk], scales[kk]))
                     fence_async_shared()
-                    acc = _step(kk, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, steps, pid,
-                                M, N, PROGRAMS, SPLITS, K, BN, ACT_MXFP4, STATIONARY, ROUND_LAYOUT)  # fmt: skip
+                    acc = _step(kk, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, steps, pid,
+                                M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, WS, ROUND_LAYOUT)  # fmt: skip
                 first = KSTEPS
         elif STATIONARY:
-            mbarrier.wait(w_ready.index(0), 0)  # also keeps a program without tiles alive until its loads land
-        for i in range(first, steps):
-            acc = _step(i, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, steps, pid, M, N,
-                        PROGRAMS, SPLITS, K, BN, ACT_MXFP4, STATIONARY, ROUND_LAYOUT)  # fmt: skip
-        tma.store_wait(0)
+            mbarrier.expect(w_ready.index(0), KSTEPS * w_desc.block_type.nbytes)
+            for kk in gl.static_range(KSTEPS):
+                tma.async_copy_global_to_shared(w_desc, [b, n0, kk * BK], w_ready.index(0), w_bufs.index(kk))
+        if WS:
+            gl.warp_specialize([
+                (_mma_loop, (acc, first, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
+                             steps, pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, WS, ROUND_LAYOUT)),
+                (_round_loop, (x_bufs, ready, rounded, steps, ROUND_LAYOUT)),
+            ], [_ROUND_WARPS], [_ROUND_REGS])  # fmt: skip
+        else:
+            _mma_loop(acc, first, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready, steps, pid,
+                      M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, WS, ROUND_LAYOUT)  # fmt: skip
 
 
 SCHEDULES = ("stationary", "streaming", "decode")
@@ -279,8 +320,8 @@ SCHEDULES = ("stationary", "streaming", "decode")
 
 @dataclass(frozen=True)
 class Plan:
-    """A launch: tile sizes, warps, schedule (one of :data:`SCHEDULES`) and x-ring stages (shared memory
-    permitting)."""
+    """A launch: tile sizes, warps, schedule (one of :data:`SCHEDULES`), x-ring stages (shared memory
+    permitting) and whether :data:`ROUND_WARPS` more warps round mxfp4 activations (``ws``)."""
 
     block_m: int
     block_n: int
@@ -288,6 +329,7 @@ class Plan:
     num_warps: int
     schedule: str
     stages: int
+    ws: bool = False
 
 
 @functools.cache
@@ -340,12 +382,13 @@ def tile_error(block_m: int, block_n: int, block_k: int, num_warps: int, schedul
 
 
 def plan(block_m: int, block_n: int, block_k: int, num_warps: int, schedule: str, K: int, smem: int,
-         max_stages: int = MAX_STAGES) -> Plan | None:  # fmt: skip
+         max_stages: int = MAX_STAGES, ws: bool = False) -> Plan | None:  # fmt: skip
     """The launch for tiles that pass :func:`tile_error` (``block_k`` dividing K) with the most x stages
-    (<= ``max_stages``, >= 2) fitting ``smem`` bytes; None when none fits."""
+    (<= ``max_stages``, >= 2) fitting ``smem`` bytes; None when none fits. ``ws``: round mxfp4 activations in
+    :data:`ROUND_WARPS` more warps (warp specialisation)."""
     for stages in range(max_stages, 1, -1):
         if smem_bytes(block_m, block_n, block_k, K, schedule != "streaming", stages) <= smem:
-            return Plan(block_m, block_n, block_k, num_warps, schedule, stages)
+            return Plan(block_m, block_n, block_k, num_warps, schedule, stages, ws)
     return None
 
 
@@ -378,13 +421,13 @@ def _smem_layout(block: tuple[int, ...]):
 
 
 @functools.cache
-def _register_layouts(block_m: int, block_n: int, block_k: int, num_warps: int):
-    """(rounding, decode) register layouts: x ``[block_m, block_k]`` with whole 32-blocks in a thread where
-    there is one per thread (else halves, quarters...), and codes ``[block_n, block_k / 32, 16]`` with one
-    16-byte block per thread."""
-    per_thread = min(32, block_m * block_k // (32 * num_warps))
+def _register_layouts(block_m: int, block_n: int, block_k: int, num_warps: int, round_warps: int):
+    """(rounding, decode) register layouts: x ``[block_m, block_k]`` over ``round_warps`` warps with whole
+    32-blocks in a thread where there is one per thread (else halves, quarters...), and codes
+    ``[block_n, block_k / 32, 16]`` over ``num_warps`` warps with one 16-byte block per thread."""
+    per_thread = min(32, block_m * block_k // (32 * round_warps))
     along_k = block_k // per_thread
-    rounding = gl.BlockedLayout([1, per_thread], [32 // along_k, along_k], [num_warps, 1], [1, 0])
+    rounding = gl.BlockedLayout([1, per_thread], [32 // along_k, along_k], [round_warps, 1], [1, 0])
     blocks = block_k // 32
     decode = gl.BlockedLayout([1, 1, 16], [32 // blocks, blocks, 1], [num_warps, 1, 1], [2, 1, 0])
     return rounding, decode
@@ -402,22 +445,26 @@ def launch(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: torc
     x_desc = TensorDescriptor.from_tensor(x, [1, bm, bk], _smem_layout((1, bm, bk)))
     yn = y_columns(bm, bn)
     y_desc = TensorDescriptor.from_tensor(out, [1, bm, yn], _smem_layout((1, bm, yn)))
-    w_layout = _smem_layout((1, bn, bk))
     if decode:
         w_desc, c, sc = None, w_codes, w_scales
     else:
-        w_desc, c, sc = TensorDescriptor.from_tensor(w, [1, bn, bk], w_layout), w, w
-    sms = sm_count(x.device)
+        w_desc, c, sc = TensorDescriptor.from_tensor(w, [1, bn, bk], _smem_layout((1, bn, bk))), w, w
     columns = B * triton.cdiv(N, bn)
-    if p.schedule == "streaming":
-        splits = 1
-        programs = min(sms, columns * triton.cdiv(M, bm))
-    else:  # spread each column's M tiles over the multiprocessors left over
-        splits = max(1, min(triton.cdiv(M, bm), sms // columns))
-        programs = columns * splits
-    rounding, decoding = _register_layouts(bm, bn, bk, p.num_warps)
-    _bmm_kernel[(programs,)](
-        x_desc, w_desc, y_desc, c, sc, c.stride(0), c.stride(1), sc.stride(0), sc.stride(1), M, N, B, programs,
-        splits, K=K, BN=bn, W_LAYOUT=w_layout, ACT_MXFP4=act_mxfp4, STATIONARY=p.schedule != "streaming",
-        DECODE=decode, ROUND_LAYOUT=rounding, DECODE_LAYOUT=decoding, STAGES=p.stages, num_warps=p.num_warps,
+    splits = max(1, min(triton.cdiv(M, bm), sm_count(x.device) // columns))  # each column's M tiles over the SMs
+    _bmm_kernel[(columns * splits,)](
+        x_desc, w_desc, y_desc, c, sc, c.stride(0), c.stride(1), sc.stride(0), sc.stride(1), M, N, splits,
+        **kernel_constants(p, K, act_mxfp4),
     )  # fmt: skip
+
+
+def kernel_constants(p: Plan, K: int, act_mxfp4: bool) -> dict:
+    """The compile-time arguments of a launch of ``p`` (``num_warps`` and, with WS, ``maxnreg`` included)."""
+    ws = p.ws and act_mxfp4
+    rounding, decoding = _register_layouts(p.block_m, p.block_n, p.block_k, p.num_warps,
+                                           ROUND_WARPS if ws else p.num_warps)  # fmt: skip
+    consts = dict(K=K, BN=p.block_n, W_LAYOUT=_smem_layout((1, p.block_n, p.block_k)), ACT_MXFP4=act_mxfp4,
+                  STATIONARY=p.schedule != "streaming", DECODE=p.schedule == "decode", WS=ws, ROUND_LAYOUT=rounding,
+                  DECODE_LAYOUT=decoding, STAGES=p.stages, num_warps=p.num_warps)  # fmt: skip
+    if ws:  # the registers of all warps together: at most 65536 per multiprocessor
+        consts["maxnreg"] = 65536 // (32 * (p.num_warps + ROUND_WARPS)) // 8 * 8
+    return consts

@@ -313,7 +313,10 @@ class BmmConfig:
     TMA-compatible x / out, shared memory for at least two stages; tiles: :func:`gluon_bmm.tile_error`, it
     picks its own stage count; ``tiles_m`` 0): ``"decode"`` (without ``predecode``) decodes the weights in
     the kernel, ``"stationary"`` / ``"streaming"`` (with ``predecode``) read predecoded ones; elsewhere the
-    call falls back to the tiled kernel (``decode``) or ``tma`` / tiled (the others) with the same tiles."""
+    call falls back to the tiled kernel (``decode``) or ``tma`` / tiled (the others) with the same tiles.
+    ``ws`` (with ``wgmma``): warp specialisation: with mxfp4 activations, :data:`gluon_bmm.ROUND_WARPS` more
+    warps round the x tiles while the MMA warps only wait, issue MMAs and write y (``decode`` then decodes the
+    whole weight column before the first MMA)."""
 
     block_m: int
     block_n: int
@@ -324,6 +327,7 @@ class BmmConfig:
     predecode: bool = False
     tma: bool = False
     wgmma: str = ""
+    ws: bool = False
 
 
 def _block_k(K: int, cap: int) -> int:
@@ -384,8 +388,8 @@ def _large_m(K: int) -> BmmConfig:
     256-column bf16 column fits next to the x ring (K <= 256), else streaming predecoded weights; the tiled
     ``dot_scaled`` kernel / the persistent TMA kernel on predecoded weights (same tiles) where it cannot run."""
     if K <= 256:
-        return BmmConfig(128, 256, _block_k(K, 64), 8, 3, 0, wgmma="decode")
-    return BmmConfig(128, 256, _block_k(K, 64), 8, 3, 0, predecode=True, tma=True, wgmma="streaming")
+        return BmmConfig(128, 256, _block_k(K, 64), 8, 3, 0, wgmma="decode", ws=True)
+    return BmmConfig(128, 256, _block_k(K, 64), 8, 3, 0, predecode=True, tma=True, wgmma="streaming", ws=True)
 
 
 def accumulation_tolerance(ref: torch.Tensor, abs_dot: torch.Tensor, K: int) -> torch.Tensor:
@@ -509,6 +513,8 @@ def bmm_a16wfp4(
         raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (predecode needs the tiled kernel, tiles_m=0)")
     if cfg.tma and not cfg.predecode:
         raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (tma reads decoded weights: set predecode)")
+    if cfg.ws and not cfg.wgmma:
+        raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (ws is an option of the wgmma kernel)")
     if cfg.wgmma:
         bad = gluon_bmm.tile_error(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma)
         if bad or cfg.predecode == (cfg.wgmma == "decode") or cfg.tiles_m:
@@ -520,7 +526,7 @@ def bmm_a16wfp4(
     decode_args = (w_codes, w_scales) if cfg.wgmma == "decode" else ()
     if cfg.wgmma and not gluon_bmm.unusable_reason(x, out, *decode_args):
         smem = gluon_bmm.smem_limit(x.device)
-        plan = gluon_bmm.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma, K, smem)
+        plan = gluon_bmm.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma, K, smem, ws=cfg.ws)
     if plan and decode_args:
         gluon_bmm.launch(x, out, act_quant == "mxfp4", plan, w_codes=w_codes, w_scales=w_scales)
         return out

@@ -173,6 +173,13 @@ def test_large_m_defaults_pick_the_schedule_by_weight_size():
     assert tb._large_m(192).wgmma == tb._large_m(256).wgmma == "decode"
     assert not tb._large_m(256).predecode
     assert (tb._large_m(512).wgmma, tb._large_m(512).predecode) == ("streaming", True)
+    assert tb._large_m(192).ws and tb._large_m(512).ws  # rounding warps from 257 rows on
+
+
+def test_ws_needs_the_wgmma_kernel():
+    x, (codes, scales) = activations(64, 1, 64, seed=0), weights(1, 64, 64, seed=0)
+    with pytest.raises(BackendError, match="ws is an option of the wgmma kernel"):
+        tb.bmm_a16wfp4(x, codes, scales, config=tb.BmmConfig(64, 64, 64, 4, 2, 0, ws=True))
 
 
 _COMPILE = textwrap.dedent(
@@ -184,25 +191,25 @@ _COMPILE = textwrap.dedent(
     from triton.experimental.gluon._runtime import GluonASTSource
     from glm_pack.runtime.kernels import gluon_bmm as gb
 
-    bm, bn, bk, warps, schedule, K, act = json.loads(sys.argv[1])
-    p = gb.plan(bm, bn, bk, warps, schedule, K, 232448)
+    bm, bn, bk, warps, schedule, K, act, ws = json.loads(sys.argv[1])
+    p = gb.plan(bm, bn, bk, warps, schedule, K, 232448, ws=ws)
     decode = schedule == "decode"
     def desc(block):
         return f"tensordesc<bf16{block},{gb._smem_layout(tuple(block))!r}>"
     sig = {"x_desc": desc([1, bm, bk]), "w_desc": "constexpr" if decode else desc([1, bn, bk]),
            "y_desc": desc([1, bm, gb.y_columns(bm, bn)]), "c_ptr": "*u8" if decode else "*bf16",
            "s_ptr": "*u8" if decode else "*bf16", "stride_cb": "i32", "stride_cn": "i32", "stride_sb": "i32",
-           "stride_sn": "i32", "M": "i32", "N": "i32", "B": "i32", "PROGRAMS": "i32", "SPLITS": "i32"}
-    rounding, decoding = gb._register_layouts(bm, bn, bk, warps)
-    consts = dict(K=K, BN=bn, W_LAYOUT=gb._smem_layout((1, bn, bk)), ACT_MXFP4=act, STATIONARY=schedule != "streaming",
-                  DECODE=decode, ROUND_LAYOUT=rounding, DECODE_LAYOUT=decoding, STAGES=p.stages, num_warps=warps)
+           "stride_sn": "i32", "M": "i32", "N": "i32", "SPLITS": "i32"}
+    consts = gb.kernel_constants(p, K, act)  # what a launch passes
+    options = {"num_warps": consts["num_warps"], **({"maxnreg": consts.pop("maxnreg")} if "maxnreg" in consts else {})}
     if decode:
         consts["w_desc"] = None
     sig.update(dict.fromkeys(consts, "constexpr"))
     src = GluonASTSource(fn=gb._bmm_kernel, signature=sig, constexprs=consts)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = k.asm["ptx"]
     print(json.dumps({"shared": k.metadata.shared, "warps": k.metadata.num_warps, "stages": p.stages,
+                      "maxnreg": options.get("maxnreg"), "setmaxnreg": ptx.count("setmaxnreg"),
                       "estimate": gb.smem_bytes(bm, bn, bk, K, schedule != "streaming", p.stages),
                       "wgmma": ptx.count("wgmma.mma_async"), "prmt": ptx.count("prmt.b32"),
                       "cubin": len(k.asm["cubin"])}))
@@ -211,24 +218,32 @@ _COMPILE = textwrap.dedent(
 
 
 @pytest.mark.parametrize(
-    "tiles, schedule, K, act",
-    [((128, 256, 64, 8), "decode", 192, True), ((128, 256, 64, 8), "decode", 256, True),
-     ((64, 128, 64, 8), "decode", 256, True), ((128, 128, 64, 8), "decode", 512, True),
-     ((128, 256, 64, 8), "stationary", 256, True), ((128, 256, 64, 8), "streaming", 512, True),
-     ((128, 256, 64, 8), "streaming", 512, False)],
-    ids=["kup192-decode", "kup256-decode", "kup256-decode-64rows", "vup-decode-128cols", "kup256-stationary",
-         "vup-streaming", "vup-streaming-none"],
+    "tiles, schedule, K, act, ws",
+    [((128, 256, 64, 8), "decode", 192, True, True), ((128, 256, 64, 8), "decode", 256, True, True),
+     ((128, 256, 64, 8), "decode", 256, True, False), ((64, 128, 64, 8), "decode", 256, True, False),
+     ((128, 128, 64, 8), "decode", 512, True, False), ((128, 256, 64, 8), "stationary", 256, True, True),
+     ((128, 256, 64, 8), "streaming", 512, True, True), ((128, 256, 64, 8), "streaming", 512, True, False),
+     ((128, 256, 64, 8), "streaming", 512, False, True), ((64, 64, 64, 4), "decode", 192, True, True)],
+    ids=["kup192-decode-ws", "kup256-decode-ws", "kup256-decode", "kup256-decode-64rows", "vup-decode-128cols",
+         "kup256-stationary-ws", "vup-streaming-ws", "vup-streaming", "vup-streaming-none", "kup192-decode-4warps-ws"],
 )  # fmt: skip
-def test_kernel_compiles_for_sm90_within_shared_memory(tiles, schedule, K, act):
+def test_kernel_compiles_for_sm90_within_shared_memory(tiles, schedule, K, act, ws):
     """The real kernel, compiled for sm_90a by Triton's bundled ptxas on this machine (no GPU needed): it
-    builds with the warps asked for, the wgmma instructions (and for ``decode`` the byte-table lookups) are
-    there, and its shared memory is within the H200's limit and the planner's estimate."""
+    builds with the warps asked for (plus :data:`ROUND_WARPS` rounding warps with ``ws`` and mxfp4
+    activations, their registers rebalanced within the 65536 of a multiprocessor), the wgmma instructions (and
+    for ``decode`` the byte-table lookups) are there, and its shared memory is within the H200's limit and the
+    planner's estimate."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([*tiles, schedule, K, act])],
+    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([*tiles, schedule, K, act, ws])],
                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    assert got["warps"] == tiles[3] and got["wgmma"] >= 1 and got["cubin"] > 0
+    assert got["wgmma"] >= 1 and got["cubin"] > 0
+    if act and ws:
+        assert got["warps"] == tiles[3] + gb.ROUND_WARPS and got["setmaxnreg"] > 0
+        assert got["warps"] * 32 * got["maxnreg"] <= 65536
+    else:
+        assert got["warps"] == tiles[3] and got["maxnreg"] is None and got["setmaxnreg"] == 0
     assert (got["prmt"] > 0) == (schedule == "decode")
     assert got["shared"] <= got["estimate"] <= H200_SMEM
     assert got["stages"] == 4
@@ -241,6 +256,11 @@ _GPU_CONFIGS = {
     "decode-128cols": tb.BmmConfig(128, 128, 64, 8, 3, 0, wgmma="decode"),
     "decode-64rows": tb.BmmConfig(64, 128, 64, 8, 3, 0, wgmma="decode"),
     "decode-64x64": tb.BmmConfig(64, 64, 64, 4, 3, 0, wgmma="decode"),
+    "stationary-ws": tb.BmmConfig(128, 256, 64, 8, 3, 0, predecode=True, tma=True, wgmma="stationary", ws=True),
+    "streaming-ws": tb.BmmConfig(128, 256, 64, 8, 3, 0, predecode=True, tma=True, wgmma="streaming", ws=True),
+    "decode-ws": tb.BmmConfig(128, 256, 64, 8, 3, 0, wgmma="decode", ws=True),
+    "decode-64rows-ws": tb.BmmConfig(64, 128, 64, 8, 3, 0, wgmma="decode", ws=True),
+    "decode-64x64-ws": tb.BmmConfig(64, 64, 64, 4, 3, 0, wgmma="decode", ws=True),
 }
 
 
@@ -275,7 +295,7 @@ def test_matches_reference_on_gpu(B, M, N, K, row, name, monkeypatch):
     if gb.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma, K, smem) is None:
         assert not launched  # no room for the weight column: a Triton kernel served
     else:
-        assert launched and launched[0].schedule == cfg.wgmma
+        assert launched and launched[0].schedule == cfg.wgmma and launched[0].ws == cfg.ws
 
 
 @sm90_only
