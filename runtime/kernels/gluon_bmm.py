@@ -219,10 +219,18 @@ if not IMPORT_ERROR and not _INTERPRETED:
         return acc
 
     @gluon.jit
-    def _mma_loop(acc, first, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready, steps, pid,
-                  M, N, SPLITS, K: gl.constexpr, BN: gl.constexpr, ACT_MXFP4: gl.constexpr, STATIONARY: gl.constexpr,
-                  DECODE: gl.constexpr, WS: gl.constexpr, ROUND_LAYOUT: gl.constexpr):  # fmt: skip
-        """The program's steps from ``first`` on, on the MMA warps."""
+    def _mma_loop(acc, first, codes, scales, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
+                  steps, pid, M, N, SPLITS, K: gl.constexpr, BN: gl.constexpr, ACT_MXFP4: gl.constexpr,
+                  STATIONARY: gl.constexpr, DECODE: gl.constexpr, WS: gl.constexpr,
+                  ROUND_LAYOUT: gl.constexpr):  # fmt: skip
+        """The program's steps from ``first`` on, on the MMA warps; with DECODE and WS it first decodes the whole
+        weight column (``codes`` / ``scales``, per K step) while the rounding warps round the first x tiles."""
+        BK: gl.constexpr = x_desc.block_type.shape[2]
+        if DECODE and WS:
+            for kk in gl.static_range(K // BK):
+                w_bufs.index(kk).reshape([BN, BK]).store(_e2m1_dequant_ptx(codes[kk], scales[kk]))
+            fence_async_shared()
+            gl.thread_barrier()
         if STATIONARY and not DECODE:
             mbarrier.wait(w_ready.index(0), 0)  # also keeps a program without tiles alive until its loads land
         for i in range(first, steps):
@@ -285,15 +293,12 @@ if not IMPORT_ERROR and not _INTERPRETED:
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
         first = 0
         b, m0, n0 = _tile(0, pid, M, N, SPLITS, BM, BN)
+        codes = 0
+        scales = 0
         if DECODE:
             codes, scales = _load_column(c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0, N,
                                          BN, BK, K, DECODE_LAYOUT)  # fmt: skip
-            if WS:  # the whole column first, while the first x tiles load
-                for kk in gl.static_range(KSTEPS):
-                    w_bufs.index(kk).reshape([BN, BK]).store(_e2m1_dequant_ptx(codes[kk], scales[kk]))
-                fence_async_shared()
-                gl.thread_barrier()
-            elif steps > 0:  # the first tile's K steps each decode their weight slot first, overlapping the MMAs
+            if not WS and steps > 0:  # the first tile's K steps each decode their slot first, overlapping the MMAs
                 for kk in gl.static_range(KSTEPS):
                     w_bufs.index(kk).reshape([BN, BK]).store(_e2m1_dequant_ptx(codes[kk], scales[kk]))
                     fence_async_shared()
@@ -306,13 +311,14 @@ if not IMPORT_ERROR and not _INTERPRETED:
                 tma.async_copy_global_to_shared(w_desc, [b, n0, kk * BK], w_ready.index(0), w_bufs.index(kk))
         if WS:
             gl.warp_specialize([
-                (_mma_loop, (acc, first, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
-                             steps, pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, WS, ROUND_LAYOUT)),
+                (_mma_loop, (acc, first, codes, scales, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded,
+                             w_ready, steps, pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, WS,
+                             ROUND_LAYOUT)),
                 (_round_loop, (x_bufs, ready, rounded, steps, ROUND_LAYOUT)),
             ], [_ROUND_WARPS], [_ROUND_REGS])  # fmt: skip
         else:
-            _mma_loop(acc, first, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready, steps, pid,
-                      M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, WS, ROUND_LAYOUT)  # fmt: skip
+            _mma_loop(acc, first, codes, scales, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
+                      steps, pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, WS, ROUND_LAYOUT)  # fmt: skip
 
 
 SCHEDULES = ("stationary", "streaming", "decode")
@@ -449,16 +455,26 @@ def launch(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: torc
         w_desc, c, sc = None, w_codes, w_scales
     else:
         w_desc, c, sc = TensorDescriptor.from_tensor(w, [1, bn, bk], _smem_layout((1, bn, bk))), w, w
-    columns = B * triton.cdiv(N, bn)
-    splits = max(1, min(triton.cdiv(M, bm), sm_count(x.device) // columns))  # each column's M tiles over the SMs
+    columns, sms = B * triton.cdiv(N, bn), sm_count(x.device)
+    splits = max(1, min(triton.cdiv(M, bm), sms // columns))  # each column's M tiles over the SMs
+    per_sm = programs_per_sm(p, K, columns * splits, sms, smem_limit(x.device))
     _bmm_kernel[(columns * splits,)](
         x_desc, w_desc, y_desc, c, sc, c.stride(0), c.stride(1), sc.stride(0), sc.stride(1), M, N, splits,
-        **kernel_constants(p, K, act_mxfp4),
+        **kernel_constants(p, K, act_mxfp4, per_sm),
     )  # fmt: skip
 
 
-def kernel_constants(p: Plan, K: int, act_mxfp4: bool) -> dict:
-    """The compile-time arguments of a launch of ``p`` (``num_warps`` and, with WS, ``maxnreg`` included)."""
+def programs_per_sm(p: Plan, K: int, programs: int, sms: int, smem: int) -> int:
+    """Programs of a launch that share a multiprocessor: 2 where there are more programs than ``sms`` and
+    shared memory holds two (an sm_90 multiprocessor has ``smem``, the per-program limit, plus the 1 KiB the
+    system reserves per program), else 1."""
+    need = smem_bytes(p.block_m, p.block_n, p.block_k, K, p.schedule != "streaming", p.stages) + 1024
+    return 2 if programs > sms and 2 * need <= smem + 1024 else 1
+
+
+def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1) -> dict:
+    """The compile-time arguments of a launch of ``p`` (``num_warps`` and, with WS, ``maxnreg`` included: the
+    registers of ``programs_per_sm`` programs' warps share a multiprocessor's 65536)."""
     ws = p.ws and act_mxfp4
     rounding, decoding = _register_layouts(p.block_m, p.block_n, p.block_k, p.num_warps,
                                            ROUND_WARPS if ws else p.num_warps)  # fmt: skip
@@ -466,5 +482,5 @@ def kernel_constants(p: Plan, K: int, act_mxfp4: bool) -> dict:
                   STATIONARY=p.schedule != "streaming", DECODE=p.schedule == "decode", WS=ws, ROUND_LAYOUT=rounding,
                   DECODE_LAYOUT=decoding, STAGES=p.stages, num_warps=p.num_warps)  # fmt: skip
     if ws:  # the registers of all warps together: at most 65536 per multiprocessor
-        consts["maxnreg"] = 65536 // (32 * (p.num_warps + ROUND_WARPS)) // 8 * 8
+        consts["maxnreg"] = min(255, 65536 // (32 * (p.num_warps + ROUND_WARPS) * programs_per_sm) // 8 * 8)
     return consts

@@ -191,7 +191,7 @@ _COMPILE = textwrap.dedent(
     from triton.experimental.gluon._runtime import GluonASTSource
     from glm_pack.runtime.kernels import gluon_bmm as gb
 
-    bm, bn, bk, warps, schedule, K, act, ws = json.loads(sys.argv[1])
+    bm, bn, bk, warps, schedule, K, act, ws, per_sm = json.loads(sys.argv[1])
     p = gb.plan(bm, bn, bk, warps, schedule, K, 232448, ws=ws)
     decode = schedule == "decode"
     def desc(block):
@@ -200,7 +200,7 @@ _COMPILE = textwrap.dedent(
            "y_desc": desc([1, bm, gb.y_columns(bm, bn)]), "c_ptr": "*u8" if decode else "*bf16",
            "s_ptr": "*u8" if decode else "*bf16", "stride_cb": "i32", "stride_cn": "i32", "stride_sb": "i32",
            "stride_sn": "i32", "M": "i32", "N": "i32", "SPLITS": "i32"}
-    consts = gb.kernel_constants(p, K, act)  # what a launch passes
+    consts = gb.kernel_constants(p, K, act, per_sm)  # what a launch passes
     options = {"num_warps": consts["num_warps"], **({"maxnreg": consts.pop("maxnreg")} if "maxnreg" in consts else {})}
     if decode:
         consts["w_desc"] = None
@@ -218,35 +218,54 @@ _COMPILE = textwrap.dedent(
 
 
 @pytest.mark.parametrize(
-    "tiles, schedule, K, act, ws",
-    [((128, 256, 64, 8), "decode", 192, True, True), ((128, 256, 64, 8), "decode", 256, True, True),
-     ((128, 256, 64, 8), "decode", 256, True, False), ((64, 128, 64, 8), "decode", 256, True, False),
-     ((128, 128, 64, 8), "decode", 512, True, False), ((128, 256, 64, 8), "stationary", 256, True, True),
-     ((128, 256, 64, 8), "streaming", 512, True, True), ((128, 256, 64, 8), "streaming", 512, True, False),
-     ((128, 256, 64, 8), "streaming", 512, False, True), ((64, 64, 64, 4), "decode", 192, True, True)],
+    "tiles, schedule, K, act, ws, per_sm",
+    [((128, 256, 64, 8), "decode", 192, True, True, 1), ((128, 256, 64, 8), "decode", 256, True, True, 1),
+     ((128, 256, 64, 8), "decode", 256, True, False, 1), ((64, 128, 64, 8), "decode", 256, True, False, 1),
+     ((128, 128, 64, 8), "decode", 512, True, False, 1), ((128, 256, 64, 8), "stationary", 256, True, True, 1),
+     ((128, 256, 64, 8), "streaming", 512, True, True, 1), ((128, 256, 64, 8), "streaming", 512, True, False, 1),
+     ((128, 256, 64, 8), "streaming", 512, False, True, 1), ((64, 64, 64, 4), "decode", 192, True, True, 1),
+     ((64, 128, 64, 8), "decode", 192, True, True, 2)],
     ids=["kup192-decode-ws", "kup256-decode-ws", "kup256-decode", "kup256-decode-64rows", "vup-decode-128cols",
-         "kup256-stationary-ws", "vup-streaming-ws", "vup-streaming", "vup-streaming-none", "kup192-decode-4warps-ws"],
+         "kup256-stationary-ws", "vup-streaming-ws", "vup-streaming", "vup-streaming-none", "kup192-decode-4warps-ws",
+         "kup192-decode-ws-2-per-sm"],
 )  # fmt: skip
-def test_kernel_compiles_for_sm90_within_shared_memory(tiles, schedule, K, act, ws):
+def test_kernel_compiles_for_sm90_within_shared_memory(tiles, schedule, K, act, ws, per_sm):
     """The real kernel, compiled for sm_90a by Triton's bundled ptxas on this machine (no GPU needed): it
     builds with the warps asked for (plus :data:`ROUND_WARPS` rounding warps with ``ws`` and mxfp4
     activations, their registers rebalanced within the 65536 of a multiprocessor), the wgmma instructions (and
     for ``decode`` the byte-table lookups) are there, and its shared memory is within the H200's limit and the
     planner's estimate."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([*tiles, schedule, K, act, ws])],
+    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([*tiles, schedule, K, act, ws, per_sm])],
                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["wgmma"] >= 1 and got["cubin"] > 0
     if act and ws:
         assert got["warps"] == tiles[3] + gb.ROUND_WARPS and got["setmaxnreg"] > 0
-        assert got["warps"] * 32 * got["maxnreg"] <= 65536
+        assert got["warps"] * 32 * got["maxnreg"] * per_sm <= 65536
     else:
         assert got["warps"] == tiles[3] and got["maxnreg"] is None and got["setmaxnreg"] == 0
     assert (got["prmt"] > 0) == (schedule == "decode")
     assert got["shared"] <= got["estimate"] <= H200_SMEM
+    assert (got["shared"] + 1024) * per_sm <= H200_SMEM + 1024
     assert got["stages"] == 4
+
+
+def test_two_programs_share_a_multiprocessor_only_where_there_are_more_and_both_fit():
+    # K-up 192 at 64 x 128: 4 x 8 KiB x + 3 x 16 KiB column + 16 KiB y + 1 KiB slack = 97 KiB, twice
+    # (with 1 KiB reserved each) within the 228 KiB of an sm_90 multiprocessor; at K = 512 (8 x 16 KiB
+    # column) one program takes 161 KiB
+    kup = gb.plan(64, 128, 64, 8, "decode", 192, H200_SMEM, ws=True)
+    vup = gb.plan(64, 128, 64, 8, "decode", 512, H200_SMEM, ws=True)
+    assert gb.smem_bytes(64, 128, 64, 192, True, kup.stages) == 4 * 8192 + 3 * 16384 + 16384 + 1024
+    assert gb.programs_per_sm(kup, 192, 256, 132, H200_SMEM) == 2
+    assert gb.programs_per_sm(kup, 192, 132, 132, H200_SMEM) == 1  # one wave: every program has its own
+    assert gb.programs_per_sm(vup, 512, 256, 132, H200_SMEM) == 1
+    # with two per multiprocessor, rounding warps and all, the registers are capped to share the 65536
+    assert gb.kernel_constants(kup, 192, True, 2)["maxnreg"] == 65536 // (2 * 12 * 32) // 8 * 8 == 80
+    assert gb.kernel_constants(kup, 192, True, 1)["maxnreg"] == 168
+    assert "maxnreg" not in gb.kernel_constants(kup, 192, False, 2)  # no rounding warps without mxfp4
 
 
 _GPU_CONFIGS = {
