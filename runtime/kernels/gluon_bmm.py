@@ -16,8 +16,9 @@ of its M tiles (each column's tiles split over the multiprocessors left over). T
 * ``decode``: the program loads the column's codes and scales into registers at once and decodes them into
   shared memory (bf16; a byte-table lookup per code pair, :func:`_e2m1_dequant_ptx`): without ``ws`` K step
   ``k`` during the first tile, just before that step's MMAs, so decoding overlaps the MMAs of step ``k - 1``;
-  with ``ws`` all of it before the first MMA. The column (``block_n * K * 2`` bytes) stays for the remaining
-  tiles. The weights cross HBM once per program and are never written back.
+  with ``ws`` all of it before the first MMA, while the rounding warps round the first x tiles. The column
+  (``block_n * K * 2`` bytes) stays for the remaining tiles. The weights cross HBM once per program and are
+  never written back.
 * ``stationary``: the same, with the column loaded by TMA from predecoded bf16 weights.
 * ``streaming``: x and predecoded w tiles stream through one ring, for weights too large to keep (GLM's V-up:
   256 x 512 bf16 = 256 KiB per head at 256 columns).
@@ -26,8 +27,9 @@ The x ring has as many stages as fit in shared memory, up to 4. TMA loads for st
 issued once the MMAs of step ``i - 1`` are done. Without ``ws`` the MMA warps round step ``i`` while the MMAs
 of ``i - 1`` run. With ``ws`` (warp specialisation) :data:`ROUND_WARPS` more warps round each x tile as soon
 as it lands and signal an mbarrier, so the MMA warps only wait, issue MMAs, refill the ring and write y; the
-registers are rebalanced between the two groups (``setmaxnreg``), within 65536 per multiprocessor: one
-program per multiprocessor.
+registers are rebalanced between the two groups (``setmaxnreg``) within a cap that lets one program, or two
+where there are more programs than multiprocessors and shared memory holds two (:func:`programs_per_sm`), share
+a multiprocessor's 65536.
 
 Gluon has no interpreter: under ``TRITON_INTERPRET=1``, on AMD GPUs and on NVIDIA GPUs other than sm_90 (wgmma
 is sm_90-only), :func:`unusable_reason` says why and the caller runs its Triton kernels instead.

@@ -22,10 +22,11 @@ Kernels, picked per call by :func:`default_config` (``BmmConfig.tiles_m``, ``pre
   weights and y through tensor descriptors (TMA) where the GPU has them (NVIDIA sm_90+; the interpreter
   emulates them), and the tiled kernel serves elsewhere;
 * wgmma (``BmmConfig.wgmma``; most GLM defaults from 64 rows on): the Hopper Gluon kernel of
-  :mod:`~glm_pack.runtime.kernels.gluon_bmm` (x rounded in shared memory in place, wgmma on both operands
-  from shared memory) on sm_90 GPUs. ``"decode"`` decodes each program's weight column from the codes into
-  shared memory itself (no predecode pass); ``"stationary"`` / ``"streaming"`` read predecoded weights. The
-  tiled (``decode``) or ``tma`` / tiled (the others) kernels serve where it cannot run.
+  :mod:`~glm_pack.runtime.kernels.gluon_bmm` (x rounded in shared memory in place, with ``BmmConfig.ws`` by
+  extra warps, wgmma on both operands from shared memory) on sm_90 GPUs. ``"decode"`` decodes each program's
+  weight column from the codes into shared memory itself (no predecode pass); ``"stationary"`` /
+  ``"streaming"`` read predecoded weights. The tiled (``decode``) or ``tma`` / tiled (the others) kernels
+  serve where it cannot run.
 
 Importing this module never fails without Triton: :func:`available` says why the kernel cannot run.
 Triton picks interpreter or compiler when a kernel is defined, i.e. when this module is imported.
