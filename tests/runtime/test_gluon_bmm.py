@@ -318,6 +318,25 @@ def test_matches_reference_on_gpu(B, M, N, K, row, name, monkeypatch):
 
 
 @sm90_only
+@pytest.mark.parametrize("name", ["decode-64rows-ws", "decode-64rows"])
+def test_two_programs_per_multiprocessor_on_gpu(name, monkeypatch):
+    """K-up 192 at 64 heads and 64 rows: 256 programs of 64 x 128 tiles, more than the GPU's multiprocessors,
+    two of which fit in one's shared memory: the launch pairs them (with rounding warps, under a shared
+    register cap) and the result is still exact."""
+    shares = []
+    real = gb.programs_per_sm
+    monkeypatch.setattr(gb, "programs_per_sm", lambda *a: shares.append(real(*a)) or shares[-1])
+    B, M, N, K = 64, 64, 512, 192
+    codes, scales = weights(B, N, K, seed=7)
+    x = activations(M, B, K, seed=8, row=256)
+    for act_quant in ("mxfp4", "none"):
+        buf, out = poisoned_out(M, B, N)
+        tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=_GPU_CONFIGS[name])
+        assert_close_to_reference(out, x, codes, scales, act_quant)
+    assert shares == [2, 2]
+
+
+@sm90_only
 @pytest.mark.parametrize("K", [192, 512])
 def test_decode_is_exact_for_every_code_and_scale(K, monkeypatch):
     """Identity activations (``act_quant="none"``) make y the decoded weights transposed: every E2M1 code with
