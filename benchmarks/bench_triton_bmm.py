@@ -267,7 +267,7 @@ def kernel_label(c: dict) -> str:
         return f"wgmma {c['wgmma']}{' ws' if c.get('ws') else ''} {tiles}"
     if c.get("tma"):
         return f"predecode+TMA {tiles}s{c['num_stages']}"
-    kind = "predecode tiled" if c.get("predecode") else f"ws t{c['tiles_m']}" if c["tiles_m"] else "tiled"
+    kind = "predecode tiled" if c.get("predecode") else f"stationary t{c['tiles_m']}" if c["tiles_m"] else "tiled"
     return f"{kind} {tiles}s{c['num_stages']}"
 
 
