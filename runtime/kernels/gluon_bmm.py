@@ -295,7 +295,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
         first = 0
         b, m0, n0 = _tile(0, pid, M, N, SPLITS, BM, BN)
-        codes = 0
+        codes = 0  # placeholders without DECODE: the MMA loop takes the same arguments either way
         scales = 0
         if DECODE:
             codes, scales = _load_column(c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0, N,
