@@ -74,26 +74,25 @@ def _e2m1_bf16_ptx() -> str:
 
     prmt picks bytes out of two 32-bit words by 3-bit selectors, four at a time: with each nibble's magnitude
     bits as selector, the words holding the high (then low) bytes of bf16(E2M1[m]) at byte m give four values'
-    high (low) bytes, which two more prmt interleave into k-ordered pairs. Nibble j's sign (bit 4j + 3) goes
-    to bit 15 (even j) or 31 (odd j) of pair j // 2; one ``mul.rn.bf16x2`` per pair applies the scale."""
+    high (low) bytes. Their signs come from one more prmt in sign-replicating mode (selector bit 3: the
+    selected byte's top bit, in all 8 bits) over the code word (a high nibble's sign is its byte's top bit)
+    and the word shifted left by 4 (a low nibble's), masked to each byte's top bit; two prmt then interleave
+    the high and low bytes into k-ordered pairs, and one ``mul.rn.bf16x2`` per pair applies the scale."""
     bits = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]).to(torch.bfloat16).view(torch.int16).tolist()
 
     def word(values: list[int]) -> str:
         return hex(sum(v << (8 * i) for i, v in enumerate(values)))
 
     high, low = [(b >> 8) & 0xFF for b in bits], [b & 0xFF for b in bits]
-    tables = {"h": (word(high[:4]), word(high[4:])), "l": (word(low[:4]), word(low[4:]))}
-    lines = ["and.b32 s0, $4, 0x7777;", "shr.b32 s1, $4, 16;", "and.b32 s1, s1, 0x7777;"]
-    for half in (0, 1):  # nibbles 4 * half .. 4 * half + 3 -> pairs 2 * half, 2 * half + 1
-        lines += [f"prmt.b32 {t}{half}, {lo}, {hi}, s{half};" for t, (lo, hi) in tables.items()]
+    lines = ["and.b32 s0, $4, 0x7777;", "shr.b32 s1, $4, 16;", "and.b32 s1, s1, 0x7777;", "shl.b32 u, $4, 4;"]
+    for half in (0, 1):  # nibbles 4 * half .. 4 * half + 3 (code bytes 2 * half, 2 * half + 1) -> pairs 2 * half, + 1
+        lines += [f"prmt.b32 h{half}, {word(high[:4])}, {word(high[4:])}, s{half};",
+                  f"prmt.b32 l{half}, {word(low[:4])}, {word(low[4:])}, s{half};",
+                  f"prmt.b32 g, u, $4, {'0xd9c8' if half == 0 else '0xfbea'};",  # u byte j / code byte j, signs
+                  "and.b32 g, g, 0x80808080;", f"or.b32 h{half}, h{half}, g;"]  # fmt: skip
         lines += [f"prmt.b32 t{2 * half + i}, l{half}, h{half}, {sel};" for i, sel in enumerate(("0x5140", "0x7362"))]
-    for j in range(8):
-        target = 31 if j % 2 else 15
-        shift = target - (4 * j + 3)
-        lines += [f"{'shl' if shift >= 0 else 'shr'}.b32 g, $4, {abs(shift)};", f"and.b32 g, g, {hex(1 << target)};",
-                  f"or.b32 t{j // 2}, t{j // 2}, g;"]  # fmt: skip
     lines += [f"mul.rn.bf16x2 ${i}, t{i}, $5;" for i in range(4)]
-    return "{\n.reg .b32 s<2>, h<2>, l<2>, t<4>, g;\n" + "\n".join(lines) + "\n}"
+    return "{\n.reg .b32 s<2>, h<2>, l<2>, t<4>, g, u;\n" + "\n".join(lines) + "\n}"
 
 
 if not IMPORT_ERROR and not _INTERPRETED:
