@@ -54,11 +54,17 @@ def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
     def pre(bm, bn, warps, stages, tma=False, wgmma=""):
         return C(bm, bn, bk(K, 64), warps, stages, 0, True, tma, wgmma)
 
-    def dec(bm, bn, warps):  # Gluon kernel decoding its weight column itself; only tiles whose column fits
-        fits = tb.gluon_bmm.plan(bm, bn, bk(K, 64), warps, "decode", K, tb.gluon_bmm.smem_limit(torch.device("cuda")))
-        return [C(bm, bn, bk(K, 64), warps, 3, 0, wgmma="decode")] if fits else []
+    def dec(bm, bn, warps, k_cap=64):  # Gluon kernel decoding its weight column itself; tiles that fit
+        k = bk(K, k_cap)
+        if tb.gluon_bmm.tile_error(bm, bn, k, warps, "decode"):
+            return []
+        fits = tb.gluon_bmm.plan(bm, bn, k, warps, "decode", K, tb.gluon_bmm.smem_limit(torch.device("cuda")))
+        return [C(bm, bn, k, warps, 3, 0, wgmma="decode")] if fits else []
 
     decoded = [*dec(64, 256, 8), *dec(64, 128, 4), *dec(64, 128, 8), *dec(64, 64, 4)]
+    # narrower columns and longer K steps: less decoding per program, more programs per head
+    narrow = [*dec(64, 32, 4, 128), *dec(64, 64, 4, 128), *dec(64, 128, 4, 128), *dec(64, 128, 8, 128),
+              *dec(128, 64, 8), *dec(128, 64, 8, 128)]  # fmt: skip
     gluon = [pre(128, 256, 8, 3, True, "stationary"), pre(128, 256, 8, 3, True, "streaming"),
              *dec(128, 256, 8), *dec(128, 128, 8)]  # fmt: skip
 
@@ -70,9 +76,11 @@ def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
                  C(16, 64, bk(K, 128), 4, 3, 0), C(16, 32, bk(K, 256), 4, 1, 0), C(16, 16, bk(K, 512), 4, 1, 0),
                  C(16, 32, bk(K, 512), 2, 1, 0), C(16, 64, bk(K, 512), 4, 1, 0)]  # fmt: skip
     elif M <= 64:
-        extra = [*decoded, *ws(decoded), C(64, 256, bk(K, 64), 8, 3, 0), C(32, 64, bk(K, 128), 4, 3, 0)]
+        extra = [*decoded, *narrow, *ws(decoded + narrow), C(64, 256, bk(K, 64), 8, 3, 0),
+                 C(32, 64, bk(K, 128), 4, 3, 0)]  # fmt: skip
     elif M <= 256:
-        extra = [*decoded, *gluon, *ws(decoded + gluon), C(64, 256, bk(K, 64), 8, 3, 0), pre(64, 128, 4, 4, True)]
+        extra = [*decoded, *narrow, *gluon, *ws(decoded + narrow + gluon), C(64, 256, bk(K, 64), 8, 3, 0),
+                 pre(64, 128, 4, 4, True)]  # fmt: skip
     else:
         extra = [*gluon, *ws(gluon), *decoded[:2]]
     return list(dict.fromkeys([tb.default_config(B, M, N, K), *extra]))
