@@ -38,12 +38,13 @@ is sm_90-only), :func:`unusable_reason` says why and the caller runs its Triton 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from glm_pack.runtime.kernels._triton import IMPORT_ERROR as _TRITON_ERROR
-from glm_pack.runtime.kernels._triton import interpreted, sm_count, tma_strides_ok, triton
+from glm_pack.runtime.kernels._triton import KernelLaunch, interpreted, sm_count, tma_strides_ok, triton
 
 try:
     from triton.experimental import gluon
@@ -440,29 +441,40 @@ def _register_layouts(block_m: int, block_n: int, block_k: int, num_warps: int, 
     return rounding, decode
 
 
-def launch(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: torch.Tensor | None = None,
-           w_codes: torch.Tensor | None = None, w_scales: torch.Tensor | None = None) -> None:  # fmt: skip
-    """``out[b] = act(x[b]) @ w[b]^T`` with bf16 ``w [B, N, K]`` (contiguous; ``stationary`` / ``streaming``)
-    or, for ``decode``, E2M1 ``w_codes [B, N, K/2]`` and E8M0 ``w_scales [B, N, K/32]``; the caller checked
-    :func:`unusable_reason` and made ``p`` with :func:`plan`."""
+def prepare(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: torch.Tensor | None = None,
+            w_codes: torch.Tensor | None = None, w_scales: torch.Tensor | None = None) -> Callable:  # fmt: skip
+    """The launch of ``out[b] = act(x[b]) @ w[b]^T`` for tensors like these (shapes, strides, alignment, device):
+    a function of ``(x, out, w)`` with bf16 ``w [B, N, K]`` (``stationary`` / ``streaming``) or, for ``decode``,
+    of ``(x, out, w_codes, w_scales)``: E2M1 ``[B, N, K/2]`` and E8M0 ``[B, N, K/32]``. Each call makes the
+    tensor descriptors and launches; grid, constants and the compiled kernel are worked out here, once. The
+    caller checked :func:`unusable_reason` and made ``p`` with :func:`plan`."""
     B, M, K = x.shape
     bm, bn, bk = p.block_m, p.block_n, p.block_k
-    decode = p.schedule == "decode"
-    N = (w_codes if decode else w).shape[1]
-    x_desc = TensorDescriptor.from_tensor(x, [1, bm, bk], _smem_layout((1, bm, bk)))
+    weights = (w_codes, w_scales) if p.schedule == "decode" else (w, w)
+    N = weights[0].shape[1]
     yn = y_columns(bm, bn)
-    y_desc = TensorDescriptor.from_tensor(out, [1, bm, yn], _smem_layout((1, bm, yn)))
-    if decode:
-        w_desc, c, sc = None, w_codes, w_scales
-    else:
-        w_desc, c, sc = TensorDescriptor.from_tensor(w, [1, bn, bk], _smem_layout((1, bn, bk))), w, w
+    blocks = {"x": ([1, bm, bk], _smem_layout((1, bm, bk))), "y": ([1, bm, yn], _smem_layout((1, bm, yn))),
+              "w": ([1, bn, bk], _smem_layout((1, bn, bk)))}  # fmt: skip
     columns, sms = B * triton.cdiv(N, bn), sm_count(x.device)
     splits = max(1, min(triton.cdiv(M, bm), sms // columns))  # each column's M tiles over the SMs
     per_sm = programs_per_sm(p, K, columns * splits, sms, smem_limit(x.device))
-    _bmm_kernel[(columns * splits,)](
-        x_desc, w_desc, y_desc, c, sc, c.stride(0), c.stride(1), sc.stride(0), sc.stride(1), M, N, splits,
-        **kernel_constants(p, K, act_mxfp4, per_sm),
-    )  # fmt: skip
+    kernel = KernelLaunch(_bmm_kernel, (columns * splits,), kernel_constants(p, K, act_mxfp4, per_sm))
+    ints = (*weights[0].stride()[:2], *weights[1].stride()[:2], M, N, splits)
+
+    def descriptor(t: torch.Tensor, which: str):
+        return TensorDescriptor.from_tensor(t, *blocks[which])
+
+    if p.schedule == "decode":
+
+        def launch(x, out, w_codes, w_scales):
+            kernel(descriptor(x, "x"), None, descriptor(out, "y"), w_codes, w_scales, *ints)
+
+    else:
+
+        def launch(x, out, w):
+            kernel(descriptor(x, "x"), descriptor(w, "w"), descriptor(out, "y"), w, w, *ints)
+
+    return launch
 
 
 def programs_per_sm(p: Plan, K: int, programs: int, sms: int, smem: int) -> int:

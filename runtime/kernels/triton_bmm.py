@@ -40,6 +40,7 @@ reference for blocks with amax < 2**-125 or >= 1.75 * 2**127."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +48,15 @@ import torch
 from glm_pack.packing.errors import BackendError
 from glm_pack.runtime.kernels import gluon_bmm
 from glm_pack.runtime.kernels._triton import IMPORT_ERROR as _TRITON_ERROR
-from glm_pack.runtime.kernels._triton import availability, interpreted, sm_count, tl, tma_strides_ok, triton
+from glm_pack.runtime.kernels._triton import (
+    KernelLaunch,
+    availability,
+    interpreted,
+    sm_count,
+    tl,
+    tma_strides_ok,
+    triton,
+)
 from glm_pack.runtime.kernels.mxfp4_jit import mxfp4_even_round_trip, pow2
 
 try:  # Triton's host-side TMA descriptors (absent in old releases: then the tiled kernel serves)
@@ -461,20 +470,24 @@ def _tma_usable(*tensors: torch.Tensor) -> bool:
     return all(tma_strides_ok(t) for t in tensors)
 
 
-def _launch_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, cfg: BmmConfig) -> None:
-    """Persistent descriptor kernel over bf16 ``w [B, N, K]``: one program per multiprocessor at most."""
+def _prepare_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, cfg: BmmConfig) -> Callable:
+    """Persistent descriptor kernel over bf16 ``w [B, N, K]`` (one program per multiprocessor at most), for
+    tensors like these: a function of ``(x, w, out)``."""
     B, M, K = x.shape
     N = w.shape[1]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     tiles = B * triton.cdiv(M, bm) * triton.cdiv(N, bn)
     programs = tiles if _INTERPRETED else min(tiles, sm_count(x.device))
-    _bmm_tma_kernel[(programs,)](
-        TensorDescriptor.from_tensor(x, [1, bm, bk]),
-        TensorDescriptor.from_tensor(w, [1, bn, bk]),
-        TensorDescriptor.from_tensor(out, [1, bm, bn]),
-        M, N, B, programs, K=K, ACT_MXFP4=act_mxfp4, INTERPRET=_INTERPRETED, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+    kernel = KernelLaunch(_bmm_tma_kernel, (programs,), dict(
+        K=K, ACT_MXFP4=act_mxfp4, INTERPRET=_INTERPRETED, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    ))  # fmt: skip
+
+    def launch(x, w, out):
+        descriptors = [TensorDescriptor.from_tensor(t, [1, rows, bk]) for t, rows in ((x, bm), (w, bn))]
+        kernel(*descriptors, TensorDescriptor.from_tensor(out, [1, bm, bn]), M, N, B, programs)
+
+    return launch
 
 
 @functools.cache
@@ -482,29 +495,15 @@ def _has_tma(device: torch.device) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def bmm_a16wfp4(
-    x: torch.Tensor,
-    w_codes: torch.Tensor,
-    w_scales: torch.Tensor,
-    *,
-    act_quant: str = "mxfp4",
-    out: torch.Tensor | None = None,
-    config: BmmConfig | None = None,
-) -> torch.Tensor:
-    """``out[b] = act(x[b]) @ dequant(w[b])^T``; returns ``out`` ``[B, M, N]`` bf16.
-
-    x ``[B, M, K]`` bf16, w_codes ``[B, N, K/2]`` u8, w_scales ``[B, N, K/32]`` u8, any non-negative strides;
-    K a multiple of 32. Without ``out``, allocates a batch-major ``[M, B, N]`` buffer and returns its
-    ``[B, M, N]`` view. ``config`` overrides :func:`default_config`.
-    """
-    ok, why = available()
-    if not ok:
-        raise BackendError(f"triton bmm_a16wfp4 unavailable: {why}")
-    B, M, N, K = _validate(x, w_codes, w_scales, act_quant, out)
-    if out is None:
-        out = torch.empty(M, B, N, dtype=torch.bfloat16, device=x.device).transpose(0, 1)
+def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act_quant: str, out: torch.Tensor,
+             config: BmmConfig | None) -> Callable:  # fmt: skip
+    """How calls with tensors like these (shapes, strides, 16-byte alignment, devices; validated) run: checks
+    the config, picks the kernels and works out their launches; returns a function of
+    ``(x, w_codes, w_scales, out)`` that only launches them."""
+    B, M, K = x.shape
+    N = w_codes.shape[1]
     if B == 0 or M == 0 or N == 0:
-        return out
+        return lambda *tensors: None
     cfg = config or default_config(B, M, N, K)
     if K % cfg.block_k or cfg.block_k % 32 or cfg.block_k & (cfg.block_k - 1):
         raise BackendError(f"triton bmm_a16wfp4: block_k={cfg.block_k} must be a power of two >= 32 dividing K={K}")
@@ -523,42 +522,113 @@ def bmm_a16wfp4(
                 f"triton bmm_a16wfp4: bad config {cfg} (wgmma: 'stationary' or 'streaming' with predecode, "
                 f"'decode' without, tiles_m=0; {bad})"
             )
+    act = act_quant == "mxfp4"
     plan = None
     decode_args = (w_codes, w_scales) if cfg.wgmma == "decode" else ()
     if cfg.wgmma and not gluon_bmm.unusable_reason(x, out, *decode_args):
         smem = gluon_bmm.smem_limit(x.device)
         plan = gluon_bmm.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma, K, smem, ws=cfg.ws)
     if plan and decode_args:
-        gluon_bmm.launch(x, out, act_quant == "mxfp4", plan, w_codes=w_codes, w_scales=w_scales)
-        return out
-    w = w_codes
-    if cfg.predecode:
-        w = torch.empty(B, N, K, dtype=torch.bfloat16, device=x.device)
-        bk = _block_k(K, 128)
-        _decode_kernel[(triton.cdiv(N, 32), K // bk, B)](
-            w_codes, w_scales, w, N, *w_codes.stride(), *w_scales.stride(), *w.stride()[:2], BLOCK_N=32, BLOCK_K=bk
-        )
+        gluon = gluon_bmm.prepare(x, out, act, plan, w_codes=w_codes, w_scales=w_scales)
+
+        def decoding_gluon(x, w_codes, w_scales, out):
+            gluon(x, out, w_codes, w_scales)
+
+        return decoding_gluon
+    # the weights the main kernel reads: the codes, or the transient bf16 [B, N, K] buffer each call decodes into
+    w = torch.empty(B, N, K, dtype=torch.bfloat16, device="meta") if cfg.predecode else w_codes
     if plan:
-        gluon_bmm.launch(x, out, act_quant == "mxfp4", plan, w=w)
-        return out
-    if cfg.tma and _tma_usable(x, out):
-        _launch_tma(x, w, out, act_quant == "mxfp4", cfg)
-        return out
-    args = (x, w, w_scales, out, M, N, *x.stride(), *w.stride(), *w_scales.stride(), *out.stride())
-    consts = dict(
-        K=K,
-        ACT_MXFP4=act_quant == "mxfp4",
-        INTERPRET=_INTERPRETED,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    if cfg.tiles_m:
-        grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m * cfg.tiles_m), B)
-        _bmm_stationary_kernel[grid](*args, TILES_M=cfg.tiles_m, **consts)
+        gluon = gluon_bmm.prepare(x, out, act, plan, w=w)
+
+        def main(x, w, w_scales, out):
+            gluon(x, out, w)
+
+    elif cfg.tma and _tma_usable(x, out):
+        tma = _prepare_tma(x, w, out, act, cfg)
+
+        def main(x, w, w_scales, out):
+            tma(x, w, out)
+
     else:
-        grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m), B)
-        _bmm_tiled_kernel[grid](*args, W_BF16=cfg.predecode, DOT_SCALED=not _INTERPRETED, **consts)
+        ints = (M, N, *x.stride(), *w.stride(), *w_scales.stride(), *out.stride())
+        consts = dict(K=K, ACT_MXFP4=act, INTERPRET=_INTERPRETED, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
+        if cfg.tiles_m:
+            grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m * cfg.tiles_m), B)
+            kernel = KernelLaunch(_bmm_stationary_kernel, grid, dict(TILES_M=cfg.tiles_m, **consts))
+        else:
+            grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m), B)
+            consts.update(W_BF16=cfg.predecode, DOT_SCALED=not _INTERPRETED)
+            kernel = KernelLaunch(_bmm_tiled_kernel, grid, consts)
+
+        def main(x, w, w_scales, out):
+            kernel(x, w, w_scales, out, *ints)
+
+    if not cfg.predecode:
+        return main
+    bk = _block_k(K, 128)
+    decode = KernelLaunch(_decode_kernel, (triton.cdiv(N, 32), K // bk, B), dict(BLOCK_N=32, BLOCK_K=bk))
+    decode_ints = (N, *w_codes.stride(), *w_scales.stride(), *w.stride()[:2])
+
+    def predecode_then_main(x, w_codes, w_scales, out):
+        w = torch.empty(B, N, K, dtype=torch.bfloat16, device=x.device)
+        decode(w_codes, w_scales, w, *decode_ints)
+        main(x, w, w_scales, out)
+
+    return predecode_then_main
+
+
+_PREPARED: dict = {}  # call signature -> launch function (:func:`_prepare`)
+_MAX_PREPARED = 4096  # signatures kept (prefill sizes vary); the dict starts over when full
+
+
+def _signature(x, w_codes, w_scales, out, act_quant: str, config) -> tuple | None:
+    """All :func:`_prepare` and the compiled kernels depend on: each tensor's dtype, shape, strides, device and
+    16-byte alignment, the options. None when an argument is not a tensor or the config is not hashable (such
+    calls are validated every time, and fail)."""
+    try:
+        sig = (act_quant, config, *[None if t is None else (t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % 16)
+                                    for t in (x, w_codes, w_scales, out)])  # fmt: skip
+        hash(sig)
+    except (AttributeError, TypeError):
+        return None
+    return sig
+
+
+def bmm_a16wfp4(
+    x: torch.Tensor,
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    *,
+    act_quant: str = "mxfp4",
+    out: torch.Tensor | None = None,
+    config: BmmConfig | None = None,
+) -> torch.Tensor:
+    """``out[b] = act(x[b]) @ dequant(w[b])^T``; returns ``out`` ``[B, M, N]`` bf16.
+
+    x ``[B, M, K]`` bf16, w_codes ``[B, N, K/2]`` u8, w_scales ``[B, N, K/32]`` u8, any non-negative strides;
+    K a multiple of 32. Without ``out``, allocates a batch-major ``[M, B, N]`` buffer and returns its
+    ``[B, M, N]`` view. ``config`` overrides :func:`default_config`.
+
+    The first call with a signature (:func:`_signature`) validates it and prepares its launches; later calls
+    with the same signature only launch (a few tens of microseconds of host time instead of 100-200).
+    """
+    ok, why = available()
+    if not ok:
+        raise BackendError(f"triton bmm_a16wfp4 unavailable: {why}")
+    sig = _signature(x, w_codes, w_scales, out, act_quant, config)
+    launch = _PREPARED.get(sig)
+    if launch is None:
+        B, M, N, K = _validate(x, w_codes, w_scales, act_quant, out)
+        if out is None:
+            out = torch.empty(M, B, N, dtype=torch.bfloat16, device=x.device).transpose(0, 1)
+        launch = _prepare(x, w_codes, w_scales, act_quant, out, config)
+        if sig is not None:
+            if len(_PREPARED) >= _MAX_PREPARED:
+                _PREPARED.clear()
+            _PREPARED[sig] = launch
+    elif out is None:
+        B, M, N = x.shape[0], x.shape[1], w_codes.shape[1]
+        out = torch.empty(M, B, N, dtype=torch.bfloat16, device=x.device).transpose(0, 1)
+    launch(x, w_codes, w_scales, out)
     return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from glm_pack.convert.convert import ConvertOptions, convert
@@ -24,3 +26,12 @@ def packed_dirs(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _bmm_calls_prepared_afresh():
+    """Every test's Triton GEMM calls prepare their launches anew (a test watching the planning functions sees
+    them run, whatever signatures earlier tests prepared)."""
+    module = sys.modules.get("glm_pack.runtime.kernels.triton_bmm")
+    if module is not None:
+        module._PREPARED.clear()

@@ -163,7 +163,7 @@ def test_falls_back_to_the_triton_kernels_where_it_cannot_run(cfg, monkeypatch):
     x = activations(M, B, K, seed=6, row=256)
     buf, out = poisoned_out(M, B, N)
     assert gb.unusable_reason(x, out)
-    monkeypatch.setattr(gb, "launch", lambda *a, **kw: pytest.fail("gluon kernel launched"))
+    monkeypatch.setattr(gb, "prepare", lambda *a, **kw: pytest.fail("gluon kernel prepared"))
     tb.bmm_a16wfp4(x, codes, scales, out=out, config=cfg)
     assert torch.isnan(buf[..., N:]).all()
     assert_close_to_reference(out, x, codes, scales, "mxfp4")
@@ -284,10 +284,10 @@ _GPU_CONFIGS = {
 
 
 def _launches(monkeypatch) -> list:
-    """Record the plan of every Gluon launch (then launch for real)."""
+    """Record the plan of every Gluon launch prepared (then prepare it for real)."""
     launched = []
-    real = gb.launch
-    monkeypatch.setattr(gb, "launch", lambda x, out, act, p, **kw: launched.append(p) or real(x, out, act, p, **kw))
+    real = gb.prepare
+    monkeypatch.setattr(gb, "prepare", lambda x, out, act, p, **kw: launched.append(p) or real(x, out, act, p, **kw))
     return launched
 
 

@@ -95,8 +95,8 @@ def test_tma_config_runs_where_descriptors_fit_and_falls_back_elsewhere(row, tma
     x = activations(M, B, K, seed=4, row=row)
     buf, out = poisoned_out(M, B, N)
     launched = []
-    real = tb._launch_tma
-    monkeypatch.setattr(tb, "_launch_tma", lambda *a: launched.append(1) or real(*a))
+    real = tb._prepare_tma
+    monkeypatch.setattr(tb, "_prepare_tma", lambda *a: launched.append(1) or real(*a))
     tb.bmm_a16wfp4(x, codes, scales, out=out, config=tb.BmmConfig(32, 64, 64, 4, 1, 0, predecode=True, tma=True))
     assert bool(launched) == tma
     assert torch.isnan(buf[..., N:]).all()
@@ -175,6 +175,34 @@ def test_allocates_batch_major_output():
     assert y.shape == (B, M, N) and y.stride() == (N, B * N, 1)  # a view of a [M, B, N] buffer
 
 
+def test_a_signature_is_prepared_once(monkeypatch):
+    """Later calls with the same shapes, strides, alignment, devices and options reuse the first call's launches
+    (fresh data, still the reference's result; out=None allocates a new buffer each time); x one element off its
+    16-byte alignment, other strides or other options prepare anew."""
+    prepared = []
+    real = tb._prepare
+    monkeypatch.setattr(tb, "_prepare", lambda *a: prepared.append(a[3]) or real(*a))
+    B, M, N, K = 2, 20, 64, 64
+    outs = []
+    for seed in (1, 2):
+        codes, scales = weights(B, N, K, seed=seed)
+        x = activations(M, B, K, seed=seed + 10, row=128)
+        for act_quant in ("mxfp4", "none"):
+            buf, out = poisoned_out(M, B, N)
+            tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out)
+            assert_close_to_reference(out, x, codes, scales, act_quant)
+        outs.append(tb.bmm_a16wfp4(x, codes, scales))
+        assert_close_to_reference(outs[-1], x, codes, scales, "mxfp4")
+    assert prepared == ["mxfp4", "none", "mxfp4"] and outs[0].data_ptr() != outs[1].data_ptr()
+    q = activations(M, B, K + 16, seed=3, row=136)  # row 136: rows stay 16-byte aligned, the view is 2 bytes off
+    x = q[..., 1 : K + 1]
+    assert x.data_ptr() % 16 == 2
+    buf, out = poisoned_out(M, B, N)
+    tb.bmm_a16wfp4(x, codes, scales, out=out)
+    assert_close_to_reference(out, x, codes, scales, "mxfp4")
+    assert len(prepared) == 4
+
+
 def test_empty_token_batch_returns_without_launch():
     codes, scales = weights(2, 32, 64, seed=1)
     y = tb.bmm_a16wfp4(torch.empty(2, 0, 64, dtype=torch.bfloat16, device=DEV), codes, scales)
@@ -231,3 +259,30 @@ def test_glm_shapes_on_gpu_all_kernels(op, T):
             _, out = poisoned_out(T, H, N)
             tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=config)
             assert_close_to_reference(out, x, codes, scales, act_quant)
+
+
+@gpu_only
+@pytest.mark.parametrize(
+    "config",
+    [None, tb.BmmConfig(16, 32, 64, 4, 2, 2), tb.BmmConfig(64, 128, 64, 8, 3, 0, predecode=True),
+     tb.BmmConfig(128, 256, 64, 8, 3, 0, predecode=True, tma=True)],
+    ids=["default", "stationary", "predecode", "tma"],
+)  # fmt: skip
+def test_repeated_calls_launch_the_compiled_kernels(config, monkeypatch):
+    """After the first call of a signature, calls with fresh data skip the JIT (no ``run`` of any Triton or Gluon
+    kernel) and launch the compiled kernels directly: still the reference's result, every element written."""
+    jit_runs = []
+    for kernel in (tb._bmm_tiled_kernel, tb._bmm_stationary_kernel, tb._bmm_tma_kernel, tb._decode_kernel,
+                   *([tb.gluon_bmm._bmm_kernel] if not tb.gluon_bmm.IMPORT_ERROR else [])):  # fmt: skip
+        real = kernel.run
+        monkeypatch.setattr(kernel, "run", lambda *a, _real=real, **kw: jit_runs.append(1) or _real(*a, **kw))
+    B, M, N, K = 16, 300, 512, 192
+    for seed in range(3):
+        codes, scales = weights(B, N, K, seed=seed)
+        x = activations(M, B, K, seed=seed + 5, row=256)
+        _, out = poisoned_out(M, B, N)
+        tb.bmm_a16wfp4(x, codes, scales, out=out, config=config)
+        assert_close_to_reference(out, x, codes, scales, "mxfp4")
+        if seed == 0:
+            first = len(jit_runs)
+    assert first > 0 and len(jit_runs) == first
