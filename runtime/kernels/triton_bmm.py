@@ -585,7 +585,7 @@ _MAX_PREPARED = 4096  # signatures kept (prefill sizes vary); the dict starts ov
 def _signature(x, w_codes, w_scales, out, act_quant: str, config) -> tuple | None:
     """All :func:`_prepare` and the compiled kernels depend on: each tensor's dtype, shape, strides, device and
     16-byte alignment, the options. None when an argument is not a tensor or the config is not hashable (such
-    calls are validated every time, and fail)."""
+    calls are validated and prepared every time)."""
     try:
         sig = (act_quant, config, *[None if t is None else (t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % 16)
                                     for t in (x, w_codes, w_scales, out)])  # fmt: skip
