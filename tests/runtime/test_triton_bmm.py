@@ -265,8 +265,9 @@ def test_glm_shapes_on_gpu_all_kernels(op, T):
 @pytest.mark.parametrize(
     "config",
     [None, tb.BmmConfig(16, 32, 64, 4, 2, 2), tb.BmmConfig(64, 128, 64, 8, 3, 0, predecode=True),
-     tb.BmmConfig(128, 256, 64, 8, 3, 0, predecode=True, tma=True)],
-    ids=["default", "stationary", "predecode", "tma"],
+     tb.BmmConfig(128, 256, 64, 8, 3, 0, predecode=True, tma=True),
+     tb.BmmConfig(128, 256, 64, 8, 3, 0, predecode=True, tma=True, wgmma="streaming", ws=True)],
+    ids=["default", "stationary", "predecode", "tma", "gluon-streaming"],
 )  # fmt: skip
 def test_repeated_calls_launch_the_compiled_kernels(config, monkeypatch):
     """After the first call of a signature, calls with fresh data skip the JIT (no ``run`` of any Triton or Gluon
