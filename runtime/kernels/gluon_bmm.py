@@ -174,6 +174,13 @@ if not IMPORT_ERROR and not _INTERPRETED:
         return codes, scales
 
     @gluon.jit
+    def _round_in_place(xs, ROUND_LAYOUT: gl.constexpr):
+        """Round the x tile ``xs`` (shared memory, ``[BM, BK]`` bf16) to MXFP4 in place, through registers in
+        ``ROUND_LAYOUT``, and make the stores visible to the MMAs."""
+        xs.store(mxfp4_even_round_trip(xs.load(ROUND_LAYOUT), xs.shape[0], xs.shape[1], False))
+        fence_async_shared()  # generic-proxy writes before the MMA's (async-proxy) reads
+
+    @gluon.jit
     def _step(i, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, steps, pid, M, N, SPLITS,
               K: gl.constexpr, BN: gl.constexpr, ACT_MXFP4: gl.constexpr, STATIONARY: gl.constexpr,
               WS: gl.constexpr, ROUND_LAYOUT: gl.constexpr):  # fmt: skip
@@ -191,8 +198,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
         else:
             mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
             if ACT_MXFP4:
-                xs.store(mxfp4_even_round_trip(xs.load(ROUND_LAYOUT), BM, BK, False))
-                fence_async_shared()  # generic-proxy writes before the MMA's (async-proxy) reads
+                _round_in_place(xs, ROUND_LAYOUT)
         if STATIONARY:
             ws = w_bufs.index(i % KSTEPS).reshape([BN, BK])
         else:
@@ -249,9 +255,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
         BK: gl.constexpr = x_bufs.type.shape[3]
         for i in range(steps):
             mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
-            xs = x_bufs.index(i % STAGES).reshape([BM, BK])
-            xs.store(mxfp4_even_round_trip(xs.load(ROUND_LAYOUT), BM, BK, False))
-            fence_async_shared()  # generic-proxy writes before the MMA's (async-proxy) reads
+            _round_in_place(x_bufs.index(i % STAGES).reshape([BM, BK]), ROUND_LAYOUT)
             gl.thread_barrier()  # every worker thread's stores, before one thread arrives
             mbarrier.arrive(rounded.index(i % STAGES), count=1)
 
@@ -441,17 +445,17 @@ def _register_layouts(block_m: int, block_n: int, block_k: int, num_warps: int, 
     return rounding, decode
 
 
-def prepare(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: torch.Tensor | None = None,
-            w_codes: torch.Tensor | None = None, w_scales: torch.Tensor | None = None) -> Callable:  # fmt: skip
+def prepare(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: torch.Tensor,
+            w_scales: torch.Tensor | None = None) -> Callable:  # fmt: skip
     """The launch of ``out[b] = act(x[b]) @ w[b]^T`` for tensors like these (shapes, strides, alignment, device):
-    a function of ``(x, out, w)`` with bf16 ``w [B, N, K]`` (``stationary`` / ``streaming``) or, for ``decode``,
-    of ``(x, out, w_codes, w_scales)``: E2M1 ``[B, N, K/2]`` and E8M0 ``[B, N, K/32]``. Each call makes the
-    tensor descriptors and launches; grid, constants and the compiled kernel are worked out here, once. The
+    a function of ``(x, w, w_scales, out)``, with ``w`` the E2M1 codes ``[B, N, K/2]`` and ``w_scales`` their
+    E8M0 scales ``[B, N, K/32]`` for ``decode``, else bf16 ``[B, N, K]`` (``w_scales`` unused). Each call makes
+    the tensor descriptors and launches; grid, constants and the compiled kernel are worked out here, once. The
     caller checked :func:`unusable_reason` and made ``p`` with :func:`plan`."""
     B, M, K = x.shape
+    N = w.shape[1]
     bm, bn, bk = p.block_m, p.block_n, p.block_k
-    weights = (w_codes, w_scales) if p.schedule == "decode" else (w, w)
-    N = weights[0].shape[1]
+    decode = p.schedule == "decode"
     yn = y_columns(bm, bn)
     blocks = {"x": ([1, bm, bk], _smem_layout((1, bm, bk))), "y": ([1, bm, yn], _smem_layout((1, bm, yn))),
               "w": ([1, bn, bk], _smem_layout((1, bn, bk)))}  # fmt: skip
@@ -459,19 +463,19 @@ def prepare(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: tor
     splits = max(1, min(triton.cdiv(M, bm), sms // columns))  # each column's M tiles over the SMs
     per_sm = programs_per_sm(p, K, columns * splits, sms, smem_limit(x.device))
     kernel = KernelLaunch(_bmm_kernel, (columns * splits,), kernel_constants(p, K, act_mxfp4, per_sm))
-    ints = (*weights[0].stride()[:2], *weights[1].stride()[:2], M, N, splits)
+    ints = (*w.stride()[:2], *(w_scales if decode else w).stride()[:2], M, N, splits)
 
     def descriptor(t: torch.Tensor, which: str):
         return TensorDescriptor.from_tensor(t, *blocks[which])
 
-    if p.schedule == "decode":
+    if decode:
 
-        def launch(x, out, w_codes, w_scales):
-            kernel(descriptor(x, "x"), None, descriptor(out, "y"), w_codes, w_scales, *ints)
+        def launch(x, w, w_scales, out):
+            kernel(descriptor(x, "x"), None, descriptor(out, "y"), w, w_scales, *ints)
 
     else:
 
-        def launch(x, out, w):
+        def launch(x, w, w_scales, out):
             kernel(descriptor(x, "x"), descriptor(w, "w"), descriptor(out, "y"), w, w, *ints)
 
     return launch

@@ -472,7 +472,7 @@ def _tma_usable(*tensors: torch.Tensor) -> bool:
 
 def _prepare_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, cfg: BmmConfig) -> Callable:
     """Persistent descriptor kernel over bf16 ``w [B, N, K]`` (one program per multiprocessor at most), for
-    tensors like these: a function of ``(x, w, out)``."""
+    tensors like these: a function of ``(x, w, w_scales, out)`` (``w_scales`` unused)."""
     B, M, K = x.shape
     N = w.shape[1]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -483,7 +483,7 @@ def _prepare_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act_mxfp4:
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ))  # fmt: skip
 
-    def launch(x, w, out):
+    def launch(x, w, w_scales, out):
         descriptors = [TensorDescriptor.from_tensor(t, [1, rows, bk]) for t, rows in ((x, bm), (w, bn))]
         kernel(*descriptors, TensorDescriptor.from_tensor(out, [1, bm, bn]), M, N, B, programs)
 
@@ -529,26 +529,13 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
         smem = gluon_bmm.smem_limit(x.device)
         plan = gluon_bmm.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma, K, smem, ws=cfg.ws)
     if plan and decode_args:
-        gluon = gluon_bmm.prepare(x, out, act, plan, w_codes=w_codes, w_scales=w_scales)
-
-        def decoding_gluon(x, w_codes, w_scales, out):
-            gluon(x, out, w_codes, w_scales)
-
-        return decoding_gluon
+        return gluon_bmm.prepare(x, out, act, plan, w=w_codes, w_scales=w_scales)
     # the weights the main kernel reads: the codes, or the transient bf16 [B, N, K] buffer each call decodes into
     w = torch.empty(B, N, K, dtype=torch.bfloat16, device="meta") if cfg.predecode else w_codes
     if plan:
-        gluon = gluon_bmm.prepare(x, out, act, plan, w=w)
-
-        def main(x, w, w_scales, out):
-            gluon(x, out, w)
-
+        main = gluon_bmm.prepare(x, out, act, plan, w=w)
     elif cfg.tma and _tma_usable(x, out):
-        tma = _prepare_tma(x, w, out, act, cfg)
-
-        def main(x, w, w_scales, out):
-            tma(x, w, out)
-
+        main = _prepare_tma(x, w, out, act, cfg)
     else:
         ints = (M, N, *x.stride(), *w.stride(), *w_scales.stride(), *out.stride())
         consts = dict(K=K, ACT_MXFP4=act, INTERPRET=_INTERPRETED, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -619,16 +606,15 @@ def bmm_a16wfp4(
     sig = _signature(x, w_codes, w_scales, out, act_quant, config)
     launch = _PREPARED.get(sig)
     if launch is None:
-        B, M, N, K = _validate(x, w_codes, w_scales, act_quant, out)
-        if out is None:
-            out = torch.empty(M, B, N, dtype=torch.bfloat16, device=x.device).transpose(0, 1)
+        _validate(x, w_codes, w_scales, act_quant, out)
+    if out is None:  # a signature with out=None is prepared for this layout
+        out = torch.empty(x.shape[1], x.shape[0], w_codes.shape[1], dtype=torch.bfloat16, device=x.device)
+        out = out.transpose(0, 1)
+    if launch is None:
         launch = _prepare(x, w_codes, w_scales, act_quant, out, config)
         if sig is not None:
             if len(_PREPARED) >= _MAX_PREPARED:
                 _PREPARED.clear()
             _PREPARED[sig] = launch
-    elif out is None:
-        B, M, N = x.shape[0], x.shape[1], w_codes.shape[1]
-        out = torch.empty(M, B, N, dtype=torch.bfloat16, device=x.device).transpose(0, 1)
     launch(x, w_codes, w_scales, out)
     return out
