@@ -439,9 +439,9 @@ def _register_layouts(block_m: int, block_n: int, block_k: int, num_warps: int, 
     ``[block_n, block_k / 32, 16]`` over ``num_warps`` warps with one 16-byte block per thread."""
     per_thread = min(32, block_m * block_k // (32 * round_warps))
     along_k = block_k // per_thread
-    rounding = gl.BlockedLayout([1, per_thread], [32 // along_k, along_k], [round_warps, 1], [1, 0])
+    rounding = gl.BlockedLayout([1, per_thread], [32 // along_k, along_k], [round_warps, 1], [0, 1])
     blocks = block_k // 32
-    decode = gl.BlockedLayout([1, 1, 16], [32 // blocks, blocks, 1], [num_warps, 1, 1], [2, 1, 0])
+    decode = gl.BlockedLayout([1, 1, 16], [32 // blocks, blocks, 1], [num_warps, 1, 1], [2, 0, 1])
     return rounding, decode
 
 
