@@ -14,9 +14,10 @@ through one buffer (:func:`y_columns`). A program owns one ``(b, n0)`` column of
 of its M tiles (each column's tiles split over the multiprocessors left over). Three schedules:
 
 * ``decode``: the program loads the column's codes and scales into registers at once and decodes them into
-  shared memory (bf16; a byte-table lookup per code pair, :func:`_e2m1_dequant_ptx`): without ``ws`` K step
-  ``k`` during the first tile, just before that step's MMAs, so decoding overlaps the MMAs of step ``k - 1``;
-  with ``ws`` all of it before the first MMA, while the rounding warps round the first x tiles. The column
+  shared memory (bf16; a byte-table lookup per code pair, :func:`_e2m1_dequant_ptx`): K step ``k`` during
+  the first tile, just before that step's MMAs, so decoding overlaps the MMAs of step ``k - 1``; with ``ws``
+  and 8 MMA warps all of it before the first MMA (:func:`decode_first`), while the rounding warps round the
+  first x tiles. The column
   (``block_n * K * 2`` bytes) stays for the remaining tiles. The weights cross HBM once per program and are
   never written back.
 * ``stationary``: the same, with the column loaded by TMA from predecoded bf16 weights.
@@ -227,18 +228,29 @@ if not IMPORT_ERROR and not _INTERPRETED:
         return acc
 
     @gluon.jit
-    def _mma_loop(acc, first, codes, scales, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
+    def _mma_loop(acc, codes, scales, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
                   steps, pid, M, N, SPLITS, K: gl.constexpr, BN: gl.constexpr, ACT_MXFP4: gl.constexpr,
-                  STATIONARY: gl.constexpr, DECODE: gl.constexpr, WS: gl.constexpr,
+                  STATIONARY: gl.constexpr, DECODE: gl.constexpr, DECODE_FIRST: gl.constexpr, WS: gl.constexpr,
                   ROUND_LAYOUT: gl.constexpr):  # fmt: skip
-        """The program's steps from ``first`` on, on the MMA warps; with DECODE and WS it first decodes the whole
-        weight column (``codes`` / ``scales``, per K step) while the rounding warps round the first x tiles."""
+        """The program's steps, on the MMA warps. With DECODE the weight column (``codes`` / ``scales``, per K
+        step) is decoded into shared memory: with DECODE_FIRST all of it before the first MMA, else K step by K
+        step during the first tile, each step's slot just before its MMAs, overlapping those of the step before."""
         BK: gl.constexpr = x_desc.block_type.shape[2]
-        if DECODE and WS:
-            for kk in gl.static_range(K // BK):
+        KSTEPS: gl.constexpr = K // BK
+        first = 0
+        if DECODE and DECODE_FIRST:
+            for kk in gl.static_range(KSTEPS):
                 w_bufs.index(kk).reshape([BN, BK]).store(_e2m1_dequant_ptx(codes[kk], scales[kk]))
             fence_async_shared()
             gl.thread_barrier()
+        elif DECODE:
+            if steps > 0:
+                for kk in gl.static_range(KSTEPS):
+                    w_bufs.index(kk).reshape([BN, BK]).store(_e2m1_dequant_ptx(codes[kk], scales[kk]))
+                    fence_async_shared()
+                    acc = _step(kk, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, steps, pid,
+                                M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, WS, ROUND_LAYOUT)  # fmt: skip
+                first = KSTEPS
         if STATIONARY and not DECODE:
             mbarrier.wait(w_ready.index(0), 0)  # also keeps a program without tiles alive until its loads land
         for i in range(first, steps):
@@ -263,8 +275,8 @@ if not IMPORT_ERROR and not _INTERPRETED:
     def _bmm_kernel(x_desc, w_desc, y_desc, c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn,
                     M, N, SPLITS, K: gl.constexpr, BN: gl.constexpr, W_LAYOUT: gl.constexpr,
                     ACT_MXFP4: gl.constexpr, STATIONARY: gl.constexpr, DECODE: gl.constexpr, WS: gl.constexpr,
-                    ROUND_LAYOUT: gl.constexpr, DECODE_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
-                    num_warps: gl.constexpr):  # fmt: skip
+                    ROUND_LAYOUT: gl.constexpr, DECODE_LAYOUT: gl.constexpr, DECODE_FIRST: gl.constexpr,
+                    STAGES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
         """Grid ``(columns * SPLITS,)``; descriptors over x ``[B, M, K]`` (block ``[1, BM, BK]``), y ``[B, M, N]``
         (``[1, BM, YN]``, :func:`y_columns`) and, unless DECODE, bf16 w ``[B, N, K]`` (``[1, BN, BK]``); with DECODE
         (stationary only) the weights come from codes ``c_ptr`` / scales ``s_ptr`` instead. WS: the x tiles are
@@ -297,34 +309,27 @@ if not IMPORT_ERROR and not _INTERPRETED:
             version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N], instr_shape=[16, BN // WARPS_N, 16]
         )
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
-        first = 0
         b, m0, n0 = _tile(0, pid, M, N, SPLITS, BM, BN)
         codes = 0  # placeholders without DECODE: the MMA loop takes the same arguments either way
         scales = 0
         if DECODE:
             codes, scales = _load_column(c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0, N,
                                          BN, BK, K, DECODE_LAYOUT)  # fmt: skip
-            if not WS and steps > 0:  # the first tile's K steps each decode their slot first, overlapping the MMAs
-                for kk in gl.static_range(KSTEPS):
-                    w_bufs.index(kk).reshape([BN, BK]).store(_e2m1_dequant_ptx(codes[kk], scales[kk]))
-                    fence_async_shared()
-                    acc = _step(kk, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, steps, pid,
-                                M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, WS, ROUND_LAYOUT)  # fmt: skip
-                first = KSTEPS
         elif STATIONARY:
             mbarrier.expect(w_ready.index(0), KSTEPS * w_desc.block_type.nbytes)
             for kk in gl.static_range(KSTEPS):
                 tma.async_copy_global_to_shared(w_desc, [b, n0, kk * BK], w_ready.index(0), w_bufs.index(kk))
         if WS:
             gl.warp_specialize([
-                (_mma_loop, (acc, first, codes, scales, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded,
-                             w_ready, steps, pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, WS,
+                (_mma_loop, (acc, codes, scales, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded,
+                             w_ready, steps, pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, DECODE_FIRST, WS,
                              ROUND_LAYOUT)),
                 (_round_loop, (x_bufs, ready, rounded, steps, ROUND_LAYOUT)),
             ], [_ROUND_WARPS], [_ROUND_REGS])  # fmt: skip
         else:
-            _mma_loop(acc, first, codes, scales, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
-                      steps, pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, WS, ROUND_LAYOUT)  # fmt: skip
+            _mma_loop(acc, codes, scales, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
+                      steps, pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, DECODE_FIRST, WS,
+                      ROUND_LAYOUT)  # fmt: skip
 
 
 SCHEDULES = ("stationary", "streaming", "decode")
@@ -436,7 +441,10 @@ def _smem_layout(block: tuple[int, ...]):
 def _register_layouts(block_m: int, block_n: int, block_k: int, num_warps: int, round_warps: int):
     """(rounding, decode) register layouts: x ``[block_m, block_k]`` over ``round_warps`` warps with whole
     32-blocks in a thread where there is one per thread (else halves, quarters...), and codes
-    ``[block_n, block_k / 32, 16]`` over ``num_warps`` warps with one 16-byte block per thread."""
+    ``[block_n, block_k / 32, 16]`` over ``num_warps`` warps with one 16-byte block per thread. In both a warp's
+    lanes run along rows first: 8 consecutive lanes hold 8 rows at the same K, so each quarter-warp's 16-byte
+    shared-memory accesses fall in 8 different bank groups of the 128-byte swizzle (K first put 2 lanes of a
+    quarter-warp on one bank group once a tile row spans two 64-column swizzle blocks, ``block_k`` >= 128)."""
     per_thread = min(32, block_m * block_k // (32 * round_warps))
     along_k = block_k // per_thread
     rounding = gl.BlockedLayout([1, per_thread], [32 // along_k, along_k], [round_warps, 1], [0, 1])
@@ -489,6 +497,14 @@ def programs_per_sm(p: Plan, K: int, programs: int, sms: int, smem: int) -> int:
     return 2 if programs > sms and 2 * need <= smem + 1024 else 1
 
 
+def decode_first(p: Plan, ws: bool) -> bool:
+    """Whether a ``decode`` program decodes its whole weight column before its first MMA rather than K step by
+    K step during its first tile: with rounding warps (``ws``) and two MMA warpgroups (8 warps), whose
+    accumulator next to the codes would spill; one warpgroup interleaves (4-9% faster at T = 64 / 256 on the
+    H200, BENCHMARKS.md), as does every program without ``ws``."""
+    return ws and p.num_warps == 8
+
+
 def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1) -> dict:
     """The compile-time arguments of a launch of ``p`` (``num_warps`` and, with WS, ``maxnreg`` included: the
     registers of ``programs_per_sm`` programs' warps share a multiprocessor's 65536)."""
@@ -497,7 +513,8 @@ def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1)
                                            ROUND_WARPS if ws else p.num_warps)  # fmt: skip
     consts = dict(K=K, BN=p.block_n, W_LAYOUT=_smem_layout((1, p.block_n, p.block_k)), ACT_MXFP4=act_mxfp4,
                   STATIONARY=p.schedule != "streaming", DECODE=p.schedule == "decode", WS=ws, ROUND_LAYOUT=rounding,
-                  DECODE_LAYOUT=decoding, STAGES=p.stages, num_warps=p.num_warps)  # fmt: skip
+                  DECODE_LAYOUT=decoding, DECODE_FIRST=decode_first(p, ws), STAGES=p.stages,
+                  num_warps=p.num_warps)  # fmt: skip
     if ws:  # the registers of all warps together: at most 65536 per multiprocessor
         consts["maxnreg"] = min(255, 65536 // (32 * (p.num_warps + ROUND_WARPS) * programs_per_sm) // 8 * 8)
     return consts

@@ -325,8 +325,8 @@ class BmmConfig:
     the kernel, ``"stationary"`` / ``"streaming"`` (with ``predecode``) read predecoded ones; elsewhere the
     call falls back to the tiled kernel (``decode``) or ``tma`` / tiled (the others) with the same tiles.
     ``ws`` (with ``wgmma``): warp specialisation: with mxfp4 activations, :data:`gluon_bmm.ROUND_WARPS` more
-    warps round the x tiles while the MMA warps only wait, issue MMAs and write y (``decode`` then decodes the
-    whole weight column before the first MMA)."""
+    warps round the x tiles while the MMA warps only wait, issue MMAs and write y (``decode`` with 8 warps then
+    decodes the whole weight column before the first MMA, :func:`gluon_bmm.decode_first`)."""
 
     block_m: int
     block_n: int
@@ -358,18 +358,18 @@ _TUNED = {
     (512, 256, True, 16): _C(16, 128, 256, 4, 2, 0),
     (256, 512, False, 16): _C(16, 64, 512, 4, 1, 0),
     (256, 512, True, 16): _C(16, 64, 512, 4, 1, 0),
-    (512, 192, False, 64): _C(64, 64, 64, 4, 3, 0, wgmma="decode"),
+    (512, 192, False, 64): _C(64, 64, 64, 4, 3, 0, wgmma="decode", ws=True),
     (512, 192, True, 64): _C(64, 128, 64, 8, 3, 0, wgmma="decode"),
     (512, 256, False, 64): _C(64, 64, 128, 4, 3, 0, wgmma="decode"),
-    (512, 256, True, 64): _C(64, 128, 64, 8, 3, 0, wgmma="decode"),
+    (512, 256, True, 64): _C(64, 128, 64, 4, 3, 0, wgmma="decode"),
     (256, 512, False, 64): _C(64, 32, 128, 4, 3, 0, wgmma="decode", ws=True),
-    (256, 512, True, 64): _C(64, 128, 64, 8, 3, 0, wgmma="decode", ws=True),
+    (256, 512, True, 64): _C(64, 128, 128, 4, 3, 0, wgmma="decode", ws=True),
     (512, 192, False, 256): _C(64, 128, 64, 4, 3, 0, wgmma="decode", ws=True),
     (512, 192, True, 256): _C(64, 256, 64, 8, 3, 0, wgmma="decode", ws=True),
-    (512, 256, False, 256): _C(128, 128, 64, 8, 3, 0, wgmma="decode"),
+    (512, 256, False, 256): _C(64, 128, 128, 4, 3, 0, wgmma="decode", ws=True),
     (512, 256, True, 256): _C(128, 256, 64, 8, 3, 0, wgmma="decode", ws=True),
-    (256, 512, False, 256): _C(64, 128, 64, 8, 3, 0, wgmma="decode", ws=True),
-    (256, 512, True, 256): _C(128, 128, 64, 8, 3, 0, wgmma="decode", ws=True),
+    (256, 512, False, 256): _C(64, 128, 128, 4, 3, 0, wgmma="decode", ws=True),
+    (256, 512, True, 256): _C(64, 128, 128, 4, 3, 0, wgmma="decode", ws=True),
 }
 
 

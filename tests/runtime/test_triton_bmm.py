@@ -262,6 +262,24 @@ def test_glm_shapes_on_gpu_all_kernels(op, T):
 
 
 @gpu_only
+@pytest.mark.parametrize("key", sorted(tb._TUNED))
+def test_tuned_glm_defaults_match_reference_on_gpu(key):
+    """Each tuned default at a GLM shape that selects it (16 or 64 heads; rows at the top of its bucket and one
+    below, so a tile is ragged), through the runtime's strided views: the reference's result, every element
+    written."""
+    N, K, wide, bucket = key
+    B = 64 if wide else 16
+    for M in (bucket, bucket - 3):
+        assert tb.default_config(B, M, N, K) == tb._TUNED[key]
+        codes, scales = weights(B, N, K, seed=M + K)
+        x = activations(M, B, K, seed=N + M, row=576)
+        for act_quant in ("mxfp4", "none"):
+            _, out = poisoned_out(M, B, N)
+            tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out)
+            assert_close_to_reference(out, x, codes, scales, act_quant)
+
+
+@gpu_only
 @pytest.mark.parametrize(
     "config",
     [None, tb.BmmConfig(16, 32, 64, 4, 2, 2), tb.BmmConfig(64, 128, 64, 8, 3, 0, predecode=True),
