@@ -3,6 +3,7 @@ of the real kernel on this CPU (Triton's bundled ptxas), and results against the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -266,6 +267,18 @@ def test_two_programs_share_a_multiprocessor_only_where_there_are_more_and_both_
     assert gb.kernel_constants(kup, 192, True, 2)["maxnreg"] == 65536 // (2 * 12 * 32) // 8 * 8 == 80
     assert gb.kernel_constants(kup, 192, True, 1)["maxnreg"] == 168
     assert "maxnreg" not in gb.kernel_constants(kup, 192, False, 2)  # no rounding warps without mxfp4
+
+
+def test_only_two_warpgroup_programs_with_rounding_warps_decode_their_column_first():
+    """The compile-time choice behind the interleaved decode: programs with rounding warps and 8 MMA warps decode
+    the whole weight column before their first MMA; 4-warp programs, and every program without rounding warps
+    (``ws`` off, or activations not rounded), decode K step by K step during their first tile."""
+    w8 = gb.plan(64, 128, 64, 8, "decode", 192, H200_SMEM, ws=True)
+    w4 = gb.plan(64, 64, 64, 4, "decode", 192, H200_SMEM, ws=True)
+    assert gb.kernel_constants(w8, 192, True)["DECODE_FIRST"]
+    assert not gb.kernel_constants(w8, 192, False)["DECODE_FIRST"]  # act_quant "none": no rounding warps
+    assert not gb.kernel_constants(w4, 192, True)["DECODE_FIRST"]
+    assert not gb.kernel_constants(dataclasses.replace(w8, ws=False), 192, True)["DECODE_FIRST"]
 
 
 _GPU_CONFIGS = {
