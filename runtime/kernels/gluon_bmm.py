@@ -17,9 +17,8 @@ of its M tiles (each column's tiles split over the multiprocessors left over). T
   shared memory (bf16; a byte-table lookup per code pair, :func:`_e2m1_dequant_ptx`): K step ``k`` during
   the first tile, just before that step's MMAs, so decoding overlaps the MMAs of step ``k - 1``; with ``ws``
   and 8 MMA warps all of it before the first MMA (:func:`decode_first`), while the rounding warps round the
-  first x tiles. The column
-  (``block_n * K * 2`` bytes) stays for the remaining tiles. The weights cross HBM once per program and are
-  never written back.
+  first x tiles. The column (``block_n * K * 2`` bytes) stays for the remaining tiles. The weights cross HBM
+  once per program and are never written back.
 * ``stationary``: the same, with the column loaded by TMA from predecoded bf16 weights.
 * ``streaming``: x and predecoded w tiles stream through one ring, for weights too large to keep (GLM's V-up:
   256 x 512 bf16 = 256 KiB per head at 256 columns).
@@ -500,8 +499,8 @@ def programs_per_sm(p: Plan, K: int, programs: int, sms: int, smem: int) -> int:
 def decode_first(p: Plan, ws: bool) -> bool:
     """Whether a ``decode`` program decodes its whole weight column before its first MMA rather than K step by
     K step during its first tile: with rounding warps (``ws``) and two MMA warpgroups (8 warps), whose
-    accumulator next to the codes would spill; one warpgroup interleaves (4-9% faster at T = 64 / 256 on the
-    H200, BENCHMARKS.md), as does every program without ``ws``."""
+    accumulator next to the codes would spill. One warpgroup interleaves, as does every program without ``ws``
+    (on the H200, faster in 12 of 14 one-warpgroup configs at T = 64 / 256, by up to 9%; BENCHMARKS.md)."""
     return ws and p.num_warps == 8
 
 
