@@ -64,7 +64,7 @@ def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
     decoded = [*dec(64, 256, 8), *dec(64, 128, 4), *dec(64, 128, 8), *dec(64, 64, 4)]
     # narrower columns and longer K steps: less decoding per program, more programs per head
     narrow = [*dec(64, 32, 4, 128), *dec(64, 64, 4, 128), *dec(64, 128, 4, 128), *dec(64, 128, 8, 128),
-              *dec(128, 64, 8), *dec(128, 64, 8, 128)]  # fmt: skip
+              *dec(128, 64, 8), *dec(128, 64, 8, 128), *dec(64, 64, 4, 256), *dec(64, 128, 4, 256)]  # fmt: skip
     gluon = [pre(128, 256, 8, 3, True, "stationary"), pre(128, 256, 8, 3, True, "streaming"),
              *dec(128, 256, 8), *dec(128, 128, 8)]  # fmt: skip
 

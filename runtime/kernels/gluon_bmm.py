@@ -23,13 +23,16 @@ of its M tiles (each column's tiles split over the multiprocessors left over). T
 * ``streaming``: x and predecoded w tiles stream through one ring, for weights too large to keep (GLM's V-up:
   256 x 512 bf16 = 256 KiB per head at 256 columns).
 
-The x ring has as many stages as fit in shared memory, up to 4. TMA loads for step ``i + stages - 1`` are
-issued once the MMAs of step ``i - 1`` are done. Without ``ws`` the MMA warps round step ``i`` while the MMAs
-of ``i - 1`` run. With ``ws`` (warp specialisation) :data:`ROUND_WARPS` more warps round each x tile as soon
-as it lands and signal an mbarrier, so the MMA warps only wait, issue MMAs, refill the ring and write y; the
-registers are rebalanced between the two groups (``setmaxnreg``) within a cap that lets one program, or two
-where there are more programs than multiprocessors and shared memory holds two (:func:`programs_per_sm`), share
-a multiprocessor's 65536.
+The x ring has as many stages as fit in shared memory, up to 4. The first ``stages`` steps are loaded up front
+(a program with that many K steps or fewer has all its x in flight at once); the TMA load for step
+``i + stages - 1`` (``i`` >= 1) is issued once the MMAs of step ``i - 1`` are done. Without ``ws`` the MMA warps
+round step ``i`` while the MMAs of ``i - 1`` run. With ``ws`` (warp specialisation) :data:`ROUND_WARPS` more
+warps round each x tile as soon as it lands and signal an mbarrier, so the MMA warps only wait, issue MMAs,
+refill the ring and write y; the registers are rebalanced between the two groups (``setmaxnreg``) within a cap
+that lets one program, or two where there are more programs than multiprocessors and shared memory holds two
+(:func:`programs_per_sm`), share a multiprocessor's 65536. The rounding runs in PTX
+(:func:`~glm_pack.runtime.kernels.mxfp4_jit.round_ptx`), which needs fewer registers: 256-deep K steps fit
+the rounding warps' 96.
 
 Gluon has no interpreter: under ``TRITON_INTERPRET=1``, on AMD GPUs and on NVIDIA GPUs other than sm_90 (wgmma
 is sm_90-only), :func:`unusable_reason` says why and the caller runs its Triton kernels instead.
@@ -177,7 +180,8 @@ if not IMPORT_ERROR and not _INTERPRETED:
     def _round_in_place(xs, ROUND_LAYOUT: gl.constexpr):
         """Round the x tile ``xs`` (shared memory, ``[BM, BK]`` bf16) to MXFP4 in place, through registers in
         ``ROUND_LAYOUT``, and make the stores visible to the MMAs."""
-        xs.store(mxfp4_even_round_trip(xs.load(ROUND_LAYOUT), xs.shape[0], xs.shape[1], False))
+        PAIRS: gl.constexpr = ROUND_LAYOUT.size_per_thread[1] // 2  # a thread's run of k, in pairs
+        xs.store(mxfp4_even_round_trip(xs.load(ROUND_LAYOUT), xs.shape[0], xs.shape[1], False, PAIRS))
         fence_async_shared()  # generic-proxy writes before the MMA's (async-proxy) reads
 
     @gluon.jit
@@ -205,7 +209,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
             ws = w_bufs.index(i % STAGES).reshape([BN, BK])
         acc = warpgroup_mma(xs, ws.permute((1, 0)), acc, use_acc=(i % KSTEPS) != 0, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        if i + STAGES - 1 < steps:  # into the slot of step i - 1, whose MMAs are done
+        if i > 0 and i + STAGES - 1 < steps:  # into the slot of step i - 1, whose MMAs are done (step 0: prologue)
             _load_step(x_desc, w_desc, x_bufs, w_bufs, ready, i + STAGES - 1, pid, M, N, SPLITS, K, BN, STATIONARY)
         if i % KSTEPS == KSTEPS - 1:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -299,7 +303,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
         per = gl.cdiv(tiles_m, SPLITS)
         n_tiles = gl.maximum(gl.minimum(per, tiles_m - (pid % SPLITS) * per), 0)
         steps = n_tiles * KSTEPS
-        for j in gl.static_range(STAGES - 1):
+        for j in gl.static_range(STAGES):  # every slot: step STAGES - 1 needs no MMA to finish first
             if j < steps:
                 _load_step(x_desc, w_desc, x_bufs, w_bufs, ready, j, pid, M, N, SPLITS, K, BN, STATIONARY)
         WARPS_M: gl.constexpr = BM // 16  # one warpgroup per 64 rows; the others split N

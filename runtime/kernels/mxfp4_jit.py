@@ -9,7 +9,48 @@ from __future__ import annotations
 
 from glm_pack.runtime.kernels._triton import IMPORT_ERROR, tl, triton
 
+FAST_MAX_SCALE_BITS = 0x7B80  # bf16 2**120: blocks with this scale or more take the PTX's slow path
+
+
+def round_ptx(pairs: int) -> str:
+    """PTX rounding ``pairs`` bf16 pairs of x (``$pairs ..``) of one 32-block to ``dequant(quant_even(x))``
+    (``$0 ..``), given the block's ``2**e`` and ``2**-e`` as bf16 bits in both halves of an int32 (``$2pairs``,
+    ``$3pairs``; the next copies are unused).
+
+    Fast path (scales below 2**120): with E = max(2**floor(log2 |x|), 2**e) (x's exponent bits, then a packed
+    max) the E2M1 grid step at |x| is E / 2, the bf16 ulp of ``96 * E``, so ``fma(E, 96, x)`` rounds x to the
+    grid with ties to even (the even code) and ``fma(E, -96, .)`` takes 96 * E back off, exactly; no clamp is
+    needed (the even rule's e keeps |x| < 7 * 2**e, which rounds to at most 6 * 2**e), and 96 * E stays finite.
+    Then x's sign goes back on (-0 for negatives rounding to zero): 5 instructions per pair.
+    Slow path (2**e >= 2**120, where 96 * E could overflow; Inf blocks have e = 127): the steps of the portable
+    path in :func:`mxfp4_even_round_trip`: a = min(|x| * 2**-e, 6) (keeping NaN), the same rounding on a's grid
+    (E = max(2**floor(log2 a), 1)), times 2**e, x's sign."""
+    x = [f"${pairs + i}" for i in range(pairs)]
+    up, down, six, one = "0x42C042C0", "0xC2C0C2C0", "0x40C040C0", "0x3F803F80"  # bf16 pairs 96, -96, 6, 1
+    scale, inverse = f"${2 * pairs}", f"${4 * pairs}"  # int32 operands: one register per element
+    lines = [".reg .b32 a, q, t, m;", ".reg .pred slow;",
+             f"setp.ge.u32 slow, {scale}, {FAST_MAX_SCALE_BITS * 0x10001:#x};", "@slow bra SLOW;"]  # fmt: skip
+    for i in range(pairs):
+        lines += [f"and.b32 a, {x[i]}, 0x7F807F80;", f"max.bf16x2 a, a, {scale};",
+                  f"mov.b32 m, {up};", f"fma.rn.bf16x2 t, a, m, {x[i]};", f"mov.b32 m, {down};",
+                  "fma.rn.bf16x2 t, a, m, t;", f"and.b32 a, {x[i]}, 0x80008000;", f"or.b32 ${i}, t, a;"]  # fmt: skip
+    lines += ["bra DONE;", "SLOW:"]
+    for i in range(pairs):
+        lines += [f"and.b32 a, {x[i]}, 0x7FFF7FFF;", f"mul.rn.bf16x2 q, a, {inverse};", f"mov.b32 m, {six};",
+                  "min.NaN.bf16x2 q, q, m;", f"mov.b32 m, {one};", "max.bf16x2 t, q, m;",
+                  "and.b32 t, t, 0x7F807F80;", f"mov.b32 m, {up};", "fma.rn.bf16x2 a, t, m, q;",
+                  f"mov.b32 m, {down};", "fma.rn.bf16x2 a, t, m, a;", f"mul.rn.bf16x2 a, a, {scale};",
+                  f"and.b32 t, {x[i]}, 0x80008000;", f"or.b32 ${i}, a, t;"]  # fmt: skip
+    return "{\n" + "\n".join(lines + ["DONE:"]) + "\n}"
+
+
 if not IMPORT_ERROR:
+    _round_ptx = triton.constexpr_function(round_ptx)
+
+    @triton.constexpr_function
+    def _round_ptx_constraints(pairs):
+        """Outputs: the pairs; inputs: the pairs, then 2**e and 2**-e (int32, one register per element)."""
+        return ",".join(["=r"] * pairs + ["r"] * (5 * pairs))
 
     @triton.jit
     def pow2(e):
@@ -17,7 +58,9 @@ if not IMPORT_ERROR:
         return tl.where(e >= -126, (e + 127) << 23, 0x400000).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def mxfp4_even_round_trip(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    def mxfp4_even_round_trip(
+        x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, PTX_PAIRS: tl.constexpr = 0
+    ):
         """bf16 x ``[BLOCK_M, BLOCK_K]`` -> ``dequant(quant_even(x))`` per 32-block along K, as bf16 (exact; NaN
         stays NaN, as :func:`glm_pack.runtime.reference.activation_as_float` keeps it).
 
@@ -28,6 +71,11 @@ if not IMPORT_ERROR:
         sign of x goes back on last. Every step is exact in bf16, so the GPU runs it on packed bf16 pairs; the
         3.6 interpreter has no bf16 arithmetic (and its bf16 conversions lose subnormals), so there the same
         steps run in fp32 on values converted by their bits.
+
+        ``PTX_PAIRS`` > 0 (compiled only; the caller's layout must give each thread runs of ``2 * PTX_PAIRS``
+        consecutive k, a divisor of 32, starting at a multiple of it): the rounding runs in :func:`round_ptx`
+        instead, that many pairs per invocation: the same function in fewer instructions (a fast path for scales
+        below 2**120, these steps above).
         """
         if INTERPRET:
             xb = tl.reshape(x.to(tl.int16, bitcast=True).to(tl.int32) << 16, (BLOCK_M, BLOCK_K // 32, 4, 8))
@@ -47,6 +95,14 @@ if not IMPORT_ERROR:
         amax = tl.max(tl.max(tl.abs(xb), axis=3), axis=2).to(tl.float32)  # 4 short chains, not one of 32
         biased = (amax.to(tl.int32, bitcast=True) + 0x200000) >> 23
         e = tl.where(biased == 255, 127, tl.maximum(biased - 129, -127))
+        if PTX_PAIRS:  # bf16 bits of 2**e and 2**-e (2**-127: the subnormal 0x40), in both halves of an int32
+            up = tl.where(e >= -126, (e + 127) << 7, 0x40)
+            down = tl.where(e <= 126, (127 - e) << 7, 0x40)
+            up = (up | (up << 16))[:, :, None, None]
+            down = (down | (down << 16))[:, :, None, None]
+            r = tl.inline_asm_elementwise(_round_ptx(PTX_PAIRS), _round_ptx_constraints(PTX_PAIRS), [xb, up, down],
+                                          dtype=xb.dtype, is_pure=True, pack=2 * PTX_PAIRS)  # fmt: skip
+            return tl.reshape(r, (BLOCK_M, BLOCK_K))
         q = tl.abs(xb) * pow2(-e).to(xb.dtype)[:, :, None, None]
         if INTERPRET:
             a = tl.where(q > six, six, q)

@@ -360,15 +360,15 @@ _TUNED = {
     (256, 512, True, 16): _C(16, 64, 512, 4, 1, 0),
     (512, 192, False, 64): _C(64, 64, 64, 4, 3, 0, wgmma="decode", ws=True),
     (512, 192, True, 64): _C(64, 128, 64, 8, 3, 0, wgmma="decode"),
-    (512, 256, False, 64): _C(64, 64, 128, 4, 3, 0, wgmma="decode"),
+    (512, 256, False, 64): _C(64, 64, 256, 4, 3, 0, wgmma="decode", ws=True),
     (512, 256, True, 64): _C(64, 128, 64, 4, 3, 0, wgmma="decode"),
     (256, 512, False, 64): _C(64, 32, 128, 4, 3, 0, wgmma="decode", ws=True),
     (256, 512, True, 64): _C(64, 128, 128, 4, 3, 0, wgmma="decode", ws=True),
     (512, 192, False, 256): _C(64, 128, 64, 4, 3, 0, wgmma="decode", ws=True),
     (512, 192, True, 256): _C(64, 256, 64, 8, 3, 0, wgmma="decode", ws=True),
-    (512, 256, False, 256): _C(64, 128, 128, 4, 3, 0, wgmma="decode", ws=True),
+    (512, 256, False, 256): _C(64, 128, 256, 4, 3, 0, wgmma="decode", ws=True),
     (512, 256, True, 256): _C(128, 256, 64, 8, 3, 0, wgmma="decode", ws=True),
-    (256, 512, False, 256): _C(64, 128, 128, 4, 3, 0, wgmma="decode", ws=True),
+    (256, 512, False, 256): _C(64, 128, 256, 4, 3, 0, wgmma="decode", ws=True),
     (256, 512, True, 256): _C(64, 128, 128, 4, 3, 0, wgmma="decode", ws=True),
 }
 

@@ -17,6 +17,7 @@ import torch
 from glm_pack.packing.errors import BackendError
 from glm_pack.packing.mxfp4 import dequantize
 from tests.runtime.kernel_modules import kernel_module
+from tests.runtime.ptx_emulator import run_ptx
 from tests.runtime.test_triton_bmm import activations, assert_close_to_reference, poisoned_out, weights
 
 gb = kernel_module("gluon_bmm")
@@ -88,48 +89,6 @@ def test_rejects_wgmma_configs_outside_the_contract(change, match):
         tb.bmm_a16wfp4(activations(4, 1, 64, seed=1), codes, scales, config=tb.BmmConfig(**cfg))
 
 
-def _run_ptx(ptx: str, regs: dict) -> dict:
-    """A slow, obvious interpreter for the few PTX instructions of the E2M1 decode, on numpy uint32 arrays:
-    and / or / shl / shr, prmt (default mode: byte i of d is byte ``c.nibble[i] & 7`` of ``{b, a}``, or
-    that byte's sign replicated when ``c.nibble[i] & 8``) and ``mul.rn.bf16x2`` (torch's bf16 multiply:
-    exact product, one rounding to nearest even)."""
-    def val(tok):
-        return regs[tok] if tok in regs else np.uint64(int(tok, 0))
-
-    for line in ptx.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line[0] in "{}." or line.startswith(".reg"):
-            continue
-        op, args = line.split(None, 1)
-        d, *src = [a.strip() for a in args.split(",")]
-        a = [np.asarray(val(t), dtype=np.uint64) for t in src]
-        if op == "and.b32":
-            out = a[0] & a[1]
-        elif op == "or.b32":
-            out = a[0] | a[1]
-        elif op == "shl.b32":
-            out = a[0] << a[1]
-        elif op == "shr.b32":
-            out = a[0] >> a[1]
-        elif op == "prmt.b32":
-            table, out = (a[1] << np.uint64(32)) | a[0], np.zeros_like(a[0] | a[2])
-            for i in range(4):
-                sel = (a[2] >> np.uint64(4 * i)) & np.uint64(15)
-                byte = (table >> (np.uint64(8) * (sel & np.uint64(7)))) & np.uint64(255)
-                byte = np.where(sel & np.uint64(8), np.where(byte & np.uint64(128), 255, 0), byte).astype(np.uint64)
-                out = out | (byte << np.uint64(8 * i))
-        elif op == "mul.rn.bf16x2":
-            halves = [torch.from_numpy((x[..., None] >> np.array([0, 16], dtype=np.uint64)) & np.uint64(0xFFFF))
-                      for x in np.broadcast_arrays(a[0], a[1])]  # fmt: skip
-            prod = halves[0].to(torch.int16).view(torch.bfloat16) * halves[1].to(torch.int16).view(torch.bfloat16)
-            bits = prod.view(torch.int16).to(torch.int64) & 0xFFFF
-            out = (bits[..., 0] | (bits[..., 1] << 16)).numpy().astype(np.uint64)
-        else:
-            raise AssertionError(f"unexpected PTX instruction {op}")
-        regs[d] = out & np.uint64(0xFFFFFFFF)
-    return regs
-
-
 def test_e2m1_ptx_decodes_like_dequantize_in_an_emulator():
     """The decode's PTX text, run by a slow interpreter on this CPU: for random code words (all 16 codes in
     every nibble position) and scale bytes across the range (0 = 2**-127, 254 overflowing to inf, 255 = NaN),
@@ -140,7 +99,7 @@ def test_e2m1_ptx_decodes_like_dequantize_in_an_emulator():
     for s in (0, 1, 2, 100, 127, 128, 200, 252, 253, 254, 255):
         scale_bits = 0x40 if s == 0 else 0x7FC0 if s == 255 else s << 7
         regs = {"$4": words.numpy().astype(np.uint64), "$5": np.uint64(scale_bits | (scale_bits << 16))}
-        regs = _run_ptx(gb._e2m1_bf16_ptx(), regs)
+        regs = run_ptx(gb._e2m1_bf16_ptx(), regs)
         got = torch.from_numpy(np.stack([regs[f"${i}"] for i in range(4)], axis=1).astype(np.int64))
         got = torch.stack([got & 0xFFFF, got >> 16], dim=2).reshape(-1, 8).to(torch.int16).view(torch.bfloat16)
         codes = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=1).to(torch.uint8)  # [W, 4] bytes

@@ -4,16 +4,21 @@ compiled on a GPU), on blocks across the whole bf16 range."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from glm_pack.runtime import reference
 from tests.runtime.kernel_modules import kernel_module
+from tests.runtime.ptx_emulator import run_ptx
 from tests.runtime.test_triton_bmm import DEV, special_blocks
 
 tb = kernel_module("triton_bmm")  # sets up Triton's interpreter where there is no GPU, before the kernel below
 _ok, _why = tb.available()
 pytestmark = pytest.mark.skipif(not _ok, reason=f"triton unavailable: {_why}")
+
+gb = kernel_module("gluon_bmm")
+SM90 = DEV == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability()[0] == 9
 
 if _ok:
     import triton
@@ -28,6 +33,19 @@ if _ok:
         tl.store(y_ptr + offs, mxfp4_even_round_trip(tl.load(x_ptr + offs), BLOCK_M, BLOCK_K, INTERPRET))
 
 
+if SM90 and not gb.IMPORT_ERROR:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit
+    def _ptx_round_trip_kernel(x_ptr, y_ptr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, LAYOUT: gl.constexpr):
+        """The Gluon kernels' call: each thread holds runs of ``LAYOUT.size_per_thread[1]`` k."""
+        rows = gl.program_id(0) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
+        offs = rows[:, None] * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, LAYOUT))[None, :]
+        PAIRS: gl.constexpr = LAYOUT.size_per_thread[1] // 2
+        gl.store(y_ptr + offs, mxfp4_even_round_trip(gl.load(x_ptr + offs), BLOCK_M, BLOCK_K, False, PAIRS))
+
+
 def extreme_blocks(seed: int) -> torch.Tensor:
     """bf16 32-blocks at the edges of the range: amax bf16-subnormal (scale 2**-127), just above it, the largest
     scales (an amax rounding past bf16's max gets 2**127), Inf blocks (scale 2**127: Inf stays, the rest -> +-0),
@@ -39,7 +57,7 @@ def extreme_blocks(seed: int) -> torch.Tensor:
         ramp * 1.5 * 2.0**-125,
         ramp * 6.5 * 2.0**119,
         ramp * 6.5 * 2.0**120,
-        torch.cat([torch.tensor([3.3895e38, -2.0**127, -0.0]), ramp[3:] * 2.0**126]),  # bf16 max -> e = 127
+        torch.cat([torch.tensor([3.3895e38, -(2.0**127), -0.0]), ramp[3:] * 2.0**126]),  # bf16 max -> e = 127
         torch.cat([torch.tensor([float("inf"), -1.0, 3.0]), ramp[3:] * 2.0**120]),
         torch.cat([torch.tensor([float("-inf"), float("nan"), 2.0**127]), ramp[3:]]),
         torch.cat([torch.tensor([float("nan"), -5.0, 0.25]), ramp[3:] * 6]),
@@ -53,23 +71,27 @@ def round_trip_reference(x: torch.Tensor) -> torch.Tensor:
     return reference.activation_as_float(x.cpu(), "mxfp4").to(torch.bfloat16)
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # 6 * 2**127 -> Inf, in numpy
-@pytest.mark.parametrize(
-    "block_m, block_k, warps",
-    [(16, 64, 4), (64, 64, 8), (32, 128, 4), (16, 32, 8)] if DEV == "cuda" else [(16, 64, 4)],
-)
-def test_round_trip_in_a_kernel_is_bit_exact(block_m, block_k, warps):
-    """The whole in-kernel function (block maxima, exponent, rounding) in tiles of several shapes, against the
-    reference round trip: every bit, -0.0 and Inf included. A NaN stays NaN; the rest of a block whose scale
-    only the NaN could set is not specified (the reference puts it at 2**127; its GEMM row is NaN anyway)."""
+def block_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """The even rule's exponent e of each bf16 32-block (rows of ``blocks``), NaN ignored as the GPU's max does."""
+    amax = blocks.float().abs().nan_to_num(nan=0.0).amax(dim=1)
+    biased = (amax.view(torch.int32) + 0x200000) >> 23
+    return torch.where(biased == 255, 127, (biased - 129).clamp_min(-127))
+
+
+def round_in_kernel(launch, block_m: int, block_k: int) -> None:
+    """Run ``launch(x, y, grid)`` on blocks across the whole bf16 range (both paths of the PTX rounding: scales
+    up to 2**119 and from 2**120) and compare with the reference round trip: every bit, -0.0 and Inf included.
+    A NaN stays NaN; the rest of a block whose scale only the NaN could set is not specified (the reference puts
+    it at 2**127; its GEMM row is NaN anyway)."""
     flat = torch.cat([special_blocks(seed=3), extreme_blocks(seed=4)])
+    e = block_scales(flat.reshape(-1, 32))
+    assert (e < 120).any() and (e >= 120).any()
     rows = -(-flat.numel() // (block_m * block_k)) * block_m
     x = torch.zeros(rows * block_k, dtype=torch.bfloat16)
     x[: flat.numel()] = flat
     x = x.reshape(rows, block_k).to(DEV)
     y = torch.full_like(x, float("nan"))
-    _round_trip_kernel[(rows // block_m,)](x, y, BLOCK_M=block_m, BLOCK_K=block_k, INTERPRET=DEV != "cuda",
-                                            num_warps=warps)  # fmt: skip
+    launch(x, y, (rows // block_m,))
     x, y, want = x.cpu(), y.cpu(), round_trip_reference(x)
     blocks = x.reshape(-1, 32)
     nan_scaled = (blocks.isnan().any(dim=1) & ~blocks.isinf().any(dim=1))[:, None].expand(-1, 32).reshape(x.shape)
@@ -78,3 +100,56 @@ def test_round_trip_in_a_kernel_is_bit_exact(block_m, block_k, warps):
     got, want = y[checked].view(torch.int16), want[checked].view(torch.int16)
     differ = (got != want).nonzero()
     assert not len(differ), f"{len(differ)} elements differ, first at flat index {differ[0].item()}"
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # 6 * 2**127 -> Inf, in numpy
+@pytest.mark.parametrize(
+    "block_m, block_k, warps",
+    [(16, 64, 4), (64, 64, 8), (32, 128, 4), (16, 32, 8)] if DEV == "cuda" else [(16, 64, 4)],
+)
+def test_round_trip_in_a_kernel_is_bit_exact(block_m, block_k, warps):
+    """The portable path (Triton's interpreter here, compiled on a GPU), in tiles of several shapes."""
+    round_in_kernel(lambda x, y, grid: _round_trip_kernel[grid](x, y, BLOCK_M=block_m, BLOCK_K=block_k,
+                                                                INTERPRET=DEV != "cuda", num_warps=warps),
+                    block_m, block_k)  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("pairs", [4, 16])
+def test_round_ptx_is_bit_exact_in_an_emulator(pairs):
+    """The PTX text of the Gluon kernels' rounding, run by a slow interpreter on this CPU (each 32-block's
+    pairs in invocations of ``pairs``, with the block's 2**e and 2**-e bits as the kernel computes them), on the
+    same blocks as the kernels: both of its paths, against the reference round trip, bit for bit."""
+    from glm_pack.runtime.kernels.mxfp4_jit import round_ptx  # after kernel_module set up the interpreter
+
+    flat = torch.cat([special_blocks(seed=3), extreme_blocks(seed=4)])
+    blocks = flat.reshape(-1, 32)
+    e = block_scales(blocks)
+    assert (e < 120).any() and (e >= 120).any()  # the fast path, and the slow one
+    up = torch.where(e >= -126, (e + 127) << 7, 0x40)
+    down = torch.where(e <= 126, (127 - e) << 7, 0x40)
+    bits = blocks.view(torch.int16).to(torch.int64) & 0xFFFF
+    words = (bits[:, 0::2] | (bits[:, 1::2] << 16)).reshape(len(blocks), 16 // pairs, pairs).numpy().astype(np.uint64)
+    regs = {f"${pairs + i}": words[:, :, i] for i in range(pairs)}
+    regs[f"${2 * pairs}"] = ((up | (up << 16)).numpy().astype(np.uint64))[:, None]
+    regs[f"${4 * pairs}"] = ((down | (down << 16)).numpy().astype(np.uint64))[:, None]
+    regs = run_ptx(round_ptx(pairs), regs)
+    out = torch.from_numpy(np.stack([regs[f"${i}"] for i in range(pairs)], axis=2).astype(np.int64)).reshape(-1, 16)
+    got = torch.stack([out & 0xFFFF, out >> 16], dim=2).reshape(blocks.shape).to(torch.int16).view(torch.bfloat16)
+    want = round_trip_reference(blocks)
+    nan_scaled = (blocks.isnan().any(dim=1) & ~blocks.isinf().any(dim=1))[:, None].expand(-1, 32)
+    assert torch.equal(got.isnan(), blocks.isnan())
+    checked = ~nan_scaled & ~blocks.isnan()
+    assert torch.equal(got[checked].view(torch.int16), want[checked].view(torch.int16))
+
+
+@pytest.mark.skipif(not SM90 or bool(gb.IMPORT_ERROR), reason="needs an sm_90 NVIDIA GPU and Gluon")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("run", [8, 16, 32])
+def test_ptx_round_trip_is_bit_exact(run):
+    """The PTX rounding of the Gluon kernels, with runs of 8, 16 and 32 k per thread (4, 8, 16 pairs per
+    invocation), on the same blocks."""
+    layout = gl.BlockedLayout([1, run], [32 * run // 64, 64 // run], [4, 1], [1, 0])  # 64-wide rows
+    round_in_kernel(lambda x, y, grid: _ptx_round_trip_kernel[grid](x, y, BLOCK_M=64, BLOCK_K=64, LAYOUT=layout,
+                                                                    num_warps=4),
+                    64, 64)  # fmt: skip
