@@ -349,3 +349,16 @@ def test_decode_is_exact_for_every_code_and_scale(K, monkeypatch):
                    config=_GPU_CONFIGS["decode-128cols"])  # fmt: skip
     assert launched and launched[0].schedule == "decode"
     torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_the_timeline_benchmark_still_finds_its_places_in_the_kernel_source():
+    """benchmarks/timeline_gluon_bmm.py instruments a copy of this kernel by editing its source text: each edit
+    still finds its text exactly once, and the result is valid Python with a stamp at each of the 7 places."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    try:
+        import timeline_gluon_bmm
+    finally:
+        sys.path.pop(0)
+    src = timeline_gluon_bmm.instrumented_source()
+    compile(src, "gluon_bmm_timeline.py", "exec")
+    assert src.count("_stamp(") == 1 + 7 and "T_ADDR = gl.constexpr(0)" in src
