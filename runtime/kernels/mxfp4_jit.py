@@ -1,8 +1,10 @@
 """Triton JIT helpers shared by the Triton (:mod:`triton_bmm`) and Gluon (:mod:`gluon_bmm`) GEMM kernels.
 
-:func:`mxfp4_even_round_trip` is the one in-kernel implementation of the activation path
-(``dequant(quant_even(x))`` per 32-block); Gluon kernels call it as is, so it uses no layout-bearing
-constructors (typed scalars instead of ``tl.full``). Defined only when Triton imports.
+:func:`mxfp4_even_round_trip` is the one in-kernel entry to the activation path (``dequant(quant_even(x))``
+per 32-block): portable steps in Triton operations, or, for callers whose layout gives each thread whole runs of
+k (the Gluon kernels), the same function in PTX (:func:`round_ptx`, fewer instructions and registers). Gluon
+kernels call it as is, so it uses no layout-bearing constructors (typed scalars instead of ``tl.full``).
+Defined only when Triton imports (:func:`round_ptx`, plain text, always).
 """
 
 from __future__ import annotations
