@@ -16,8 +16,8 @@ FAST_MAX_SCALE_BITS = 0x7B80  # bf16 2**120: blocks with this scale or more take
 
 def round_ptx(pairs: int) -> str:
     """PTX rounding ``pairs`` bf16 pairs of x (``$pairs ..``) of one 32-block to ``dequant(quant_even(x))``
-    (``$0 ..``), given the block's ``2**e`` and ``2**-e`` as bf16 bits in both halves of an int32 (``$2pairs``,
-    ``$3pairs``; the next copies are unused).
+    (``$0 ..``), given the block's ``2**e`` and ``2**-e`` as bf16 bits in both halves of an int32 (``$2pairs``
+    and ``$4pairs``: an int32 operand has one register per element, ``2 * pairs`` equal copies, the rest unused).
 
     Fast path (scales below 2**120): with E = max(2**floor(log2 |x|), 2**e) (x's exponent bits, then a packed
     max) the E2M1 grid step at |x| is E / 2, the bf16 ulp of ``96 * E``, so ``fma(E, 96, x)`` rounds x to the
