@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from glm_pack.packing.mxfp4 import even_exponent
 from glm_pack.runtime import reference
 from tests.runtime.kernel_modules import kernel_module
 from tests.runtime.ptx_emulator import run_ptx
@@ -73,25 +74,22 @@ def round_trip_reference(x: torch.Tensor) -> torch.Tensor:
 
 def block_scales(blocks: torch.Tensor) -> torch.Tensor:
     """The even rule's exponent e of each bf16 32-block (rows of ``blocks``), NaN ignored as the GPU's max does."""
-    amax = blocks.float().abs().nan_to_num(nan=0.0).amax(dim=1)
-    biased = (amax.view(torch.int32) + 0x200000) >> 23
-    return torch.where(biased == 255, 127, (biased - 129).clamp_min(-127))
+    return even_exponent(blocks.float().abs().nan_to_num(nan=0.0).amax(dim=1))
 
 
-def round_in_kernel(launch, block_m: int, block_k: int) -> None:
-    """Run ``launch(x, y, grid)`` on blocks across the whole bf16 range (both paths of the PTX rounding: scales
-    up to 2**119 and from 2**120) and compare with the reference round trip: every bit, -0.0 and Inf included.
-    A NaN stays NaN; the rest of a block whose scale only the NaN could set is not specified (the reference puts
-    it at 2**127; its GEMM row is NaN anyway)."""
-    flat = torch.cat([special_blocks(seed=3), extreme_blocks(seed=4)])
-    e = block_scales(flat.reshape(-1, 32))
+def round_trip_blocks() -> torch.Tensor:
+    """The round trip's test data, bf16 ``[blocks, 32]``: :func:`special_blocks` and :func:`extreme_blocks`,
+    which take both paths of the PTX rounding (scales up to 2**119 and from 2**120)."""
+    blocks = torch.cat([special_blocks(seed=3), extreme_blocks(seed=4)]).reshape(-1, 32)
+    e = block_scales(blocks)
     assert (e < 120).any() and (e >= 120).any()
-    rows = -(-flat.numel() // (block_m * block_k)) * block_m
-    x = torch.zeros(rows * block_k, dtype=torch.bfloat16)
-    x[: flat.numel()] = flat
-    x = x.reshape(rows, block_k).to(DEV)
-    y = torch.full_like(x, float("nan"))
-    launch(x, y, (rows // block_m,))
+    return blocks
+
+
+def assert_round_trip(x: torch.Tensor, y: torch.Tensor) -> None:
+    """``y`` is the reference round trip of ``x`` (bf16, 32-blocks along the last dimension), every bit, -0.0
+    and Inf included. A NaN stays NaN; the rest of a block whose scale only the NaN could set is not specified
+    (the reference puts it at 2**127; its GEMM row is NaN anyway)."""
     x, y, want = x.cpu(), y.cpu(), round_trip_reference(x)
     blocks = x.reshape(-1, 32)
     nan_scaled = (blocks.isnan().any(dim=1) & ~blocks.isinf().any(dim=1))[:, None].expand(-1, 32).reshape(x.shape)
@@ -100,6 +98,19 @@ def round_in_kernel(launch, block_m: int, block_k: int) -> None:
     got, want = y[checked].view(torch.int16), want[checked].view(torch.int16)
     differ = (got != want).nonzero()
     assert not len(differ), f"{len(differ)} elements differ, first at flat index {differ[0].item()}"
+
+
+def round_in_kernel(launch, block_m: int, block_k: int) -> None:
+    """Run ``launch(x, y, grid)`` on :func:`round_trip_blocks` laid out as ``[rows, block_k]`` (zero-padded to whole
+    tiles) and check the result with :func:`assert_round_trip`."""
+    flat = round_trip_blocks().reshape(-1)
+    rows = -(-flat.numel() // (block_m * block_k)) * block_m
+    x = torch.zeros(rows * block_k, dtype=torch.bfloat16)
+    x[: flat.numel()] = flat
+    x = x.reshape(rows, block_k).to(DEV)
+    y = torch.full_like(x, float("nan"))
+    launch(x, y, (rows // block_m,))
+    assert_round_trip(x, y)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # 6 * 2**127 -> Inf, in numpy
@@ -122,10 +133,8 @@ def test_round_ptx_is_bit_exact_in_an_emulator(pairs):
     same blocks as the kernels: both of its paths, against the reference round trip, bit for bit."""
     from glm_pack.runtime.kernels.mxfp4_jit import round_ptx  # after kernel_module set up the interpreter
 
-    flat = torch.cat([special_blocks(seed=3), extreme_blocks(seed=4)])
-    blocks = flat.reshape(-1, 32)
+    blocks = round_trip_blocks()
     e = block_scales(blocks)
-    assert (e < 120).any() and (e >= 120).any()  # the fast path, and the slow one
     up = torch.where(e >= -126, (e + 127) << 7, 0x40)
     down = torch.where(e <= 126, (127 - e) << 7, 0x40)
     bits = blocks.view(torch.int16).to(torch.int64) & 0xFFFF
@@ -136,11 +145,7 @@ def test_round_ptx_is_bit_exact_in_an_emulator(pairs):
     regs = run_ptx(round_ptx(pairs), regs)
     out = torch.from_numpy(np.stack([regs[f"${i}"] for i in range(pairs)], axis=2).astype(np.int64)).reshape(-1, 16)
     got = torch.stack([out & 0xFFFF, out >> 16], dim=2).reshape(blocks.shape).to(torch.int16).view(torch.bfloat16)
-    want = round_trip_reference(blocks)
-    nan_scaled = (blocks.isnan().any(dim=1) & ~blocks.isinf().any(dim=1))[:, None].expand(-1, 32)
-    assert torch.equal(got.isnan(), blocks.isnan())
-    checked = ~nan_scaled & ~blocks.isnan()
-    assert torch.equal(got[checked].view(torch.int16), want[checked].view(torch.int16))
+    assert_round_trip(blocks, got)
 
 
 @pytest.mark.skipif(not SM90 or bool(gb.IMPORT_ERROR), reason="needs an sm_90 NVIDIA GPU and Gluon")
