@@ -54,7 +54,7 @@ _WAIT_READY = "            mbarrier.wait(ready.index(i % STAGES), (i // STAGES) 
 _ARRIVE = "            mbarrier.arrive(rounded.index(i % STAGES), count=1)\n"
 _STAGE_STAMP = "            if i < 4:\n                _stamp({}, 4)\n"
 _E2M1 = "    _E2M1_BF16_PTX = gl.constexpr(_e2m1_bf16_ptx())\n"
-_START = "        pid = gl.program_id(0)\n"
+_START = "        pid = gl.program_id(0)\n        tiles_m = gl.cdiv(M, BM)\n        per = "
 # (text, its replacement): each text must occur once in the kernel source
 _EDITS = [
     (_E2M1, _E2M1 + _STAMP),
@@ -65,7 +65,7 @@ _EDITS = [
     (_WAIT_READY, _WAIT_READY.replace("            _round_in_place(",
                                       _STAGE_STAMP.format("8 + i") + "            _round_in_place(")),
     (_ARRIVE, _ARRIVE + _STAGE_STAMP.format("12 + i")),
-    (_START, _START + "        _stamp(0, num_warps)\n"),
+    (_START, _START.replace("(0)\n", "(0)\n        _stamp(0, num_warps)\n", 1)),
 ]  # fmt: skip
 ORDER = [1, 8, 12, 2, 9, 13, 3, 10, 14, 4, 11, 15, 5, 6, 7]  # events as a step's hand-offs follow each other
 

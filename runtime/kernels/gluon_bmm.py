@@ -135,53 +135,72 @@ if not IMPORT_ERROR and not _INTERPRETED:
 
     @gluon.jit
     def _e2m1_dequant_ptx(codes, scales):
-        """codes u8 ``[R, NB, 16]`` + E8M0 scales u8 ``[R, NB]`` -> bf16 ``[R, NB * 32]``, the values of the
-        Triton kernels' ``_e2m1_dequant`` (exact: E2M1 values are bf16 values, times a power of two in one bf16
+        """codes u8 ``[R, NG, G]`` (groups of G consecutive code bytes, G a multiple of 4, each group within one
+        32-block) + the groups' E8M0 scales u8 ``[R, NG]`` -> bf16 ``[R, NG * 2G]``, the values of the Triton
+        kernels' ``_e2m1_dequant`` (exact: E2M1 values are bf16 values, times a power of two in one bf16
         multiply that rounds only what leaves bf16's range, as the float32 route's final cast does), computed
         by :func:`_e2m1_bf16_ptx` per 4 code bytes; the codes' layout must keep each thread's 4-byte groups
-        within one 32-block."""
+        in its registers."""
         R: gl.constexpr = codes.shape[0]
-        NB: gl.constexpr = codes.shape[1]
+        NG: gl.constexpr = codes.shape[1]
+        G: gl.constexpr = codes.shape[2]
         sc = scales.to(gl.int32)
         bits = gl.where(sc == 0, 0x40, gl.where(sc == 255, 0x7FC0, sc << 7))  # bf16 2**(s - 127); 255 -> NaN
         scale = bits.to(gl.int16).to(gl.bfloat16, bitcast=True)[:, :, None]
         first, second = gl.inline_asm_elementwise(
             _E2M1_BF16_PTX, "=r,=r,=r,=r,r,r,r", [codes, scale], (gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
         )  # per 4 bytes: first holds k 0-3 of their 8 values, second k 4-7
-        pairs = gl.join(first.reshape([R, NB, 4, 4]), second.reshape([R, NB, 4, 4]))
-        return pairs.permute((0, 1, 2, 4, 3)).reshape([R, NB * 32])
+        pairs = gl.join(first.reshape([R, NG, G // 4, 4]), second.reshape([R, NG, G // 4, 4]))
+        return pairs.permute((0, 1, 2, 4, 3)).reshape([R, NG * G * 2])
 
     @gluon.jit
     def _load_column(c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0, N, BN: gl.constexpr,
-                     BK: gl.constexpr, K: gl.constexpr, DECODE_LAYOUT: gl.constexpr):  # fmt: skip
+                     BK: gl.constexpr, K: gl.constexpr, G: gl.constexpr, DECODE_LAYOUT: gl.constexpr):  # fmt: skip
         """Issue the loads of weight rows ``n0 .. n0 + BN`` of batch b, K step by K step: E2M1 codes
-        ``[B, N, K/2]`` as ``[BN, BK/32, 16]`` tiles and E8M0 scales ``[B, N, K/32]`` as ``[BN, BK/32]`` (both
-        unit last stride; rows past N read code 0). Returns (codes, scales), tuples of K/BK register tiles in
-        DECODE_LAYOUT (3-D, a thread holding one 16-byte 32-block); all loads are in flight together."""
+        ``[B, N, K/2]`` as ``[BN, BK/2G, G]`` tiles (groups of G bytes, G <= 16 dividing 16) and E8M0 scales
+        ``[B, N, K/32]`` as the groups' ``[BN, BK/2G]`` (both unit last stride; rows past N read code 0).
+        Returns (codes, scales), tuples of K/BK register tiles in DECODE_LAYOUT (3-D, a thread holding whole
+        groups); all loads are in flight together."""
         rows_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, DECODE_LAYOUT))
-        blocks_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, DECODE_LAYOUT))
+        groups_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, DECODE_LAYOUT))
         bytes_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, DECODE_LAYOUT))
         rows = n0 + gl.arange(0, BN, layout=rows_l)
-        blocks = gl.arange(0, BK // 32, layout=blocks_l)
-        byte = gl.arange(0, 16, layout=bytes_l)
+        groups = gl.arange(0, BK // (2 * G), layout=groups_l)
+        byte = gl.arange(0, G, layout=bytes_l)
         r_in = (rows < N)[:, None]
         c_rows = c_ptr + b.to(gl.int64) * stride_cb + rows.to(gl.int64)[:, None, None] * stride_cn
         s_rows = s_ptr + b.to(gl.int64) * stride_sb + rows.to(gl.int64)[:, None] * stride_sn
         codes = ()
         scales = ()
         for kk in gl.static_range(K // BK):
-            blk = kk * (BK // 32) + blocks
-            codes = codes + (gl.load(c_rows + (blk * 16)[None, :, None] + byte[None, None, :],
+            first = kk * (BK // 2) + groups * G  # each group's first code byte in the row
+            codes = codes + (gl.load(c_rows + first[None, :, None] + byte[None, None, :],
                                      mask=r_in[:, :, None], other=0),)  # fmt: skip
-            scales = scales + (gl.load(s_rows + blk[None, :], mask=r_in, other=127),)
+            scales = scales + (gl.load(s_rows + (first // 16)[None, :], mask=r_in, other=127),)
         return codes, scales
 
     @gluon.jit
-    def _round_in_place(xs, ROUND_LAYOUT: gl.constexpr):
-        """Round the x tile ``xs`` (shared memory, ``[BM, BK]`` bf16) to MXFP4 in place, through registers in
-        ``ROUND_LAYOUT``, and make the stores visible to the MMAs."""
+    def _swap_k_order(v):
+        """``[R, BK]`` in k order -> the swap schedule's order: k = t * BK/4 + 2j + e (t < 4, e < 2) moves to
+        8j + 2t + e. In the wgmma A-operand layout (bf16) lane t of each quad holds k 2t, 2t + 1 of every 8, so
+        after this a thread's A registers hold one run of BK/4 consecutive k (whole 32-blocks, or one block's
+        halves or quarters): the codes it decodes are contiguous bytes with one scale per 32-block."""
+        R: gl.constexpr = v.shape[0]
+        BK: gl.constexpr = v.shape[1]
+        return v.reshape([R, 4, BK // 8, 2]).permute((0, 2, 1, 3)).reshape([R, BK])
+
+    @gluon.jit
+    def _round_in_place(xs, ROUND_LAYOUT: gl.constexpr, ROUND: gl.constexpr = True, SWAP: gl.constexpr = False):
+        """Round the x tile ``xs`` (shared memory, ``[BM, BK]`` bf16) to MXFP4 in place (unless not ROUND),
+        through registers in ``ROUND_LAYOUT``, with SWAP storing it in :func:`_swap_k_order`, and make the
+        stores visible to the MMAs."""
         PAIRS: gl.constexpr = ROUND_LAYOUT.size_per_thread[1] // 2  # a thread's run of k, in pairs
-        xs.store(mxfp4_even_round_trip(xs.load(ROUND_LAYOUT), xs.shape[0], xs.shape[1], False, PAIRS))
+        v = xs.load(ROUND_LAYOUT)
+        if ROUND:
+            v = mxfp4_even_round_trip(v, xs.shape[0], xs.shape[1], False, PAIRS)
+        if SWAP:  # other threads' k: the compiler's barrier after the loads keeps the stores behind them
+            v = _swap_k_order(v)
+        xs.store(v)
         fence_async_shared()  # generic-proxy writes before the MMA's (async-proxy) reads
 
     @gluon.jit
@@ -262,15 +281,16 @@ if not IMPORT_ERROR and not _INTERPRETED:
         tma.store_wait(0)
 
     @gluon.jit
-    def _round_loop(x_bufs, ready, rounded, steps, ROUND_LAYOUT: gl.constexpr):
-        """The worker warps' steps (WS): round each x tile to MXFP4 in place once its TMA load lands, then signal
-        the MMA warps."""
+    def _round_loop(x_bufs, ready, rounded, steps, ROUND_LAYOUT: gl.constexpr, ROUND: gl.constexpr = True,
+                    SWAP: gl.constexpr = False):  # fmt: skip
+        """The worker warps' steps (WS): round each x tile to MXFP4 in place (:func:`_round_in_place`) once its
+        TMA load lands, then signal the MMA warps."""
         STAGES: gl.constexpr = x_bufs.type.shape[0]
         BM: gl.constexpr = x_bufs.type.shape[2]
         BK: gl.constexpr = x_bufs.type.shape[3]
         for i in range(steps):
             mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
-            _round_in_place(x_bufs.index(i % STAGES).reshape([BM, BK]), ROUND_LAYOUT)
+            _round_in_place(x_bufs.index(i % STAGES).reshape([BM, BK]), ROUND_LAYOUT, ROUND, SWAP)
             gl.thread_barrier()  # every worker thread's stores, before one thread arrives
             mbarrier.arrive(rounded.index(i % STAGES), count=1)
 
@@ -317,7 +337,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
         scales = 0
         if DECODE:
             codes, scales = _load_column(c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0, N,
-                                         BN, BK, K, DECODE_LAYOUT)  # fmt: skip
+                                         BN, BK, K, 16, DECODE_LAYOUT)  # fmt: skip
         elif STATIONARY:
             mbarrier.expect(w_ready.index(0), KSTEPS * w_desc.block_type.nbytes)
             for kk in gl.static_range(KSTEPS):
@@ -334,14 +354,81 @@ if not IMPORT_ERROR and not _INTERPRETED:
                       steps, pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, DECODE_FIRST, WS,
                       ROUND_LAYOUT)  # fmt: skip
 
+    @gluon.jit
+    def _swap_mma_loop(codes, scales, x_desc, y_desc, x_bufs, y_buf, ready, rounded, b, m0, n0,
+                       K: gl.constexpr, A_LAYOUT: gl.constexpr, MMA_LAYOUT: gl.constexpr):  # fmt: skip
+        """The swap schedule's MMA warps: per K step decode the weights straight into wgmma A registers, wait for
+        the reordered x tile, ``acc[BN, BM] += w . x^T``; then y = acc^T through shared memory and TMA."""
+        STAGES: gl.constexpr = x_bufs.type.shape[0]
+        BM: gl.constexpr = x_desc.block_type.shape[1]
+        BK: gl.constexpr = x_desc.block_type.shape[2]
+        BN: gl.constexpr = y_desc.block_type.shape[2]
+        acc = gl.zeros([BN, BM], gl.float32, MMA_LAYOUT)
+        for kk in gl.static_range(K // BK):
+            a = gl.convert_layout(_swap_k_order(_e2m1_dequant_ptx(codes[kk], scales[kk])), A_LAYOUT)  # registers only
+            mbarrier.wait(rounded.index(kk % STAGES), (kk // STAGES) & 1)
+            xs = x_bufs.index(kk % STAGES).reshape([BM, BK])
+            acc = warpgroup_mma(a, xs.permute((1, 0)), acc, use_acc=kk > 0, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if kk + STAGES < K // BK:  # refill the slot just read
+                mbarrier.expect(ready.index(kk % STAGES), x_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [b, m0, (kk + STAGES) * BK], ready.index(kk % STAGES),
+                                                x_bufs.index(kk % STAGES))  # fmt: skip
+        y_buf.reshape([BM, BN]).store(acc.to(gl.bfloat16).permute((1, 0)))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(y_desc, [b, m0, n0], y_buf)
+        tma.store_wait(0)
 
-SCHEDULES = ("stationary", "streaming", "decode")
+    @gluon.jit
+    def _swap_kernel(x_desc, y_desc, c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, M, N,
+                     K: gl.constexpr, ACT_MXFP4: gl.constexpr, ROUND_LAYOUT: gl.constexpr,
+                     CODE_LAYOUT: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+        """The swap schedule. Grid ``(B * tiles_n * tiles_m,)``, one ``[BM, BN]`` y tile a program; descriptors
+        over x ``[B, M, K]`` (block ``[1, BM, BK]``) and y ``[B, M, N]`` (``[1, BM, BN]``); codes / scales as
+        for ``decode``, in CODE_LAYOUT (:func:`swap_code_layout`). The :data:`ROUND_WARPS` worker warps round
+        each x tile (with ACT_MXFP4) and store it in :func:`_swap_k_order`; the num_warps MMA warps (BN / 16)
+        decode and multiply."""
+        BM: gl.constexpr = x_desc.block_type.shape[1]
+        BK: gl.constexpr = x_desc.block_type.shape[2]
+        BN: gl.constexpr = y_desc.block_type.shape[2]
+        KSTEPS: gl.constexpr = K // BK
+        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+        y_buf = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        rounded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(ready.index(st), count=1)
+            mbarrier.init(rounded.index(st), count=1)
+        pid = gl.program_id(0)
+        tiles_m = gl.cdiv(M, BM)
+        col = pid // tiles_m
+        m0 = (pid % tiles_m) * BM
+        b = col // gl.cdiv(N, BN)
+        n0 = (col % gl.cdiv(N, BN)) * BN
+        for j in gl.static_range(STAGES):  # STAGES <= KSTEPS
+            mbarrier.expect(ready.index(j), x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [b, m0, j * BK], ready.index(j), x_bufs.index(j))
+        codes, scales = _load_column(c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0, N, BN, BK, K,
+                                     CODE_LAYOUT.shape[2], CODE_LAYOUT)  # fmt: skip
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BM, 16]
+        )
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+        gl.warp_specialize([
+            (_swap_mma_loop, (codes, scales, x_desc, y_desc, x_bufs, y_buf, ready, rounded, b, m0, n0, K, a_layout,
+                              mma_layout)),
+            (_round_loop, (x_bufs, ready, rounded, KSTEPS, ROUND_LAYOUT, ACT_MXFP4, True)),
+        ], [_ROUND_WARPS], [_ROUND_REGS])  # fmt: skip
+
+
+SCHEDULES = ("stationary", "streaming", "decode", "swap")
 
 
 @dataclass(frozen=True)
 class Plan:
     """A launch: tile sizes, warps, schedule (one of :data:`SCHEDULES`), x-ring stages (shared memory
-    permitting) and whether :data:`ROUND_WARPS` more warps round mxfp4 activations (``ws``)."""
+    permitting) and whether :data:`ROUND_WARPS` more warps round mxfp4 activations (``ws``; ``swap`` always has
+    them: they also reorder x's K)."""
 
     block_m: int
     block_n: int
@@ -371,15 +458,16 @@ def smem_limit(device: torch.device) -> int:
 
 def y_columns(block_m: int, block_n: int) -> int:
     """Columns of the y buffer: at 128 rows the tile leaves in two halves through one buffer (room for x
-    stages); at 64 rows whole, in the same 32 KiB (with 8 warps each warpgroup holds a different half of N,
+    stages); below, whole, in at most 32 KiB (with 8 warps each warpgroup holds a different half of N,
     so the accumulator cannot be split in registers)."""
     return block_n // 2 if block_m == 128 else block_n
 
 
-def smem_bytes(block_m: int, block_n: int, block_k: int, K: int, stationary: bool, stages: int) -> int:
-    """Shared memory of a launch (bytes): x ring, w (whole column, or a ring), the y buffer."""
+def smem_bytes(block_m: int, block_n: int, block_k: int, K: int, schedule: str, stages: int) -> int:
+    """Shared memory of a launch (bytes): x ring, w (whole column, or a ring; none for ``swap``, whose weights
+    stay in registers), the y buffer."""
     x_stage, w_stage = block_m * block_k * 2, block_n * block_k * 2
-    w = (K // block_k) * w_stage if stationary else stages * w_stage
+    w = {"swap": 0, "streaming": stages * w_stage}.get(schedule, (K // block_k) * w_stage)
     return stages * x_stage + w + block_m * y_columns(block_m, block_n) * 2 + _SMEM_SLACK
 
 
@@ -387,9 +475,19 @@ def tile_error(block_m: int, block_n: int, block_k: int, num_warps: int, schedul
     """Why these tiles break the kernel's shape rules ("" when they do not): 4 or 8 warps, ``block_m`` 64 or
     128 rows with at least ``block_m / 16`` warps (one or two warpgroups along M, the others along N),
     ``block_n`` a multiple of 32 up to 256, ``block_k`` 32 to 256; ``decode`` also needs a 32-block of
-    weights per thread: ``block_n >= 32 / (block_k / 32) * num_warps``."""
+    weights per thread: ``block_n >= 32 / (block_k / 32) * num_warps``. ``swap`` (weights as the MMA's M):
+    ``block_n`` = 16 rows per warp (one or two warpgroups), ``block_m`` 16, 32 or 64 rows of x,
+    ``block_k`` a power of two from 32 to 256."""
     if schedule not in SCHEDULES:
         return f"schedule {schedule!r}: needs one of {SCHEDULES}"
+    if schedule == "swap":
+        if num_warps not in (4, 8) or block_n != 16 * num_warps:
+            return f"block_n={block_n} with num_warps={num_warps}: swap needs 4 or 8 warps, block_n = 16 * num_warps"
+        if block_m not in (16, 32, 64):
+            return f"block_m={block_m}: swap needs 16, 32 or 64"
+        if block_k not in (32, 64, 128, 256):
+            return f"block_k={block_k}: swap needs a power of two from 32 to 256"
+        return ""
     if num_warps not in (4, 8) or block_m not in (64, 128) or block_m > 16 * num_warps:
         return f"block_m={block_m} with num_warps={num_warps}: needs 4 or 8 warps, block_m 64 or 128 <= 16 * num_warps"
     if block_n % 32 or not 32 <= block_n <= 256:
@@ -404,11 +502,13 @@ def tile_error(block_m: int, block_n: int, block_k: int, num_warps: int, schedul
 def plan(block_m: int, block_n: int, block_k: int, num_warps: int, schedule: str, K: int, smem: int,
          max_stages: int = MAX_STAGES, ws: bool = False) -> Plan | None:  # fmt: skip
     """The launch for tiles that pass :func:`tile_error` (``block_k`` dividing K) with the most x stages
-    (<= ``max_stages``, >= 2) fitting ``smem`` bytes; None when none fits. ``ws``: round mxfp4 activations in
-    :data:`ROUND_WARPS` more warps (warp specialisation)."""
-    for stages in range(max_stages, 1, -1):
-        if smem_bytes(block_m, block_n, block_k, K, schedule != "streaming", stages) <= smem:
-            return Plan(block_m, block_n, block_k, num_warps, schedule, stages, ws)
+    (<= ``max_stages``, >= 2; ``swap``, one tile a program: up to one per K step, >= 1) fitting ``smem`` bytes;
+    None when none fits. ``ws``: round mxfp4 activations in :data:`ROUND_WARPS` more warps (warp
+    specialisation; always for ``swap``)."""
+    swap = schedule == "swap"
+    for stages in range(min(max_stages, K // block_k) if swap else max_stages, 0 if swap else 1, -1):
+        if smem_bytes(block_m, block_n, block_k, K, schedule, stages) <= smem:
+            return Plan(block_m, block_n, block_k, num_warps, schedule, stages, ws or swap)
     return None
 
 
@@ -466,19 +566,29 @@ def prepare(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: tor
     B, M, K = x.shape
     N = w.shape[1]
     bm, bn, bk = p.block_m, p.block_n, p.block_k
-    decode = p.schedule == "decode"
+    decode = p.schedule in ("decode", "swap")
     yn = y_columns(bm, bn)
     blocks = {"x": ([1, bm, bk], _smem_layout((1, bm, bk))), "y": ([1, bm, yn], _smem_layout((1, bm, yn))),
               "w": ([1, bn, bk], _smem_layout((1, bn, bk)))}  # fmt: skip
     columns, sms = B * triton.cdiv(N, bn), sm_count(x.device)
-    splits = max(1, min(triton.cdiv(M, bm), sms // columns))  # each column's M tiles over the SMs
+    # swap: a program per tile; else each column's M tiles split over the SMs
+    splits = triton.cdiv(M, bm) if p.schedule == "swap" else max(1, min(triton.cdiv(M, bm), sms // columns))
     per_sm = programs_per_sm(p, K, columns * splits, sms, smem_limit(x.device))
-    kernel = KernelLaunch(_bmm_kernel, (columns * splits,), kernel_constants(p, K, act_mxfp4, per_sm))
-    ints = (*w.stride()[:2], *(w_scales if decode else w).stride()[:2], M, N, splits)
+    constants = kernel_constants(p, K, act_mxfp4, per_sm)
+    ints = (*w.stride()[:2], *(w_scales if decode else w).stride()[:2], M, N)
 
     def descriptor(t: torch.Tensor, which: str):
         return TensorDescriptor.from_tensor(t, *blocks[which])
 
+    if p.schedule == "swap":
+        kernel = KernelLaunch(_swap_kernel, (columns * splits,), constants)
+
+        def launch(x, w, w_scales, out):
+            kernel(descriptor(x, "x"), descriptor(out, "y"), w, w_scales, *ints)
+
+        return launch
+    kernel = KernelLaunch(_bmm_kernel, (columns * splits,), constants)
+    ints = (*ints, splits)
     if decode:
 
         def launch(x, w, w_scales, out):
@@ -496,7 +606,7 @@ def programs_per_sm(p: Plan, K: int, programs: int, sms: int, smem: int) -> int:
     """Programs of a launch that share a multiprocessor: 2 where there are more programs than ``sms`` and
     shared memory holds two (an sm_90 multiprocessor has ``smem``, the per-program limit, plus the 1 KiB the
     system reserves per program), else 1."""
-    need = smem_bytes(p.block_m, p.block_n, p.block_k, K, p.schedule != "streaming", p.stages) + 1024
+    need = smem_bytes(p.block_m, p.block_n, p.block_k, K, p.schedule, p.stages) + 1024
     return 2 if programs > sms and 2 * need <= smem + 1024 else 1
 
 
@@ -508,16 +618,37 @@ def decode_first(p: Plan, ws: bool) -> bool:
     return ws and p.num_warps == 8
 
 
+def swap_code_layout(block_n: int, block_k: int, num_warps: int):
+    """Register layout of a ``swap`` program's codes for one K step, ``[block_n, NG, G]`` (G = min(16,
+    block_k / 8) bytes a group, NG groups a row): the rows, lanes and warps of the wgmma A-operand layout
+    (lanes 4r + t: row r and r + 8 of each warp's 16, warps along rows), a thread holding the block_k / 8
+    consecutive code bytes its A registers need after :func:`_swap_k_order` (lane t: bytes t * block_k / 8 on),
+    so the decoded values only change registers on their way to the MMA."""
+    g = min(16, block_k // 8)
+    groups = block_k // 2 // g
+    bits = lambda n: range(n.bit_length() - 1)  # noqa: E731 - log2 of a power of two, as a range
+    regs = [[0, 0, 1 << i] for i in bits(g)] + [[0, 1 << i, 0] for i in bits(groups // 4)] + [[8, 0, 0]]
+    lanes = [[0, groups // 4, 0], [0, groups // 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+    warps = [[16 << i, 0, 0] for i in bits(num_warps)]
+    return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_n, groups, g])
+
+
 def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1) -> dict:
     """The compile-time arguments of a launch of ``p`` (``num_warps`` and, with WS, ``maxnreg`` included: the
     registers of ``programs_per_sm`` programs' warps share a multiprocessor's 65536)."""
-    ws = p.ws and act_mxfp4
+    swap = p.schedule == "swap"
+    ws = (p.ws and act_mxfp4) or swap
     rounding, decoding = _register_layouts(p.block_m, p.block_n, p.block_k, p.num_warps,
                                            ROUND_WARPS if ws else p.num_warps)  # fmt: skip
-    consts = dict(K=K, BN=p.block_n, W_LAYOUT=_smem_layout((1, p.block_n, p.block_k)), ACT_MXFP4=act_mxfp4,
-                  STATIONARY=p.schedule != "streaming", DECODE=p.schedule == "decode", WS=ws, ROUND_LAYOUT=rounding,
-                  DECODE_LAYOUT=decoding, DECODE_FIRST=decode_first(p, ws), STAGES=p.stages,
-                  num_warps=p.num_warps)  # fmt: skip
+    if swap:
+        consts = dict(K=K, ACT_MXFP4=act_mxfp4, ROUND_LAYOUT=rounding,
+                      CODE_LAYOUT=swap_code_layout(p.block_n, p.block_k, p.num_warps), STAGES=p.stages,
+                      num_warps=p.num_warps)  # fmt: skip
+    else:
+        consts = dict(K=K, BN=p.block_n, W_LAYOUT=_smem_layout((1, p.block_n, p.block_k)), ACT_MXFP4=act_mxfp4,
+                      STATIONARY=p.schedule != "streaming", DECODE=p.schedule == "decode", WS=ws,
+                      ROUND_LAYOUT=rounding, DECODE_LAYOUT=decoding, DECODE_FIRST=decode_first(p, ws),
+                      STAGES=p.stages, num_warps=p.num_warps)  # fmt: skip
     if ws:  # the registers of all warps together: at most 65536 per multiprocessor
         consts["maxnreg"] = min(255, 65536 // (32 * (p.num_warps + ROUND_WARPS) * programs_per_sm) // 8 * 8)
     return consts

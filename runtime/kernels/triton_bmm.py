@@ -25,8 +25,9 @@ Kernels, picked per call by :func:`default_config` (``BmmConfig.tiles_m``, ``pre
   :mod:`~glm_pack.runtime.kernels.gluon_bmm` (x rounded in shared memory in place, with ``BmmConfig.ws`` by
   extra warps, wgmma on both operands from shared memory) on sm_90 GPUs. ``"decode"`` decodes each program's
   weight column from the codes into shared memory itself (no predecode pass); ``"stationary"`` /
-  ``"streaming"`` read predecoded weights. The tiled (``decode``) or ``tma`` / tiled (the others) kernels
-  serve where it cannot run.
+  ``"streaming"`` read predecoded weights; ``"swap"`` (small M) decodes the weights straight into the MMA's
+  register operand, with x as the other. The tiled (``decode``, ``swap``) or ``tma`` / tiled (the others)
+  kernels serve where it cannot run.
 
 Importing this module never fails without Triton: :func:`available` says why the kernel cannot run.
 Triton picks interpreter or compiler when a kernel is defined, i.e. when this module is imported.
@@ -322,11 +323,14 @@ class BmmConfig:
     ``wgmma``: runs the Hopper Gluon kernel of :mod:`gluon_bmm` with that schedule where it can run (sm_90,
     TMA-compatible x / out, shared memory for at least two stages; tiles: :func:`gluon_bmm.tile_error`, it
     picks its own stage count; ``tiles_m`` 0): ``"decode"`` (without ``predecode``) decodes the weights in
-    the kernel, ``"stationary"`` / ``"streaming"`` (with ``predecode``) read predecoded ones; elsewhere the
-    call falls back to the tiled kernel (``decode``) or ``tma`` / tiled (the others) with the same tiles.
+    the kernel, ``"stationary"`` / ``"streaming"`` (with ``predecode``) read predecoded ones, ``"swap"``
+    (without ``predecode``; ``block_m`` rows of x, ``block_n`` = 16 * ``num_warps`` weight rows a program, one
+    tile each) decodes them into the MMA's register operand; elsewhere the call falls back to the tiled kernel
+    (``decode``, ``swap``) or ``tma`` / tiled (the others) with the same tiles.
     ``ws`` (with ``wgmma``): warp specialisation: with mxfp4 activations, :data:`gluon_bmm.ROUND_WARPS` more
     warps round the x tiles while the MMA warps only wait, issue MMAs and write y (``decode`` with 8 warps then
-    decodes the whole weight column before the first MMA, :func:`gluon_bmm.decode_first`)."""
+    decodes the whole weight column before the first MMA, :func:`gluon_bmm.decode_first`); ``swap`` always
+    has them."""
 
     block_m: int
     block_n: int
@@ -350,7 +354,7 @@ def _block_k(K: int, cap: int) -> int:
 
 _C = BmmConfig
 # Per-shape winners of H200 sweeps for GLM's K-up (N=512, K=192/256) and V-up (N=256, K=512), T <= 256,
-# keyed (N, K, wide, M bucket) (BENCHMARKS.md).
+# keyed (N, K, wide, M bucket) (BENCHMARKS.md); a shape without a 32-row entry takes its 64-row one.
 _TUNED = {
     (512, 192, False, 16): _C(16, 32, 64, 2, 3, 0),
     (512, 192, True, 16): _C(16, 64, 64, 4, 1, 0),
@@ -360,9 +364,11 @@ _TUNED = {
     (256, 512, True, 16): _C(16, 64, 512, 4, 1, 0),
     (512, 192, False, 64): _C(64, 64, 64, 4, 3, 0, wgmma="decode", ws=True),
     (512, 192, True, 64): _C(64, 128, 64, 8, 3, 0, wgmma="decode"),
+    (512, 256, False, 32): _C(16, 128, 256, 8, 1, 0, wgmma="swap"),
+    (256, 512, False, 32): _C(16, 64, 256, 4, 1, 0, wgmma="swap"),
     (512, 256, False, 64): _C(64, 64, 256, 4, 3, 0, wgmma="decode", ws=True),
     (512, 256, True, 64): _C(64, 128, 64, 4, 3, 0, wgmma="decode"),
-    (256, 512, False, 64): _C(64, 32, 128, 4, 3, 0, wgmma="decode", ws=True),
+    (256, 512, False, 64): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
     (256, 512, True, 64): _C(64, 128, 128, 4, 3, 0, wgmma="decode", ws=True),
     (512, 192, False, 256): _C(64, 128, 64, 4, 3, 0, wgmma="decode", ws=True),
     (512, 192, True, 256): _C(64, 256, 64, 8, 3, 0, wgmma="decode", ws=True),
@@ -374,16 +380,16 @@ _TUNED = {
 
 
 def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
-    """Kernel and tiles by M bucket (16, 64, 256, larger), measured on an H200 (BENCHMARKS.md): the tuned GLM
+    """Kernel and tiles by M bucket (16, 32, 64, 256, larger), measured on an H200 (BENCHMARKS.md): the tuned GLM
     shapes first, then general rules; above 256 rows :func:`_large_m`. ``wide``: enough 64-column tiles
     (B * N / 64 >= 256) to fill the GPU with one-tile programs."""
     if _INTERPRETED:
         return BmmConfig(16 if M <= 16 else 32, 32 if N <= 32 else 64, _block_k(K, 64), 4, 1, 2)
     bk = _block_k(K, 64)
     wide = B * triton.cdiv(N, 64) >= 256
-    tuned = _TUNED.get((N, K, wide, 16 if M <= 16 else 64 if M <= 64 else 256 if M <= 256 else 0))
-    if tuned:
-        return tuned
+    for bucket in (16, 32, 64, 256):
+        if M <= bucket and (N, K, wide, bucket) in _TUNED:
+            return _TUNED[(N, K, wide, bucket)]
     if M <= 16:
         return BmmConfig(16, 64, _block_k(K, 128), 4, 2, 0) if wide else BmmConfig(16, 32, bk, 4, 2, 1)
     if M <= 64:
@@ -517,14 +523,14 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
         raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (ws is an option of the wgmma kernel)")
     if cfg.wgmma:
         bad = gluon_bmm.tile_error(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma)
-        if bad or cfg.predecode == (cfg.wgmma == "decode") or cfg.tiles_m:
+        if bad or cfg.predecode == (cfg.wgmma in ("decode", "swap")) or cfg.tiles_m:
             raise BackendError(
                 f"triton bmm_a16wfp4: bad config {cfg} (wgmma: 'stationary' or 'streaming' with predecode, "
-                f"'decode' without, tiles_m=0; {bad})"
+                f"'decode' and 'swap' without, tiles_m=0; {bad})"
             )
     act = act_quant == "mxfp4"
     plan = None
-    decode_args = (w_codes, w_scales) if cfg.wgmma == "decode" else ()
+    decode_args = (w_codes, w_scales) if cfg.wgmma in ("decode", "swap") else ()
     if cfg.wgmma and not gluon_bmm.unusable_reason(x, out, *decode_args):
         smem = gluon_bmm.smem_limit(x.device)
         plan = gluon_bmm.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma, K, smem, ws=cfg.ws)

@@ -37,7 +37,7 @@ def test_plans_take_the_most_stages_that_fit():
         for schedule in ("stationary", "decode"):
             p = gb.plan(128, 256, 64, 8, schedule, K, H200_SMEM)
             assert (p.stages, p.schedule) == (4, schedule) and gb.MAX_STAGES == 4
-    assert gb.smem_bytes(128, 256, 64, 256, True, 4) <= H200_SMEM < gb.smem_bytes(128, 256, 64, 256, True, 5)
+    assert gb.smem_bytes(128, 256, 64, 256, "decode", 4) <= H200_SMEM < gb.smem_bytes(128, 256, 64, 256, "decode", 5)
     # V-up's 256 x 512 column is 256 KiB by itself: only the streaming schedule runs, with 4 x (16 + 32) KiB;
     # a 128-column one (128 KiB) fits
     assert gb.plan(128, 256, 64, 8, "stationary", 512, H200_SMEM) is None
@@ -46,8 +46,8 @@ def test_plans_take_the_most_stages_that_fit():
     assert gb.plan(128, 128, 64, 8, "decode", 512, H200_SMEM).stages == 4
     # hand counts: 3 x 16 KiB x + 3 x 32 KiB w + 32 KiB y (one 128-column half) + 1 KiB slack; at 64 rows the
     # y buffer holds the whole 64 x 256 tile (32 KiB) and the column is 256 x 256 x 2 bytes
-    assert gb.smem_bytes(128, 256, 64, 512, False, 3) == 3 * 16384 + 3 * 32768 + 32768 + 1024
-    assert gb.smem_bytes(64, 256, 64, 256, True, 4) == 4 * 8192 + 131072 + 32768 + 1024
+    assert gb.smem_bytes(128, 256, 64, 512, "streaming", 3) == 3 * 16384 + 3 * 32768 + 32768 + 1024
+    assert gb.smem_bytes(64, 256, 64, 256, "decode", 4) == 4 * 8192 + 131072 + 32768 + 1024
     assert (gb.y_columns(128, 256), gb.y_columns(64, 256)) == (128, 256)
     # fewer stages where less memory is available, none below two, and no more than asked for
     assert gb.plan(128, 256, 64, 8, "streaming", 512, 150_000).stages == 2
@@ -62,11 +62,13 @@ def test_plans_take_the_most_stages_that_fit():
      ((32, 256, 64, 4), "decode", "64 or 128"), ((256, 256, 64, 16), "streaming", "4 or 8 warps"),
      ((128, 16, 64, 8), "streaming", "multiple of 32"), ((128, 512, 64, 8), "streaming", "up to 256"),
      ((128, 256, 512, 8), "streaming", "32 to 256"), ((64, 64, 64, 8), "decode", "decode needs >= 128 rows"),
-     ((128, 256, 64, 8), "both", "one of")],
+     ((128, 256, 64, 8), "both", "one of"), ((32, 64, 256, 4), "swap", ""), ((16, 128, 32, 8), "swap", ""),
+     ((32, 128, 64, 4), "swap", "block_n = 16 \\* num_warps"), ((128, 64, 64, 4), "swap", "16, 32 or 64"),
+     ((32, 64, 512, 4), "swap", "power of two from 32 to 256")],
 )  # fmt: skip
 def test_tile_rules(tiles, schedule, bad):
     """Each rule against a hand-picked violation; the decode rule: 32 / (64 / 32) = 16 rows per warp, so 8 warps
-    need 128 weight rows."""
+    need 128 weight rows; swap: 16 weight rows per warp, 16-64 rows of x."""
     err = gb.tile_error(*tiles, schedule)
     assert (err == "") == (bad == "")
     if bad:
@@ -78,8 +80,9 @@ def test_tile_rules(tiles, schedule, bad):
 
 @pytest.mark.parametrize(
     "change, match",
-    [(dict(predecode=False), "with predecode"), (dict(wgmma="decode"), "'decode' without"),
-     (dict(tiles_m=2, predecode=False, wgmma="decode"), "tiles_m=0")],
+    [(dict(predecode=False), "with predecode"), (dict(wgmma="decode"), "'decode' and 'swap' without"),
+     (dict(tiles_m=2, predecode=False, wgmma="decode"), "tiles_m=0"),
+     (dict(block_m=32, block_n=128, wgmma="swap"), "'decode' and 'swap' without")],
 )  # fmt: skip
 def test_rejects_wgmma_configs_outside_the_contract(change, match):
     cfg = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tiles_m=0, predecode=True)
@@ -154,7 +157,7 @@ _COMPILE = textwrap.dedent(
 
     bm, bn, bk, warps, schedule, K, act, ws, per_sm = json.loads(sys.argv[1])
     p = gb.plan(bm, bn, bk, warps, schedule, K, 232448, ws=ws)
-    decode = schedule == "decode"
+    decode, swap = schedule in ("decode", "swap"), schedule == "swap"
     def desc(block):
         return f"tensordesc<bf16{block},{gb._smem_layout(tuple(block))!r}>"
     sig = {"x_desc": desc([1, bm, bk]), "w_desc": "constexpr" if decode else desc([1, bn, bk]),
@@ -163,10 +166,15 @@ _COMPILE = textwrap.dedent(
            "stride_sn": "i32", "M": "i32", "N": "i32", "SPLITS": "i32"}
     consts = gb.kernel_constants(p, K, act, per_sm)  # what a launch passes
     options = {"num_warps": consts["num_warps"], **({"maxnreg": consts.pop("maxnreg")} if "maxnreg" in consts else {})}
-    if decode:
+    if swap:
+        del sig["w_desc"], sig["SPLITS"]
+    elif decode:
         consts["w_desc"] = None
     sig.update(dict.fromkeys(consts, "constexpr"))
-    src = GluonASTSource(fn=gb._bmm_kernel, signature=sig, constexprs=consts)
+    # pointers and strides as a launch specializes them (multiples of 16): the codes load in 16-byte vectors
+    attrs = {(list(sig).index(n),): [["tt.divisibility", 16]] for n in ("c_ptr", "s_ptr", "stride_cb", "stride_cn")}
+    src = GluonASTSource(fn=gb._swap_kernel if swap else gb._bmm_kernel, signature=sig, constexprs=consts,
+                         attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = k.asm["ptx"]
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -177,8 +185,9 @@ _COMPILE = textwrap.dedent(
     print(json.dumps({"stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "shared": k.metadata.shared,
                       "warps": k.metadata.num_warps, "stages": p.stages, "maxnreg": options.get("maxnreg"),
                       "setmaxnreg": ptx.count("setmaxnreg"),
-                      "estimate": gb.smem_bytes(bm, bn, bk, K, schedule != "streaming", p.stages),
+                      "estimate": gb.smem_bytes(bm, bn, bk, K, schedule, p.stages),
                       "wgmma": ptx.count("wgmma.mma_async"), "prmt": ptx.count("prmt.b32"),
+                      "byte_loads": ptx.count("ld.global.b8") + ptx.count("ld.global.u8"),
                       "cubin": len(k.asm["cubin"])}))
     """
 )
@@ -232,13 +241,48 @@ def test_kernel_compiles_for_sm90_within_shared_memory(tiles, schedule, K, act, 
     assert got["stages"] == 4
 
 
+def test_swap_plans_one_stage_per_k_step_at_most_and_always_rounding_warps():
+    """A swap program owns one tile: its x ring needs no more stages than K steps (V-up at 256-deep steps: 2, K-up
+    256: 1), and no weights in shared memory (hand counts: stages x rows x block_k x 2 bytes, the whole
+    rows x block_n y tile, 1 KiB slack); its worker warps always run (they reorder x's K), ws asked or not."""
+    vup = gb.plan(32, 64, 256, 4, "swap", 512, H200_SMEM)
+    kup = gb.plan(16, 128, 256, 8, "swap", 256, H200_SMEM)
+    many = gb.plan(16, 64, 64, 4, "swap", 512, H200_SMEM)
+    assert (vup.stages, kup.stages, many.stages) == (2, 1, gb.MAX_STAGES)
+    assert vup.ws and kup.ws and many.ws
+    assert gb.smem_bytes(32, 64, 256, 512, "swap", 2) == 2 * 32 * 256 * 2 + 32 * 64 * 2 + 1024
+    assert gb.kernel_constants(vup, 512, False)["maxnreg"] == 255  # 8 warps (act "none" too): 256, capped
+    assert gb.plan(64, 64, 256, 4, "swap", 512, 60_000).stages == 1  # less memory: fewer stages, down to one
+    assert gb.plan(64, 64, 256, 4, "swap", 512, 30_000) is None
+
+
+@pytest.mark.parametrize(
+    "tiles, K, act, per_sm, scale_loads",
+    [((32, 64, 256, 4), 512, True, 1, 2 * 2 * 2), ((16, 128, 256, 8), 256, True, 1, 1 * 2 * 2),
+     ((16, 64, 32, 4), 192, False, 1, 6 * 2 * 1), ((64, 64, 64, 4), 192, True, 2, 3 * 2 * 1)],
+    ids=["vup-32x64x256", "kup256-16x128x256", "kup192-16x64x32-none", "kup192-64x64x64-2-per-sm"],
+)  # fmt: skip
+def test_swap_kernel_compiles_for_sm90_with_its_weights_in_registers(tiles, K, act, per_sm, scale_loads):
+    """The swap kernel compiled for sm_90a here: MMA warps plus the worker warps (also with ``act_quant="none"``:
+    they reorder x), registers within the multiprocessor's 65536, no stack (the decoded A operand and the
+    column's codes stay in registers), and shared memory within the estimate, which counts only the x ring and
+    the y tile: moving the decoded weights to the MMA's register layout through shared memory (a 16-64 KiB
+    scratch tile) would exceed it. The only byte loads are the scales' (hand counts: per K step, a thread's two
+    rows r and r + 8 times the 32-blocks of its run of block_k / 4 k, at least one); codes come in vectors."""
+    got = _compile(tiles, "swap", K, act, False, per_sm)
+    assert got["warps"] == tiles[3] + gb.ROUND_WARPS and got["setmaxnreg"] > 0 and got["stack"] == 0
+    assert got["warps"] * 32 * got["maxnreg"] * per_sm <= 65536
+    assert got["wgmma"] >= 1 and got["prmt"] > 0 and got["byte_loads"] == scale_loads
+    assert got["shared"] <= got["estimate"] and got["stages"] == min(gb.MAX_STAGES, K // tiles[2])
+
+
 def test_two_programs_share_a_multiprocessor_only_where_there_are_more_and_both_fit():
     # K-up 192 at 64 x 128: 4 x 8 KiB x + 3 x 16 KiB column + 16 KiB y + 1 KiB slack = 97 KiB, twice
     # (with 1 KiB reserved each) within the 228 KiB of an sm_90 multiprocessor; at K = 512 (8 x 16 KiB
     # column) one program takes 161 KiB
     kup = gb.plan(64, 128, 64, 8, "decode", 192, H200_SMEM, ws=True)
     vup = gb.plan(64, 128, 64, 8, "decode", 512, H200_SMEM, ws=True)
-    assert gb.smem_bytes(64, 128, 64, 192, True, kup.stages) == 4 * 8192 + 3 * 16384 + 16384 + 1024
+    assert gb.smem_bytes(64, 128, 64, 192, "decode", kup.stages) == 4 * 8192 + 3 * 16384 + 16384 + 1024
     assert gb.programs_per_sm(kup, 192, 256, 132, H200_SMEM) == 2
     assert gb.programs_per_sm(kup, 192, 132, 132, H200_SMEM) == 1  # one wave: every program has its own
     assert gb.programs_per_sm(vup, 512, 256, 132, H200_SMEM) == 1
@@ -272,6 +316,9 @@ _GPU_CONFIGS = {
     "decode-ws": tb.BmmConfig(128, 256, 64, 8, 3, 0, wgmma="decode", ws=True),
     "decode-64rows-ws": tb.BmmConfig(64, 128, 64, 8, 3, 0, wgmma="decode", ws=True),
     "decode-64x64-ws": tb.BmmConfig(64, 64, 64, 4, 3, 0, wgmma="decode", ws=True),
+    "swap-32x64": tb.BmmConfig(32, 64, 64, 4, 1, 0, wgmma="swap"),
+    "swap-16x128": tb.BmmConfig(16, 128, 32, 8, 1, 0, wgmma="swap"),
+    "swap-64x64": tb.BmmConfig(64, 64, 64, 4, 1, 0, wgmma="swap"),
 }
 
 
@@ -306,7 +353,7 @@ def test_matches_reference_on_gpu(B, M, N, K, row, name, monkeypatch):
     if gb.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma, K, smem) is None:
         assert not launched  # no room for the weight column: a Triton kernel served
     else:
-        assert launched and launched[0].schedule == cfg.wgmma and launched[0].ws == cfg.ws
+        assert launched and launched[0].schedule == cfg.wgmma and launched[0].ws == (cfg.ws or cfg.wgmma == "swap")
 
 
 @sm90_only
@@ -329,8 +376,9 @@ def test_two_programs_per_multiprocessor_on_gpu(name, monkeypatch):
 
 
 @sm90_only
+@pytest.mark.parametrize("name", ["decode-128cols", "swap-16x128"])
 @pytest.mark.parametrize("K", [192, 512])
-def test_decode_is_exact_for_every_code_and_scale(K, monkeypatch):
+def test_decode_is_exact_for_every_code_and_scale(K, name, monkeypatch):
     """Identity activations (``act_quant="none"``) make y the decoded weights transposed: every E2M1 code with
     scale bytes across the whole range (0 = 2**-127, bf16-subnormal results, 253 / 254 overflowing to inf,
     255 = NaN) must come out as the float32 dequantization rounded to bf16, bit for bit (NaN where it is)."""
@@ -345,9 +393,8 @@ def test_decode_is_exact_for_every_code_and_scale(K, monkeypatch):
     x = torch.eye(K, dtype=torch.bfloat16).expand(B, K, K).contiguous()
     expected = torch.bmm(x.float(), dequantize(codes, scales).transpose(1, 2)).to(torch.bfloat16)
     out = torch.full((B, K, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-    tb.bmm_a16wfp4(x.cuda(), codes.cuda(), scales.cuda(), act_quant="none", out=out,
-                   config=_GPU_CONFIGS["decode-128cols"])  # fmt: skip
-    assert launched and launched[0].schedule == "decode"
+    tb.bmm_a16wfp4(x.cuda(), codes.cuda(), scales.cuda(), act_quant="none", out=out, config=_GPU_CONFIGS[name])
+    assert launched and launched[0].schedule == _GPU_CONFIGS[name].wgmma
     torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0, equal_nan=True)
 
 
