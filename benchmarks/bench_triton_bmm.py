@@ -11,7 +11,7 @@ exceeds L2 (cold weights, as in a real model). The roofline column is the kernel
 when that is larger.
 
     python benchmarks/bench_triton_bmm.py --check [--out DIR] [--ops kup192,kup256,vup] [--heads 16,64]
-        [--tokens 1,16,64,256,1024,8192] [--sweep] [--jobs N]
+        [--tokens 1,16,32,64,256,1024,8192] [--sweep] [--jobs N]
 
 ``--sweep`` also times the candidate configs of each M bucket (checking each) and reports them; ``--jobs N``
 compiles every kernel first in N processes, which saves minutes on a machine with an empty Triton cache.
@@ -71,15 +71,23 @@ def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
     def ws(configs):  # the same with rounding warps (warp specialisation)
         return [dataclasses.replace(c, ws=True) for c in configs]
 
+    def swap(bm, warps, k_cap):  # weights decoded into the MMA's registers, one tile a program
+        k = bk(K, k_cap)
+        return [] if tb.gluon_bmm.tile_error(bm, 16 * warps, k, warps, "swap") else [C(bm, 16 * warps, k, warps, 1, 0,
+                                                                                         wgmma="swap")]  # fmt: skip
+
+    swapped = [*swap(16, 4, 256), *swap(16, 8, 256), *swap(32, 4, 256), *swap(32, 8, 256), *swap(32, 4, 128)]
+    swapped_256 = [*swap(64, 4, 256), *swap(64, 8, 256), *swap(64, 8, 64)]
+
     if M <= 16:
         extra = [C(16, 32, bk(K, 64), 2, 3, 0), C(16, 64, bk(K, 64), 4, 3, 0), C(16, 32, bk(K, 512), 4, 1, 0),
                  C(16, 64, bk(K, 128), 4, 3, 0), C(16, 32, bk(K, 256), 4, 1, 0), C(16, 16, bk(K, 512), 4, 1, 0),
                  C(16, 32, bk(K, 512), 2, 1, 0), C(16, 64, bk(K, 512), 4, 1, 0)]  # fmt: skip
     elif M <= 64:
-        extra = [*decoded, *narrow, *ws(decoded + narrow), C(64, 256, bk(K, 64), 8, 3, 0),
+        extra = [*decoded, *narrow, *ws(decoded + narrow), *swapped, C(64, 256, bk(K, 64), 8, 3, 0),
                  C(32, 64, bk(K, 128), 4, 3, 0)]  # fmt: skip
     elif M <= 256:
-        extra = [*decoded, *narrow, *gluon, *ws(decoded + narrow + gluon), C(64, 256, bk(K, 64), 8, 3, 0),
+        extra = [*decoded, *narrow, *gluon, *ws(decoded + narrow + gluon), *swapped_256, C(64, 256, bk(K, 64), 8, 3, 0),
                  pre(64, 128, 4, 4, True)]  # fmt: skip
     else:
         extra = [*gluon, *ws(gluon), *decoded[:2]]
@@ -337,7 +345,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="also time the candidate configs per M bucket")
     p.add_argument("--ops", default="kup192,kup256,vup")
     p.add_argument("--heads", default="16,64")
-    p.add_argument("--tokens", default="1,16,64,256,1024,8192")
+    p.add_argument("--tokens", default="1,16,32,64,256,1024,8192")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--jobs", type=int, default=0, help="compile all kernels first in this many processes")
     args = p.parse_args(argv)

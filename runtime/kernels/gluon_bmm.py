@@ -11,7 +11,8 @@ x tile is rounded to MXFP4 in shared memory, in place, by the shared
 ``[block_m, block_n]`` output tiles (64 or 128 rows: one or two warpgroups along M, any other warps along N),
 ``block_k`` K steps, both operands from shared memory (wgmma SS), fp32 accumulators in registers; y leaves
 through one buffer (:func:`y_columns`). A program owns one ``(b, n0)`` column of weights and a contiguous run
-of its M tiles (each column's tiles split over the multiprocessors left over). Three schedules:
+of its M tiles (each column's tiles split over the multiprocessors left over). Three schedules work this way; a
+fourth, for small M, swaps the operands:
 
 * ``decode``: the program loads the column's codes and scales into registers at once and decodes them into
   shared memory (bf16; a byte-table lookup per code pair, :func:`_e2m1_dequant_ptx`): K step ``k`` during
@@ -22,6 +23,15 @@ of its M tiles (each column's tiles split over the multiprocessors left over). T
 * ``stationary``: the same, with the column loaded by TMA from predecoded bf16 weights.
 * ``streaming``: x and predecoded w tiles stream through one ring, for weights too large to keep (GLM's V-up:
   256 x 512 bf16 = 256 KiB per head at 256 columns).
+* ``swap`` (:func:`_swap_kernel`): the operands swapped, ``y^T = w . x^T``: ``block_n`` = 16 * ``num_warps``
+  weight rows are the wgmma's M, ``block_m`` = 16-64 rows of x its N, one tile a program. The MMA warps decode
+  each K step of codes straight into the A-operand registers (wgmma RS: no shared-memory store, fence or
+  barrier for the weights); the worker warps round each x tile (mxfp4) and store it with K reordered
+  (:func:`_swap_k_order`) so that a thread's A registers hold one run of consecutive k: its codes are one
+  contiguous vector load, and the decoded values reach the A layout by renaming registers. With x tiles of
+  16-32 rows a head's x is rounded by fewer programs than with 64-row tiles (each weight column's program
+  rounds all the x it multiplies), which is where the time of small-M calls goes; the weights are decoded
+  once per x tile instead.
 
 The x ring has as many stages as fit in shared memory, up to 4. The first ``stages`` steps are loaded up front
 (a program with that many K steps or fewer has all its x in flight at once); the TMA load for step

@@ -354,7 +354,7 @@ def _block_k(K: int, cap: int) -> int:
 
 _C = BmmConfig
 # Per-shape winners of H200 sweeps for GLM's K-up (N=512, K=192/256) and V-up (N=256, K=512), T <= 256,
-# keyed (N, K, wide, M bucket) (BENCHMARKS.md); a shape without a 32-row entry takes its 64-row one.
+# keyed (N, K, wide, M bucket) (BENCHMARKS.md); a bucket without an entry takes the next one's.
 _TUNED = {
     (512, 192, False, 16): _C(16, 32, 64, 2, 3, 0),
     (512, 192, True, 16): _C(16, 64, 64, 4, 1, 0),
@@ -362,10 +362,14 @@ _TUNED = {
     (512, 256, True, 16): _C(16, 128, 256, 4, 2, 0),
     (256, 512, False, 16): _C(16, 64, 512, 4, 1, 0),
     (256, 512, True, 16): _C(16, 64, 512, 4, 1, 0),
+    (512, 192, False, 32): _C(32, 64, 64, 4, 1, 0, wgmma="swap"),
+    (512, 192, True, 32): _C(32, 128, 64, 8, 1, 0, wgmma="swap"),
+    (512, 256, False, 32): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
+    (512, 256, True, 32): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
+    (256, 512, False, 32): _C(16, 64, 256, 4, 1, 0, wgmma="swap"),
+    (256, 512, True, 32): _C(32, 128, 256, 8, 1, 0, wgmma="swap"),
     (512, 192, False, 64): _C(64, 64, 64, 4, 3, 0, wgmma="decode", ws=True),
     (512, 192, True, 64): _C(64, 128, 64, 8, 3, 0, wgmma="decode"),
-    (512, 256, False, 32): _C(16, 128, 256, 8, 1, 0, wgmma="swap"),
-    (256, 512, False, 32): _C(16, 64, 256, 4, 1, 0, wgmma="swap"),
     (512, 256, False, 64): _C(64, 64, 256, 4, 3, 0, wgmma="decode", ws=True),
     (512, 256, True, 64): _C(64, 128, 64, 4, 3, 0, wgmma="decode"),
     (256, 512, False, 64): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),

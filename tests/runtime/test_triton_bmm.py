@@ -261,6 +261,23 @@ def test_glm_shapes_on_gpu_all_kernels(op, T):
             assert_close_to_reference(out, x, codes, scales, act_quant)
 
 
+def test_default_config_takes_the_first_bucket_that_holds_the_rows(monkeypatch):
+    """Buckets of 16, 32, 64 and 256 rows: V-up at 16 heads takes its 16-row entry up to 16 rows, the 32-row one
+    from 17 to 32, the 64-row one from 33, the large-M rule above 256; a bucket without an entry for the shape
+    takes the next one's (here with the 32-row entry removed). Compiled-kernel defaults, as on a GPU."""
+    monkeypatch.setattr(tb, "_INTERPRETED", False)
+
+    def key(bucket):
+        return 256, 512, False, bucket
+
+    assert tb.default_config(16, 16, 256, 512) == tb._TUNED[key(16)]
+    assert tb.default_config(16, 17, 256, 512) == tb.default_config(16, 32, 256, 512) == tb._TUNED[key(32)]
+    assert tb.default_config(16, 33, 256, 512) == tb.default_config(16, 64, 256, 512) == tb._TUNED[key(64)]
+    assert tb.default_config(16, 257, 256, 512) == tb._large_m(512)
+    monkeypatch.delitem(tb._TUNED, key(32))
+    assert tb.default_config(16, 20, 256, 512) == tb._TUNED[key(64)]
+
+
 @gpu_only
 @pytest.mark.parametrize("key", sorted(tb._TUNED))
 def test_tuned_glm_defaults_match_reference_on_gpu(key):
