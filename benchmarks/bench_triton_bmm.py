@@ -78,6 +78,8 @@ def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
 
     swapped = [*swap(16, 4, 256), *swap(16, 8, 256), *swap(32, 4, 256), *swap(32, 8, 256), *swap(32, 4, 128)]
     swapped_256 = [*swap(64, 4, 256), *swap(64, 8, 256), *swap(64, 8, 64)]
+    swapped += [dataclasses.replace(c, round_warps=8) for c in swapped]  # 8 rounding warps
+    swapped_256 += [dataclasses.replace(c, round_warps=8) for c in swapped_256]
 
     if M <= 16:
         extra = [C(16, 32, bk(K, 64), 2, 3, 0), C(16, 64, bk(K, 64), 4, 3, 0), C(16, 32, bk(K, 512), 4, 1, 0),
@@ -280,7 +282,8 @@ def kernel_label(c: dict) -> str:
     """Which kernel a config (as a dict) selects, and its tiles: e.g. ``wgmma stationary 128x256x64 w8``."""
     tiles = f"{c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']}"
     if c.get("wgmma"):
-        return f"wgmma {c['wgmma']}{' ws' if c.get('ws') else ''} {tiles}"
+        rw = f" rw{c['round_warps']}" if c.get("round_warps", 4) != 4 else ""
+        return f"wgmma {c['wgmma']}{' ws' if c.get('ws') else ''} {tiles}{rw}"
     if c.get("tma"):
         return f"predecode+TMA {tiles}s{c['num_stages']}"
     kind = "predecode tiled" if c.get("predecode") else f"stationary t{c['tiles_m']}" if c["tiles_m"] else "tiled"

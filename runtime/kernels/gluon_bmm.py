@@ -76,7 +76,7 @@ except Exception as exc:  # noqa: BLE001 - any import failure means "unavailable
     IMPORT_ERROR = _TRITON_ERROR or f"triton's gluon cannot be imported: {exc}"
 
 MAX_STAGES = 4
-ROUND_WARPS = 4  # warps rounding x with warp specialisation (WS)
+ROUND_WARPS = 4  # warps rounding x with warp specialisation (WS), unless a plan asks for 8
 ROUND_REGS = 96  # their registers per thread
 _SMEM_SLACK = 1024  # barriers and alignment, bytes
 _INTERPRETED = interpreted()  # read at import, as the kernels below are defined (or not) by it
@@ -140,7 +140,6 @@ if not IMPORT_ERROR and not _INTERPRETED:
         tma.async_copy_global_to_shared(x_desc, [b, m0, k], ready.index(s), x_bufs.index(s))
 
     _E2M1_BF16_PTX = gl.constexpr(_e2m1_bf16_ptx())
-    _ROUND_WARPS = gl.constexpr(ROUND_WARPS)
     _ROUND_REGS = gl.constexpr(ROUND_REGS)
 
     @gluon.jit
@@ -309,11 +308,11 @@ if not IMPORT_ERROR and not _INTERPRETED:
                     M, N, SPLITS, K: gl.constexpr, BN: gl.constexpr, W_LAYOUT: gl.constexpr,
                     ACT_MXFP4: gl.constexpr, STATIONARY: gl.constexpr, DECODE: gl.constexpr, WS: gl.constexpr,
                     ROUND_LAYOUT: gl.constexpr, DECODE_LAYOUT: gl.constexpr, DECODE_FIRST: gl.constexpr,
-                    STAGES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                    STAGES: gl.constexpr, WORKERS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
         """Grid ``(columns * SPLITS,)``; descriptors over x ``[B, M, K]`` (block ``[1, BM, BK]``), y ``[B, M, N]``
         (``[1, BM, YN]``, :func:`y_columns`) and, unless DECODE, bf16 w ``[B, N, K]`` (``[1, BN, BK]``); with DECODE
         (stationary only) the weights come from codes ``c_ptr`` / scales ``s_ptr`` instead. WS: the x tiles are
-        rounded by :data:`ROUND_WARPS` more warps (``ROUND_LAYOUT`` over those), else by the MMA warps."""
+        rounded by WORKERS more warps (``ROUND_LAYOUT`` over those), else by the MMA warps."""
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
         KSTEPS: gl.constexpr = K // BK
@@ -358,7 +357,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
                              w_ready, steps, pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, DECODE_FIRST, WS,
                              ROUND_LAYOUT)),
                 (_round_loop, (x_bufs, ready, rounded, steps, ROUND_LAYOUT)),
-            ], [_ROUND_WARPS], [_ROUND_REGS])  # fmt: skip
+            ], [WORKERS], [_ROUND_REGS])  # fmt: skip
         else:
             _mma_loop(acc, codes, scales, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
                       steps, pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, DECODE_FIRST, WS,
@@ -392,10 +391,11 @@ if not IMPORT_ERROR and not _INTERPRETED:
     @gluon.jit
     def _swap_kernel(x_desc, y_desc, c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, M, N,
                      K: gl.constexpr, ACT_MXFP4: gl.constexpr, ROUND_LAYOUT: gl.constexpr,
-                     CODE_LAYOUT: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                     CODE_LAYOUT: gl.constexpr, STAGES: gl.constexpr, WORKERS: gl.constexpr,
+                     num_warps: gl.constexpr):  # fmt: skip
         """The swap schedule. Grid ``(B * tiles_n * tiles_m,)``, one ``[BM, BN]`` y tile a program; descriptors
         over x ``[B, M, K]`` (block ``[1, BM, BK]``) and y ``[B, M, N]`` (``[1, BM, BN]``); codes / scales as
-        for ``decode``, in CODE_LAYOUT (:func:`swap_code_layout`). The :data:`ROUND_WARPS` worker warps round
+        for ``decode``, in CODE_LAYOUT (:func:`swap_code_layout`). The WORKERS worker warps round
         each x tile (with ACT_MXFP4) and store it in :func:`_swap_k_order`; the num_warps MMA warps (BN / 16)
         decode and multiply."""
         BM: gl.constexpr = x_desc.block_type.shape[1]
@@ -428,7 +428,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
             (_swap_mma_loop, (codes, scales, x_desc, y_desc, x_bufs, y_buf, ready, rounded, b, m0, n0, K, a_layout,
                               mma_layout)),
             (_round_loop, (x_bufs, ready, rounded, KSTEPS, ROUND_LAYOUT, ACT_MXFP4, True)),
-        ], [_ROUND_WARPS], [_ROUND_REGS])  # fmt: skip
+        ], [WORKERS], [_ROUND_REGS])  # fmt: skip
 
 
 SCHEDULES = ("stationary", "streaming", "decode", "swap")
@@ -437,8 +437,8 @@ SCHEDULES = ("stationary", "streaming", "decode", "swap")
 @dataclass(frozen=True)
 class Plan:
     """A launch: tile sizes, warps, schedule (one of :data:`SCHEDULES`), x-ring stages (shared memory
-    permitting) and whether :data:`ROUND_WARPS` more warps round mxfp4 activations (``ws``; ``swap`` always has
-    them: they also reorder x's K)."""
+    permitting) and whether ``round_warps`` (4 or 8) more warps round mxfp4 activations (``ws``; ``swap``
+    always has them: they also reorder x's K)."""
 
     block_m: int
     block_n: int
@@ -447,6 +447,7 @@ class Plan:
     schedule: str
     stages: int
     ws: bool = False
+    round_warps: int = ROUND_WARPS
 
 
 @functools.cache
@@ -510,15 +511,15 @@ def tile_error(block_m: int, block_n: int, block_k: int, num_warps: int, schedul
 
 
 def plan(block_m: int, block_n: int, block_k: int, num_warps: int, schedule: str, K: int, smem: int,
-         max_stages: int = MAX_STAGES, ws: bool = False) -> Plan | None:  # fmt: skip
+         max_stages: int = MAX_STAGES, ws: bool = False, round_warps: int = ROUND_WARPS) -> Plan | None:  # fmt: skip
     """The launch for tiles that pass :func:`tile_error` (``block_k`` dividing K) with the most x stages
     (<= ``max_stages``, >= 2; ``swap``, one tile a program: up to one per K step, >= 1) fitting ``smem`` bytes;
-    None when none fits. ``ws``: round mxfp4 activations in :data:`ROUND_WARPS` more warps (warp
-    specialisation; always for ``swap``)."""
+    None when none fits. ``ws``: round mxfp4 activations in ``round_warps`` more warps (warp specialisation;
+    always for ``swap``)."""
     swap = schedule == "swap"
     for stages in range(min(max_stages, K // block_k) if swap else max_stages, 0 if swap else 1, -1):
         if smem_bytes(block_m, block_n, block_k, K, schedule, stages) <= smem:
-            return Plan(block_m, block_n, block_k, num_warps, schedule, stages, ws or swap)
+            return Plan(block_m, block_n, block_k, num_warps, schedule, stages, ws or swap, round_warps)
     return None
 
 
@@ -649,16 +650,16 @@ def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1)
     swap = p.schedule == "swap"
     ws = (p.ws and act_mxfp4) or swap
     rounding, decoding = _register_layouts(p.block_m, p.block_n, p.block_k, p.num_warps,
-                                           ROUND_WARPS if ws else p.num_warps)  # fmt: skip
+                                           p.round_warps if ws else p.num_warps)  # fmt: skip
     if swap:
         consts = dict(K=K, ACT_MXFP4=act_mxfp4, ROUND_LAYOUT=rounding,
                       CODE_LAYOUT=swap_code_layout(p.block_n, p.block_k, p.num_warps), STAGES=p.stages,
-                      num_warps=p.num_warps)  # fmt: skip
+                      WORKERS=p.round_warps, num_warps=p.num_warps)  # fmt: skip
     else:
         consts = dict(K=K, BN=p.block_n, W_LAYOUT=_smem_layout((1, p.block_n, p.block_k)), ACT_MXFP4=act_mxfp4,
                       STATIONARY=p.schedule != "streaming", DECODE=p.schedule == "decode", WS=ws,
                       ROUND_LAYOUT=rounding, DECODE_LAYOUT=decoding, DECODE_FIRST=decode_first(p, ws),
-                      STAGES=p.stages, num_warps=p.num_warps)  # fmt: skip
+                      STAGES=p.stages, WORKERS=p.round_warps, num_warps=p.num_warps)  # fmt: skip
     if ws:  # the registers of all warps together: at most 65536 per multiprocessor
-        consts["maxnreg"] = min(255, 65536 // (32 * (p.num_warps + ROUND_WARPS) * programs_per_sm) // 8 * 8)
+        consts["maxnreg"] = min(255, 65536 // (32 * (p.num_warps + p.round_warps) * programs_per_sm) // 8 * 8)
     return consts

@@ -330,7 +330,7 @@ class BmmConfig:
     ``ws`` (with ``wgmma``): warp specialisation: with mxfp4 activations, :data:`gluon_bmm.ROUND_WARPS` more
     warps round the x tiles while the MMA warps only wait, issue MMAs and write y (``decode`` with 8 warps then
     decodes the whole weight column before the first MMA, :func:`gluon_bmm.decode_first`); ``swap`` always
-    has them."""
+    has them. ``round_warps``: how many, 4 or 8 (8 only with ``ws`` or ``swap``)."""
 
     block_m: int
     block_n: int
@@ -342,6 +342,7 @@ class BmmConfig:
     tma: bool = False
     wgmma: str = ""
     ws: bool = False
+    round_warps: int = gluon_bmm.ROUND_WARPS
 
 
 def _block_k(K: int, cap: int) -> int:
@@ -378,7 +379,7 @@ _TUNED = {
     (512, 192, True, 256): _C(64, 256, 64, 8, 3, 0, wgmma="decode", ws=True),
     (512, 256, False, 256): _C(64, 128, 256, 4, 3, 0, wgmma="decode", ws=True),
     (512, 256, True, 256): _C(128, 256, 64, 8, 3, 0, wgmma="decode", ws=True),
-    (256, 512, False, 256): _C(64, 128, 256, 4, 3, 0, wgmma="decode", ws=True),
+    (256, 512, False, 256): _C(64, 128, 256, 8, 1, 0, wgmma="swap", round_warps=8),
     (256, 512, True, 256): _C(64, 128, 128, 4, 3, 0, wgmma="decode", ws=True),
 }
 
@@ -525,6 +526,8 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
         raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (tma reads decoded weights: set predecode)")
     if cfg.ws and not cfg.wgmma:
         raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (ws is an option of the wgmma kernel)")
+    if cfg.round_warps not in (4, 8) or (cfg.round_warps != 4 and not (cfg.ws or cfg.wgmma == "swap")):
+        raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (round_warps: 4, or 8 with ws or swap)")
     if cfg.wgmma:
         bad = gluon_bmm.tile_error(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma)
         if bad or cfg.predecode == (cfg.wgmma in ("decode", "swap")) or cfg.tiles_m:
@@ -537,7 +540,8 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
     decode_args = (w_codes, w_scales) if cfg.wgmma in ("decode", "swap") else ()
     if cfg.wgmma and not gluon_bmm.unusable_reason(x, out, *decode_args):
         smem = gluon_bmm.smem_limit(x.device)
-        plan = gluon_bmm.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma, K, smem, ws=cfg.ws)
+        plan = gluon_bmm.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma, K, smem, ws=cfg.ws,
+                              round_warps=cfg.round_warps)  # fmt: skip
     if plan and decode_args:
         return gluon_bmm.prepare(x, out, act, plan, w=w_codes, w_scales=w_scales)
     # the weights the main kernel reads: the codes, or the transient bf16 [B, N, K] buffer each call decodes into

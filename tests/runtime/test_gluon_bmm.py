@@ -82,7 +82,9 @@ def test_tile_rules(tiles, schedule, bad):
     "change, match",
     [(dict(predecode=False), "with predecode"), (dict(wgmma="decode"), "'decode' and 'swap' without"),
      (dict(tiles_m=2, predecode=False, wgmma="decode"), "tiles_m=0"),
-     (dict(block_m=32, block_n=128, wgmma="swap"), "'decode' and 'swap' without")],
+     (dict(block_m=32, block_n=128, wgmma="swap"), "'decode' and 'swap' without"),
+     (dict(round_warps=6), "round_warps: 4, or 8 with ws or swap"),
+     (dict(round_warps=8), "round_warps: 4, or 8 with ws or swap")],
 )  # fmt: skip
 def test_rejects_wgmma_configs_outside_the_contract(change, match):
     cfg = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tiles_m=0, predecode=True)
@@ -155,8 +157,8 @@ _COMPILE = textwrap.dedent(
     from triton.experimental.gluon._runtime import GluonASTSource
     from glm_pack.runtime.kernels import gluon_bmm as gb
 
-    bm, bn, bk, warps, schedule, K, act, ws, per_sm = json.loads(sys.argv[1])
-    p = gb.plan(bm, bn, bk, warps, schedule, K, 232448, ws=ws)
+    bm, bn, bk, warps, schedule, K, act, ws, per_sm, round_warps = json.loads(sys.argv[1])
+    p = gb.plan(bm, bn, bk, warps, schedule, K, 232448, ws=ws, round_warps=round_warps)
     decode, swap = schedule in ("decode", "swap"), schedule == "swap"
     def desc(block):
         return f"tensordesc<bf16{block},{gb._smem_layout(tuple(block))!r}>"
@@ -193,10 +195,11 @@ _COMPILE = textwrap.dedent(
 )
 
 
-def _compile(tiles, schedule, K, act, ws, per_sm) -> dict:
+def _compile(tiles, schedule, K, act, ws, per_sm, round_warps=4) -> dict:
     """The facts :data:`_COMPILE` prints about the real kernel compiled for sm_90a in a fresh process."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([*tiles, schedule, K, act, ws, per_sm])],
+    args = json.dumps([*tiles, schedule, K, act, ws, per_sm, round_warps])
+    run = subprocess.run([sys.executable, "-c", _COMPILE, args],
                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -257,20 +260,23 @@ def test_swap_plans_one_stage_per_k_step_at_most_and_always_rounding_warps():
 
 
 @pytest.mark.parametrize(
-    "tiles, K, act, per_sm, scale_loads",
-    [((32, 64, 256, 4), 512, True, 1, 2 * 2 * 2), ((16, 128, 256, 8), 256, True, 1, 1 * 2 * 2),
-     ((16, 64, 32, 4), 192, False, 1, 6 * 2 * 1), ((64, 64, 64, 4), 192, True, 2, 3 * 2 * 1)],
-    ids=["vup-32x64x256", "kup256-16x128x256", "kup192-16x64x32-none", "kup192-64x64x64-2-per-sm"],
+    "tiles, K, act, per_sm, round_warps, scale_loads",
+    [((32, 64, 256, 4), 512, True, 1, 4, 2 * 2 * 2), ((16, 128, 256, 8), 256, True, 1, 4, 1 * 2 * 2),
+     ((16, 64, 32, 4), 192, False, 1, 4, 6 * 2 * 1), ((64, 64, 64, 4), 192, True, 2, 4, 3 * 2 * 1),
+     ((64, 128, 256, 8), 512, True, 1, 8, 2 * 2 * 2)],
+    ids=["vup-32x64x256", "kup256-16x128x256", "kup192-16x64x32-none", "kup192-64x64x64-2-per-sm",
+         "vup-64x128x256-8-rounding-warps"],
 )  # fmt: skip
-def test_swap_kernel_compiles_for_sm90_with_its_weights_in_registers(tiles, K, act, per_sm, scale_loads):
+def test_swap_kernel_compiles_for_sm90_with_its_weights_in_registers(tiles, K, act, per_sm, round_warps,
+                                                                     scale_loads):  # fmt: skip
     """The swap kernel compiled for sm_90a here: MMA warps plus the worker warps (also with ``act_quant="none"``:
     they reorder x), registers within the multiprocessor's 65536, no stack (the decoded A operand and the
     column's codes stay in registers), and shared memory within the estimate, which counts only the x ring and
     the y tile: moving the decoded weights to the MMA's register layout through shared memory (a 16-64 KiB
     scratch tile) would exceed it. The only byte loads are the scales' (hand counts: per K step, a thread's two
     rows r and r + 8 times the 32-blocks of its run of block_k / 4 k, at least one); codes come in vectors."""
-    got = _compile(tiles, "swap", K, act, False, per_sm)
-    assert got["warps"] == tiles[3] + gb.ROUND_WARPS and got["setmaxnreg"] > 0 and got["stack"] == 0
+    got = _compile(tiles, "swap", K, act, False, per_sm, round_warps)
+    assert got["warps"] == tiles[3] + round_warps and got["setmaxnreg"] > 0 and got["stack"] == 0
     assert got["warps"] * 32 * got["maxnreg"] * per_sm <= 65536
     assert got["wgmma"] >= 1 and got["prmt"] > 0 and got["byte_loads"] == scale_loads
     assert got["shared"] <= got["estimate"] and got["stages"] == min(gb.MAX_STAGES, K // tiles[2])
@@ -319,6 +325,7 @@ _GPU_CONFIGS = {
     "swap-32x64": tb.BmmConfig(32, 64, 64, 4, 1, 0, wgmma="swap"),
     "swap-16x128": tb.BmmConfig(16, 128, 32, 8, 1, 0, wgmma="swap"),
     "swap-64x64": tb.BmmConfig(64, 64, 64, 4, 1, 0, wgmma="swap"),
+    "swap-32x64-rw8": tb.BmmConfig(32, 64, 64, 4, 1, 0, wgmma="swap", round_warps=8),
 }
 
 
@@ -354,6 +361,7 @@ def test_matches_reference_on_gpu(B, M, N, K, row, name, monkeypatch):
         assert not launched  # no room for the weight column: a Triton kernel served
     else:
         assert launched and launched[0].schedule == cfg.wgmma and launched[0].ws == (cfg.ws or cfg.wgmma == "swap")
+        assert launched[0].round_warps == cfg.round_warps
 
 
 @sm90_only

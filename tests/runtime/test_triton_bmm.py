@@ -301,15 +301,17 @@ def test_tuned_glm_defaults_match_reference_on_gpu(key):
     "config",
     [None, tb.BmmConfig(16, 32, 64, 4, 2, 2), tb.BmmConfig(64, 128, 64, 8, 3, 0, predecode=True),
      tb.BmmConfig(128, 256, 64, 8, 3, 0, predecode=True, tma=True),
-     tb.BmmConfig(128, 256, 64, 8, 3, 0, predecode=True, tma=True, wgmma="streaming", ws=True)],
-    ids=["default", "stationary", "predecode", "tma", "gluon-streaming"],
+     tb.BmmConfig(128, 256, 64, 8, 3, 0, predecode=True, tma=True, wgmma="streaming", ws=True),
+     tb.BmmConfig(32, 64, 64, 4, 1, 0, wgmma="swap")],
+    ids=["default", "stationary", "predecode", "tma", "gluon-streaming", "gluon-swap"],
 )  # fmt: skip
 def test_repeated_calls_launch_the_compiled_kernels(config, monkeypatch):
     """After the first call of a signature, calls with fresh data skip the JIT (no ``run`` of any Triton or Gluon
     kernel) and launch the compiled kernels directly: still the reference's result, every element written."""
     jit_runs = []
     for kernel in (tb._bmm_tiled_kernel, tb._bmm_stationary_kernel, tb._bmm_tma_kernel, tb._decode_kernel,
-                   *([tb.gluon_bmm._bmm_kernel] if not tb.gluon_bmm.IMPORT_ERROR else [])):  # fmt: skip
+                   *([tb.gluon_bmm._bmm_kernel, tb.gluon_bmm._swap_kernel] if not tb.gluon_bmm.IMPORT_ERROR
+                     else [])):  # fmt: skip
         real = kernel.run
         monkeypatch.setattr(kernel, "run", lambda *a, _real=real, **kw: jit_runs.append(1) or _real(*a, **kw))
     B, M, N, K = 16, 300, 512, 192
