@@ -8,7 +8,7 @@ the median and 90th percentile over programs in ns after the program's start (SM
 ``--clock-mhz``). Events: the first weight step decoded, x step i landed (rounding warps), x step i rounded,
 the MMA warps seeing it, the MMA loop's end, y stored; only the first 4 K steps are stamped.
 
-    python benchmarks/timeline_gluon_bmm.py vup,16,64 kup192,16,64 [--clock-mhz 1980]
+    python benchmarks/timeline_gluon_bmm.py kup192,16,64 kup256,16,64 [--clock-mhz 1980]
 
 The copy is made by text substitution and fails loudly when an anchor it needs is not in the kernel source.
 The stamps cost a few instructions each and order the code around them; compare timelines, not absolute times,
