@@ -163,13 +163,17 @@ if not IMPORT_ERROR and not _INTERPRETED:
         return pairs.permute((0, 1, 2, 4, 3)).reshape([R, NG * G * 2])
 
     @gluon.jit
-    def _load_column(c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0, N, BN: gl.constexpr,
-                     BK: gl.constexpr, K: gl.constexpr, G: gl.constexpr, DECODE_LAYOUT: gl.constexpr):  # fmt: skip
-        """Issue the loads of weight rows ``n0 .. n0 + BN`` of batch b, K step by K step: E2M1 codes
+    def _load_column(column, N, BN: gl.constexpr, BK: gl.constexpr, K: gl.constexpr, G: gl.constexpr,
+                     DECODE_LAYOUT: gl.constexpr):  # fmt: skip
+        """Issue the loads of weight rows ``n0 .. n0 + BN`` of batch b (``column`` = (c_ptr, s_ptr, stride_cb,
+        stride_cn, stride_sb, stride_sn, b, n0)), K step by K step: E2M1 codes
         ``[B, N, K/2]`` as ``[BN, BK/2G, G]`` tiles (groups of G bytes, G <= 16 dividing 16) and E8M0 scales
         ``[B, N, K/32]`` as the groups' ``[BN, BK/2G]`` (both unit last stride; rows past N read code 0).
         Returns (codes, scales), tuples of K/BK register tiles in DECODE_LAYOUT (3-D, a thread holding whole
-        groups); all loads are in flight together."""
+        groups); all loads are in flight together. The MMA warps call it themselves: values passed into a
+        ``warp_specialize`` must be there when it starts, which would hold the rounding warps back until the loads
+        land (on the H200 about 0.4-0.5 us at 64 rows)."""
+        c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0 = column
         rows_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, DECODE_LAYOUT))
         groups_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, DECODE_LAYOUT))
         bytes_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, DECODE_LAYOUT))
@@ -259,15 +263,19 @@ if not IMPORT_ERROR and not _INTERPRETED:
         return acc
 
     @gluon.jit
-    def _mma_loop(acc, codes, scales, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
+    def _mma_loop(acc, column, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
                   steps, pid, M, N, SPLITS, K: gl.constexpr, BN: gl.constexpr, ACT_MXFP4: gl.constexpr,
                   STATIONARY: gl.constexpr, DECODE: gl.constexpr, DECODE_FIRST: gl.constexpr, WS: gl.constexpr,
-                  ROUND_LAYOUT: gl.constexpr):  # fmt: skip
-        """The program's steps, on the MMA warps. With DECODE the weight column (``codes`` / ``scales``, per K
-        step) is decoded into shared memory: with DECODE_FIRST all of it before the first MMA, else K step by K
-        step during the first tile, each step's slot just before its MMAs, overlapping those of the step before."""
+                  ROUND_LAYOUT: gl.constexpr, DECODE_LAYOUT: gl.constexpr):  # fmt: skip
+        """The program's steps, on the MMA warps. With DECODE the weight column (:func:`_load_column`) is decoded
+        into shared memory: with DECODE_FIRST all of it before the first MMA, else K step by K step during the
+        first tile, each step's slot just before its MMAs, overlapping those of the step before."""
         BK: gl.constexpr = x_desc.block_type.shape[2]
         KSTEPS: gl.constexpr = K // BK
+        codes = 0  # placeholders without DECODE
+        scales = 0
+        if DECODE:
+            codes, scales = _load_column(column, N, BN, BK, K, 16, DECODE_LAYOUT)
         first = 0
         if DECODE and DECODE_FIRST:
             for kk in gl.static_range(KSTEPS):
@@ -342,36 +350,36 @@ if not IMPORT_ERROR and not _INTERPRETED:
         )
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
         b, m0, n0 = _tile(0, pid, M, N, SPLITS, BM, BN)
-        codes = 0  # placeholders without DECODE: the MMA loop takes the same arguments either way
-        scales = 0
-        if DECODE:
-            codes, scales = _load_column(c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0, N,
-                                         BN, BK, K, 16, DECODE_LAYOUT)  # fmt: skip
-        elif STATIONARY:
+        column = (c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0)  # with DECODE
+        if STATIONARY and not DECODE:
             mbarrier.expect(w_ready.index(0), KSTEPS * w_desc.block_type.nbytes)
             for kk in gl.static_range(KSTEPS):
                 tma.async_copy_global_to_shared(w_desc, [b, n0, kk * BK], w_ready.index(0), w_bufs.index(kk))
         if WS:
             gl.warp_specialize([
-                (_mma_loop, (acc, codes, scales, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded,
-                             w_ready, steps, pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, DECODE_FIRST, WS,
-                             ROUND_LAYOUT)),
+                (_mma_loop, (acc, column, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
+                             steps, pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, DECODE_FIRST, WS,
+                             ROUND_LAYOUT, DECODE_LAYOUT)),
                 (_round_loop, (x_bufs, ready, rounded, steps, ROUND_LAYOUT)),
             ], [WORKERS], [_ROUND_REGS])  # fmt: skip
         else:
-            _mma_loop(acc, codes, scales, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
-                      steps, pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, DECODE_FIRST, WS,
-                      ROUND_LAYOUT)  # fmt: skip
+            _mma_loop(acc, column, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready, steps,
+                      pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, DECODE_FIRST, WS, ROUND_LAYOUT,
+                      DECODE_LAYOUT)  # fmt: skip
 
     @gluon.jit
-    def _swap_mma_loop(codes, scales, x_desc, y_desc, x_bufs, y_buf, ready, rounded, b, m0, n0,
-                       K: gl.constexpr, A_LAYOUT: gl.constexpr, MMA_LAYOUT: gl.constexpr):  # fmt: skip
-        """The swap schedule's MMA warps: per K step decode the weights straight into wgmma A registers, wait for
-        the reordered x tile, ``acc[BN, BM] += w . x^T``; then y = acc^T through shared memory and TMA."""
+    def _swap_mma_loop(column, N, x_desc, y_desc, x_bufs, y_buf, ready, rounded, m0, K: gl.constexpr,
+                       CODE_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, MMA_LAYOUT: gl.constexpr):  # fmt: skip
+        """The swap schedule's MMA warps: load the column's codes (:func:`_load_column`), per K step decode them
+        straight into wgmma A registers, wait for the reordered x tile, ``acc[BN, BM] += w . x^T``; then
+        y = acc^T through shared memory and TMA."""
         STAGES: gl.constexpr = x_bufs.type.shape[0]
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
         BN: gl.constexpr = y_desc.block_type.shape[2]
+        b = column[6]
+        n0 = column[7]
+        codes, scales = _load_column(column, N, BN, BK, K, CODE_LAYOUT.shape[2], CODE_LAYOUT)
         acc = gl.zeros([BN, BM], gl.float32, MMA_LAYOUT)
         for kk in gl.static_range(K // BK):
             a = gl.convert_layout(_swap_k_order(_e2m1_dequant_ptx(codes[kk], scales[kk])), A_LAYOUT)  # registers only
@@ -418,15 +426,13 @@ if not IMPORT_ERROR and not _INTERPRETED:
         for j in gl.static_range(STAGES):  # STAGES <= KSTEPS
             mbarrier.expect(ready.index(j), x_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(x_desc, [b, m0, j * BK], ready.index(j), x_bufs.index(j))
-        codes, scales = _load_column(c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0, N, BN, BK, K,
-                                     CODE_LAYOUT.shape[2], CODE_LAYOUT)  # fmt: skip
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BM, 16]
         )
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
         gl.warp_specialize([
-            (_swap_mma_loop, (codes, scales, x_desc, y_desc, x_bufs, y_buf, ready, rounded, b, m0, n0, K, a_layout,
-                              mma_layout)),
+            (_swap_mma_loop, ((c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0), N, x_desc, y_desc,
+                              x_bufs, y_buf, ready, rounded, m0, K, CODE_LAYOUT, a_layout, mma_layout)),
             (_round_loop, (x_bufs, ready, rounded, KSTEPS, ROUND_LAYOUT, ACT_MXFP4, True)),
         ], [WORKERS], [_ROUND_REGS])  # fmt: skip
 
