@@ -206,9 +206,10 @@ def _compile(tiles, schedule, K, act, ws, per_sm, round_warps=4) -> dict:
 
 
 def test_256_deep_k_steps_compile_without_spilling_in_the_rounding_warps():
-    """K-up 256's tuned tiles at 64 tokens and 16 heads, 64 x 64 x 256 with rounding warps: each rounding
-    thread holds 128 values of x in its 96 registers, which the PTX rounding leaves room for (with the
-    Triton-op rounding this kernel spilled 256 bytes of stack, and ran 7.41 instead of 4.70 us on the H200)."""
+    """64 x 64 x 256 decode tiles with rounding warps (K-up 256's default at 64 tokens and 16 heads in session
+    9, a sweep candidate since): each rounding thread holds 128 values of x in its 96 registers, which the PTX
+    rounding leaves room for (with the Triton-op rounding this kernel spilled 256 bytes of stack, and ran 7.41
+    instead of 4.70 us on the H200)."""
     got = _compile((64, 64, 256, 4), "decode", 256, True, True, 1)
     assert got["warps"] == 4 + gb.ROUND_WARPS and got["stack"] == 0
 
