@@ -377,8 +377,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
         BN: gl.constexpr = y_desc.block_type.shape[2]
-        b = column[6]
-        n0 = column[7]
+        _, _, _, _, _, _, b, n0 = column
         codes, scales = _load_column(column, N, BN, BK, K, CODE_LAYOUT.shape[2], CODE_LAYOUT)
         acc = gl.zeros([BN, BM], gl.float32, MMA_LAYOUT)
         for kk in gl.static_range(K // BK):
@@ -643,10 +642,13 @@ def swap_code_layout(block_n: int, block_k: int, num_warps: int):
     so the decoded values only change registers on their way to the MMA."""
     g = min(16, block_k // 8)
     groups = block_k // 2 // g
-    bits = lambda n: range(n.bit_length() - 1)  # noqa: E731 - log2 of a power of two, as a range
-    regs = [[0, 0, 1 << i] for i in bits(g)] + [[0, 1 << i, 0] for i in bits(groups // 4)] + [[8, 0, 0]]
+
+    def powers(n: int) -> list[int]:  # 1, 2, 4, ... below the power of two n
+        return [1 << i for i in range(n.bit_length() - 1)]
+
+    regs = [[0, 0, p] for p in powers(g)] + [[0, p, 0] for p in powers(groups // 4)] + [[8, 0, 0]]
     lanes = [[0, groups // 4, 0], [0, groups // 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
-    warps = [[16 << i, 0, 0] for i in bits(num_warps)]
+    warps = [[16 * p, 0, 0] for p in powers(num_warps)]
     return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_n, groups, g])
 
 
