@@ -46,9 +46,10 @@ OPS = {"kup192": (512, 192, 256), "kup256": (512, 256, 256), "vup": (256, 512, 5
 
 def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
     """Configs worth timing for an M bucket (the default first): tiled shapes for decode (small M tiles, long
-    K steps, few warps); from 64 rows the Gluon kernel decoding its weight column itself (tiles whose column
-    fits in shared memory) and on predecoded weights, each with and without rounding warps, and the Triton
-    kernels on predecoded weights."""
+    K steps, few warps); from 17 rows the Gluon kernel decoding its weight column itself (tiles whose column
+    fits in shared memory), each with and without rounding warps, and its swap schedule (16-64-row x tiles,
+    with 4 or 8 rounding warps); from 65 rows also on predecoded weights, and the Triton kernels on
+    predecoded weights."""
     C, bk = tb.BmmConfig, tb._block_k
 
     def pre(bm, bn, warps, stages, tma=False, wgmma=""):

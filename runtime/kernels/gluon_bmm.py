@@ -36,13 +36,13 @@ fourth, for small M, swaps the operands:
 The x ring has as many stages as fit in shared memory, up to 4. The first ``stages`` steps are loaded up front
 (a program with that many K steps or fewer has all its x in flight at once); the TMA load for step
 ``i + stages - 1`` (``i`` >= 1) is issued once the MMAs of step ``i - 1`` are done. Without ``ws`` the MMA warps
-round step ``i`` while the MMAs of ``i - 1`` run. With ``ws`` (warp specialisation) :data:`ROUND_WARPS` more
-warps round each x tile as soon as it lands and signal an mbarrier, so the MMA warps only wait, issue MMAs,
-refill the ring and write y; the registers are rebalanced between the two groups (``setmaxnreg``) within a cap
-that lets one program, or two where there are more programs than multiprocessors and shared memory holds two
-(:func:`programs_per_sm`), share a multiprocessor's 65536. The rounding runs in PTX
-(:func:`~glm_pack.runtime.kernels.mxfp4_jit.round_ptx`), which needs fewer registers: 256-deep K steps fit
-the rounding warps' 96.
+round step ``i`` while the MMAs of ``i - 1`` run. With ``ws`` (warp specialisation) :data:`ROUND_WARPS` (or 8,
+``Plan.round_warps``) more warps round each x tile as soon as it lands and signal an mbarrier, so the MMA warps only
+wait, load and decode their weights, issue MMAs, refill the ring and write y; the registers are rebalanced between
+the two groups (``setmaxnreg``) within a cap that lets one program, or two where there are more programs than
+multiprocessors and shared memory holds two (:func:`programs_per_sm`), share a multiprocessor's 65536. The rounding
+runs in PTX (:func:`~glm_pack.runtime.kernels.mxfp4_jit.round_ptx`), which needs fewer registers: 256-deep K steps
+fit the rounding warps' 96.
 
 Gluon has no interpreter: under ``TRITON_INTERPRET=1``, on AMD GPUs and on NVIDIA GPUs other than sm_90 (wgmma
 is sm_90-only), :func:`unusable_reason` says why and the caller runs its Triton kernels instead.
