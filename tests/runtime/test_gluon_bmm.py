@@ -118,8 +118,8 @@ def test_e2m1_ptx_decodes_like_dequantize_in_an_emulator():
 @pytest.mark.parametrize(
     "cfg",
     [tb.BmmConfig(64, 64, 64, 4, 1, 0, predecode=True, tma=True, wgmma="stationary"),
-     tb.BmmConfig(64, 64, 64, 4, 1, 0, wgmma="decode")],
-    ids=["stationary", "decode"],
+     tb.BmmConfig(64, 64, 64, 4, 1, 0, wgmma="decode"), tb.BmmConfig(32, 64, 64, 4, 1, 0, wgmma="swap")],
+    ids=["stationary", "decode", "swap"],
 )  # fmt: skip
 def test_falls_back_to_the_triton_kernels_where_it_cannot_run(cfg, monkeypatch):
     """Here (interpreter or another GPU) a wgmma config runs the TMA / tiled kernels with the same tiles."""
