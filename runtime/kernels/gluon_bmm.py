@@ -416,12 +416,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
         for st in gl.static_range(STAGES):
             mbarrier.init(ready.index(st), count=1)
             mbarrier.init(rounded.index(st), count=1)
-        pid = gl.program_id(0)
-        tiles_m = gl.cdiv(M, BM)
-        col = pid // tiles_m
-        m0 = (pid % tiles_m) * BM
-        b = col // gl.cdiv(N, BN)
-        n0 = (col % gl.cdiv(N, BN)) * BN
+        b, m0, n0 = _tile(0, gl.program_id(0), M, N, gl.cdiv(M, BM), BM, BN)  # a split per M tile: one tile each
         for j in gl.static_range(STAGES):  # STAGES <= KSTEPS
             mbarrier.expect(ready.index(j), x_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(x_desc, [b, m0, j * BK], ready.index(j), x_bufs.index(j))
@@ -437,6 +432,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
 
 
 SCHEDULES = ("stationary", "streaming", "decode", "swap")
+FROM_CODES = ("decode", "swap")  # the schedules that read E2M1 codes and scales, not predecoded bf16 weights
 
 
 @dataclass(frozen=True)
@@ -582,7 +578,7 @@ def prepare(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: tor
     B, M, K = x.shape
     N = w.shape[1]
     bm, bn, bk = p.block_m, p.block_n, p.block_k
-    decode = p.schedule in ("decode", "swap")
+    decode = p.schedule in FROM_CODES
     yn = y_columns(bm, bn)
     blocks = {"x": ([1, bm, bk], _smem_layout((1, bm, bk))), "y": ([1, bm, yn], _smem_layout((1, bm, yn))),
               "w": ([1, bn, bk], _smem_layout((1, bn, bk)))}  # fmt: skip
@@ -659,15 +655,14 @@ def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1)
     ws = (p.ws and act_mxfp4) or swap
     rounding, decoding = _register_layouts(p.block_m, p.block_n, p.block_k, p.num_warps,
                                            p.round_warps if ws else p.num_warps)  # fmt: skip
+    consts = dict(K=K, ACT_MXFP4=act_mxfp4, ROUND_LAYOUT=rounding, STAGES=p.stages, WORKERS=p.round_warps,
+                  num_warps=p.num_warps)  # fmt: skip
     if swap:
-        consts = dict(K=K, ACT_MXFP4=act_mxfp4, ROUND_LAYOUT=rounding,
-                      CODE_LAYOUT=swap_code_layout(p.block_n, p.block_k, p.num_warps), STAGES=p.stages,
-                      WORKERS=p.round_warps, num_warps=p.num_warps)  # fmt: skip
+        consts.update(CODE_LAYOUT=swap_code_layout(p.block_n, p.block_k, p.num_warps))
     else:
-        consts = dict(K=K, BN=p.block_n, W_LAYOUT=_smem_layout((1, p.block_n, p.block_k)), ACT_MXFP4=act_mxfp4,
+        consts.update(BN=p.block_n, W_LAYOUT=_smem_layout((1, p.block_n, p.block_k)),
                       STATIONARY=p.schedule != "streaming", DECODE=p.schedule == "decode", WS=ws,
-                      ROUND_LAYOUT=rounding, DECODE_LAYOUT=decoding, DECODE_FIRST=decode_first(p, ws),
-                      STAGES=p.stages, WORKERS=p.round_warps, num_warps=p.num_warps)  # fmt: skip
+                      DECODE_LAYOUT=decoding, DECODE_FIRST=decode_first(p, ws))  # fmt: skip
     if ws:  # the registers of all warps together: at most 65536 per multiprocessor
         consts["maxnreg"] = min(255, 65536 // (32 * (p.num_warps + p.round_warps) * programs_per_sm) // 8 * 8)
     return consts

@@ -526,18 +526,19 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
         raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (tma reads decoded weights: set predecode)")
     if cfg.ws and not cfg.wgmma:
         raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (ws is an option of the wgmma kernel)")
-    if cfg.round_warps not in (4, 8) or (cfg.round_warps != 4 and not (cfg.ws or cfg.wgmma == "swap")):
+    extra_warps = cfg.ws or cfg.wgmma == "swap"
+    if cfg.round_warps not in (4, 8) or (cfg.round_warps != gluon_bmm.ROUND_WARPS and not extra_warps):
         raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (round_warps: 4, or 8 with ws or swap)")
     if cfg.wgmma:
         bad = gluon_bmm.tile_error(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma)
-        if bad or cfg.predecode == (cfg.wgmma in ("decode", "swap")) or cfg.tiles_m:
+        if bad or cfg.predecode == (cfg.wgmma in gluon_bmm.FROM_CODES) or cfg.tiles_m:
             raise BackendError(
                 f"triton bmm_a16wfp4: bad config {cfg} (wgmma: 'stationary' or 'streaming' with predecode, "
                 f"'decode' and 'swap' without, tiles_m=0; {bad})"
             )
     act = act_quant == "mxfp4"
     plan = None
-    decode_args = (w_codes, w_scales) if cfg.wgmma in ("decode", "swap") else ()
+    decode_args = (w_codes, w_scales) if cfg.wgmma in gluon_bmm.FROM_CODES else ()
     if cfg.wgmma and not gluon_bmm.unusable_reason(x, out, *decode_args):
         smem = gluon_bmm.smem_limit(x.device)
         plan = gluon_bmm.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma, K, smem, ws=cfg.ws,
