@@ -47,8 +47,8 @@ OPS = {"kup192": (512, 192, 256), "kup256": (512, 256, 256), "vup": (256, 512, 5
 def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
     """Configs worth timing for an M bucket (the default first): tiled shapes for decode (small M tiles, long
     K steps, few warps); from 17 rows the Gluon kernel decoding its weight column itself (tiles whose column
-    fits in shared memory), each with and without rounding warps, and its swap schedule (16-64-row x tiles,
-    with 4 or 8 rounding warps); from 65 rows also on predecoded weights, and the Triton kernels on
+    fits in shared memory), each with and without rounding warps, and its swap schedule (16-64-row x tiles
+    against 64-256 weight rows, with 4 or 8 rounding warps); from 65 rows also on predecoded weights, and the Triton kernels on
     predecoded weights."""
     C, bk = tb.BmmConfig, tb._block_k
 
@@ -77,10 +77,13 @@ def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
         return [] if tb.gluon_bmm.tile_error(bm, 16 * warps, k, warps, "swap") else [C(bm, 16 * warps, k, warps, 1, 0,
                                                                                          wgmma="swap")]  # fmt: skip
 
-    swapped = [*swap(16, 4, 256), *swap(16, 8, 256), *swap(32, 4, 256), *swap(32, 8, 256), *swap(32, 4, 128)]
-    swapped_256 = [*swap(64, 4, 256), *swap(64, 8, 256), *swap(64, 8, 64)]
-    swapped += [dataclasses.replace(c, round_warps=8) for c in swapped]  # 8 rounding warps
-    swapped_256 += [dataclasses.replace(c, round_warps=8) for c in swapped_256]
+    swapped_256 = [*swap(64, 4, 256), *swap(64, 8, 256), *swap(64, 8, 128), *swap(64, 8, 64), *swap(64, 16, 128),
+                   *swap(64, 16, 64)]  # fmt: skip
+    swapped = [*swap(16, 4, 256), *swap(16, 8, 256), *swap(32, 4, 256), *swap(32, 8, 256), *swap(32, 4, 128),
+               *swapped_256]  # fmt: skip
+    # 8 rounding warps (not next to 16 MMA warps: 24 warps leave too few registers)
+    swapped += [dataclasses.replace(c, round_warps=8) for c in swapped if c.num_warps <= 8]
+    swapped_256 += [dataclasses.replace(c, round_warps=8) for c in swapped_256 if c.num_warps <= 8]
 
     if M <= 16:
         extra = [C(16, 32, bk(K, 64), 2, 3, 0), C(16, 64, bk(K, 64), 4, 3, 0), C(16, 32, bk(K, 512), 4, 1, 0),

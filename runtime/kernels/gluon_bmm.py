@@ -24,7 +24,8 @@ fourth, for small M, swaps the operands:
 * ``streaming``: x and predecoded w tiles stream through one ring, for weights too large to keep (GLM's V-up:
   256 x 512 bf16 = 256 KiB per head at 256 columns).
 * ``swap`` (:func:`_swap_kernel`): the operands swapped, ``y^T = w . x^T``: ``block_n`` = 16 * ``num_warps``
-  weight rows are the wgmma's M, ``block_m`` = 16-64 rows of x its N, one tile a program. The MMA warps decode
+  weight rows are the wgmma's M (one, two or four warpgroups), ``block_m`` = 16-64 rows of x its N, one tile a
+  program. The MMA warps decode
   each K step of codes straight into the A-operand registers (wgmma RS: no shared-memory store, fence or
   barrier for the weights); the worker warps round each x tile (mxfp4) and store it with K reordered
   (:func:`_swap_k_order`) so that a thread's A registers hold one run of consecutive k: its codes are one
@@ -78,6 +79,7 @@ except Exception as exc:  # noqa: BLE001 - any import failure means "unavailable
 MAX_STAGES = 4
 ROUND_WARPS = 4  # warps rounding x with warp specialisation (WS), unless a plan asks for 8
 ROUND_REGS = 96  # their registers per thread
+MAX_SHARED_WARPS = 12  # programs of more warps (16 or 20) run alone on a multiprocessor: two would get <= 64 registers
 _SMEM_SLACK = 1024  # barriers and alignment, bytes
 _INTERPRETED = interpreted()  # read at import, as the kernels below are defined (or not) by it
 
@@ -488,13 +490,13 @@ def tile_error(block_m: int, block_n: int, block_k: int, num_warps: int, schedul
     128 rows with at least ``block_m / 16`` warps (one or two warpgroups along M, the others along N),
     ``block_n`` a multiple of 32 up to 256, ``block_k`` 32 to 256; ``decode`` also needs a 32-block of
     weights per thread: ``block_n >= 32 / (block_k / 32) * num_warps``. ``swap`` (weights as the MMA's M):
-    ``block_n`` = 16 rows per warp (one or two warpgroups), ``block_m`` 16, 32 or 64 rows of x,
+    ``block_n`` = 16 rows per warp (one, two or four warpgroups), ``block_m`` 16, 32 or 64 rows of x,
     ``block_k`` a power of two from 32 to 256."""
     if schedule not in SCHEDULES:
         return f"schedule {schedule!r}: needs one of {SCHEDULES}"
     if schedule == "swap":
-        if num_warps not in (4, 8) or block_n != 16 * num_warps:
-            return f"block_n={block_n} with num_warps={num_warps}: swap needs 4 or 8 warps, block_n = 16 * num_warps"
+        if num_warps not in (4, 8, 16) or block_n != 16 * num_warps:
+            return f"block_n={block_n} with num_warps={num_warps}: swap needs 4, 8 or 16 warps, block_n = 16 * num_warps"
         if block_m not in (16, 32, 64):
             return f"block_m={block_m}: swap needs 16, 32 or 64"
         if block_k not in (32, 64, 128, 256):
@@ -615,11 +617,14 @@ def prepare(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: tor
 
 
 def programs_per_sm(p: Plan, K: int, programs: int, sms: int, smem: int) -> int:
-    """Programs of a launch that share a multiprocessor: 2 where there are more programs than ``sms`` and
-    shared memory holds two (an sm_90 multiprocessor has ``smem``, the per-program limit, plus the 1 KiB the
-    system reserves per program), else 1."""
+    """Programs of a launch that share a multiprocessor: 2 where there are more programs than ``sms``, shared
+    memory holds two (an sm_90 multiprocessor has ``smem``, the per-program limit, plus the 1 KiB the system
+    reserves per program) and a program has at most :data:`MAX_SHARED_WARPS` warps (rounding warps included;
+    on the H200 two 16-warp programs were much slower than one, and the 16-warp swap tiles do not compile
+    under the 48 registers two 20-warp programs would leave), else 1."""
     need = smem_bytes(p.block_m, p.block_n, p.block_k, K, p.schedule, p.stages) + 1024
-    return 2 if programs > sms and 2 * need <= smem + 1024 else 1
+    warps = p.num_warps + (p.round_warps if p.ws else 0)
+    return 2 if programs > sms and 2 * need <= smem + 1024 and warps <= MAX_SHARED_WARPS else 1
 
 
 def decode_first(p: Plan, ws: bool) -> bool:

@@ -64,11 +64,12 @@ def test_plans_take_the_most_stages_that_fit():
      ((128, 256, 512, 8), "streaming", "32 to 256"), ((64, 64, 64, 8), "decode", "decode needs >= 128 rows"),
      ((128, 256, 64, 8), "both", "one of"), ((32, 64, 256, 4), "swap", ""), ((16, 128, 32, 8), "swap", ""),
      ((32, 128, 64, 4), "swap", "block_n = 16 \\* num_warps"), ((128, 64, 64, 4), "swap", "16, 32 or 64"),
-     ((32, 64, 512, 4), "swap", "power of two from 32 to 256")],
+     ((32, 64, 512, 4), "swap", "power of two from 32 to 256"), ((64, 256, 128, 16), "swap", ""),
+     ((64, 512, 64, 32), "swap", "4, 8 or 16 warps")],
 )  # fmt: skip
 def test_tile_rules(tiles, schedule, bad):
     """Each rule against a hand-picked violation; the decode rule: 32 / (64 / 32) = 16 rows per warp, so 8 warps
-    need 128 weight rows; swap: 16 weight rows per warp, 16-64 rows of x."""
+    need 128 weight rows; swap: 16 weight rows per warp (up to four warpgroups), 16-64 rows of x."""
     err = gb.tile_error(*tiles, schedule)
     assert (err == "") == (bad == "")
     if bad:
@@ -264,9 +265,10 @@ def test_swap_plans_one_stage_per_k_step_at_most_and_always_rounding_warps():
     "tiles, K, act, per_sm, round_warps, scale_loads",
     [((32, 64, 256, 4), 512, True, 1, 4, 2 * 2 * 2), ((16, 128, 256, 8), 256, True, 1, 4, 1 * 2 * 2),
      ((16, 64, 32, 4), 192, False, 1, 4, 6 * 2 * 1), ((64, 64, 64, 4), 192, True, 2, 4, 3 * 2 * 1),
-     ((64, 128, 256, 8), 512, True, 1, 8, 2 * 2 * 2)],
+     ((64, 128, 256, 8), 512, True, 1, 8, 2 * 2 * 2), ((64, 256, 128, 16), 256, True, 1, 4, 2 * 2 * 1),
+     ((64, 128, 128, 8), 512, True, 1, 4, 4 * 2 * 1)],
     ids=["vup-32x64x256", "kup256-16x128x256", "kup192-16x64x32-none", "kup192-64x64x64-2-per-sm",
-         "vup-64x128x256-8-rounding-warps"],
+         "vup-64x128x256-8-rounding-warps", "kup256-64x256x128-four-warpgroups", "vup-64x128x128"],
 )  # fmt: skip
 def test_swap_kernel_compiles_for_sm90_with_its_weights_in_registers(tiles, K, act, per_sm, round_warps,
                                                                      scale_loads):  # fmt: skip
@@ -299,6 +301,20 @@ def test_two_programs_share_a_multiprocessor_only_where_there_are_more_and_both_
     assert "maxnreg" not in gb.kernel_constants(kup, 192, False, 2)  # no rounding warps without mxfp4
 
 
+def test_programs_of_more_than_twelve_warps_run_alone():
+    """Two programs of 16 MMA + 4 rounding warps (swap, 64 x 256) or 8 + 8 would leave each thread 48 or 64
+    registers: such programs get a multiprocessor each however many there are and however little shared memory
+    they take (32 KiB x ring + 32 KiB y here)."""
+    wide = gb.plan(64, 256, 128, 16, "swap", 256, H200_SMEM)
+    assert gb.smem_bytes(64, 256, 128, 256, "swap", wide.stages) == 2 * 64 * 128 * 2 + 64 * 256 * 2 + 1024
+    assert gb.programs_per_sm(wide, 256, 512, 132, H200_SMEM) == 1
+    assert gb.kernel_constants(wide, 256, True, 1)["maxnreg"] == 65536 // (20 * 32) // 8 * 8 == 96
+    eight = gb.plan(64, 128, 64, 8, "decode", 192, H200_SMEM, ws=True, round_warps=8)
+    assert gb.programs_per_sm(eight, 192, 256, 132, H200_SMEM) == 1  # 8 + 4 warps share (above), 8 + 8 do not
+    narrow = gb.plan(32, 128, 64, 8, "swap", 192, H200_SMEM)
+    assert gb.programs_per_sm(narrow, 192, 256, 132, H200_SMEM) == 2
+
+
 def test_only_two_warpgroup_programs_with_rounding_warps_decode_their_column_first():
     """The compile-time choice behind the interleaved decode: programs with rounding warps and 8 MMA warps decode
     the whole weight column before their first MMA; 4-warp programs, and every program without rounding warps
@@ -327,6 +343,7 @@ _GPU_CONFIGS = {
     "swap-16x128": tb.BmmConfig(16, 128, 32, 8, 1, 0, wgmma="swap"),
     "swap-64x64": tb.BmmConfig(64, 64, 64, 4, 1, 0, wgmma="swap"),
     "swap-32x64-rw8": tb.BmmConfig(32, 64, 64, 4, 1, 0, wgmma="swap", round_warps=8),
+    "swap-64x256-w16": tb.BmmConfig(64, 256, 64, 16, 1, 0, wgmma="swap"),
 }
 
 
@@ -385,7 +402,7 @@ def test_two_programs_per_multiprocessor_on_gpu(name, monkeypatch):
 
 
 @sm90_only
-@pytest.mark.parametrize("name", ["decode-128cols", "swap-16x128"])
+@pytest.mark.parametrize("name", ["decode-128cols", "swap-16x128", "swap-64x256-w16"])
 @pytest.mark.parametrize("K", [192, 512])
 def test_decode_is_exact_for_every_code_and_scale(K, name, monkeypatch):
     """Identity activations (``act_quant="none"``) make y the decoded weights transposed: every E2M1 code with
