@@ -48,8 +48,8 @@ def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
     """Configs worth timing for an M bucket (the default first): tiled shapes for decode (small M tiles, long
     K steps, few warps); from 17 rows the Gluon kernel decoding its weight column itself (tiles whose column
     fits in shared memory), each with and without rounding warps, and its swap schedule (16-64-row x tiles
-    against 64-256 weight rows, with 4 or 8 rounding warps); from 65 rows also on predecoded weights, and the Triton kernels on
-    predecoded weights."""
+    against 64-256 weight rows, with 4 or 8 rounding warps); from 65 rows also on predecoded weights, and the
+    Triton kernels on predecoded weights."""
     C, bk = tb.BmmConfig, tb._block_k
 
     def pre(bm, bn, warps, stages, tma=False, wgmma=""):

@@ -496,7 +496,7 @@ def tile_error(block_m: int, block_n: int, block_k: int, num_warps: int, schedul
         return f"schedule {schedule!r}: needs one of {SCHEDULES}"
     if schedule == "swap":
         if num_warps not in (4, 8, 16) or block_n != 16 * num_warps:
-            return f"block_n={block_n} with num_warps={num_warps}: swap needs 4, 8 or 16 warps, block_n = 16 * num_warps"
+            return f"block_n={block_n} with num_warps={num_warps}: swap needs 4, 8 or 16 warps, block_n = 16 * warps"
         if block_m not in (16, 32, 64):
             return f"block_m={block_m}: swap needs 16, 32 or 64"
         if block_k not in (32, 64, 128, 256):

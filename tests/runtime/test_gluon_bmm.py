@@ -63,7 +63,7 @@ def test_plans_take_the_most_stages_that_fit():
      ((128, 16, 64, 8), "streaming", "multiple of 32"), ((128, 512, 64, 8), "streaming", "up to 256"),
      ((128, 256, 512, 8), "streaming", "32 to 256"), ((64, 64, 64, 8), "decode", "decode needs >= 128 rows"),
      ((128, 256, 64, 8), "both", "one of"), ((32, 64, 256, 4), "swap", ""), ((16, 128, 32, 8), "swap", ""),
-     ((32, 128, 64, 4), "swap", "block_n = 16 \\* num_warps"), ((128, 64, 64, 4), "swap", "16, 32 or 64"),
+     ((32, 128, 64, 4), "swap", "block_n = 16 \\* warps"), ((128, 64, 64, 4), "swap", "16, 32 or 64"),
      ((32, 64, 512, 4), "swap", "power of two from 32 to 256"), ((64, 256, 128, 16), "swap", ""),
      ((64, 512, 64, 32), "swap", "4, 8 or 16 warps")],
 )  # fmt: skip
