@@ -85,7 +85,8 @@ def test_tile_rules(tiles, schedule, bad):
      (dict(tiles_m=2, predecode=False, wgmma="decode"), "tiles_m=0"),
      (dict(block_m=32, block_n=128, wgmma="swap"), "'decode' and 'swap' without"),
      (dict(round_warps=6), "round_warps: 4, or 8 with ws or swap"),
-     (dict(round_warps=8), "round_warps: 4, or 8 with ws or swap")],
+     (dict(round_warps=8), "round_warps: 4, or 8 with ws or swap"),
+     (dict(block_m=64, num_warps=16, predecode=False, wgmma="swap", round_warps=8), "at most 20 warps")],
 )  # fmt: skip
 def test_rejects_wgmma_configs_outside_the_contract(change, match):
     cfg = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tiles_m=0, predecode=True)
