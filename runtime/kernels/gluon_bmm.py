@@ -25,14 +25,13 @@ fourth, for small M, swaps the operands:
   256 x 512 bf16 = 256 KiB per head at 256 columns).
 * ``swap`` (:func:`_swap_kernel`): the operands swapped, ``y^T = w . x^T``: ``block_n`` = 16 * ``num_warps``
   weight rows are the wgmma's M (one, two or four warpgroups), ``block_m`` = 16-64 rows of x its N, one tile a
-  program. The MMA warps decode
-  each K step of codes straight into the A-operand registers (wgmma RS: no shared-memory store, fence or
-  barrier for the weights); the worker warps round each x tile (mxfp4) and store it with K reordered
-  (:func:`_swap_k_order`) so that a thread's A registers hold one run of consecutive k: its codes are one
-  contiguous vector load, and the decoded values reach the A layout by renaming registers. With x tiles of
-  16-32 rows a head's x is rounded by fewer programs than with 64-row tiles (each weight column's program
-  rounds all the x it multiplies), which is where the time of small-M calls goes; the weights are decoded
-  once per x tile instead.
+  program. The MMA warps decode each K step of codes straight into the A-operand registers (wgmma RS: no
+  shared-memory store, fence or barrier for the weights); the worker warps round each x tile (mxfp4) and store
+  it with K reordered (:func:`_swap_k_order`) so that a thread's A registers hold one run of consecutive k: its
+  codes are one contiguous vector load, and the decoded values reach the A layout by renaming registers. With
+  x tiles of 16-64 rows against up to 256 weight rows a head's x is rounded by fewer programs than with the
+  decode schedule's tiles (each weight column's program rounds all the x it multiplies), which is where the
+  time of small-M calls goes; the weights are decoded once per x tile instead.
 
 The x ring has as many stages as fit in shared memory, up to 4. The first ``stages`` steps are loaded up front
 (a program with that many K steps or fewer has all its x in flight at once); the TMA load for step
