@@ -77,13 +77,15 @@ def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
         return [] if tb.gluon_bmm.tile_error(bm, 16 * warps, k, warps, "swap") else [C(bm, 16 * warps, k, warps, 1, 0,
                                                                                          wgmma="swap")]  # fmt: skip
 
+    def rw8(configs):  # the same with 8 rounding warps, where the program's warps stay within the limit
+        return [dataclasses.replace(c, round_warps=8) for c in configs if c.num_warps + 8 <= tb.gluon_bmm.MAX_WARPS]
+
     swapped_256 = [*swap(64, 4, 256), *swap(64, 8, 256), *swap(64, 8, 128), *swap(64, 8, 64), *swap(64, 16, 128),
                    *swap(64, 16, 64)]  # fmt: skip
     swapped = [*swap(16, 4, 256), *swap(16, 8, 256), *swap(32, 4, 256), *swap(32, 8, 256), *swap(32, 4, 128),
                *swapped_256]  # fmt: skip
-    # 8 rounding warps (not next to 16 MMA warps: 24 warps leave too few registers)
-    swapped += [dataclasses.replace(c, round_warps=8) for c in swapped if c.num_warps <= 8]
-    swapped_256 += [dataclasses.replace(c, round_warps=8) for c in swapped_256 if c.num_warps <= 8]
+    swapped += rw8(swapped)
+    swapped_256 += rw8(swapped_256)
 
     if M <= 16:
         extra = [C(16, 32, bk(K, 64), 2, 3, 0), C(16, 64, bk(K, 64), 4, 3, 0), C(16, 32, bk(K, 512), 4, 1, 0),

@@ -79,6 +79,7 @@ MAX_STAGES = 4
 ROUND_WARPS = 4  # warps rounding x with warp specialisation (WS), unless a plan asks for 8
 ROUND_REGS = 96  # their registers per thread
 MAX_SHARED_WARPS = 12  # programs of more warps (16 or 20) run alone on a multiprocessor: two would get <= 64 registers
+MAX_WARPS = 20  # MMA and rounding warps of a program: 24 (16 swap MMA warps + 8) fail in ptxas, too few registers
 _SMEM_SLACK = 1024  # barriers and alignment, bytes
 _INTERPRETED = interpreted()  # read at import, as the kernels below are defined (or not) by it
 
@@ -628,9 +629,10 @@ def programs_per_sm(p: Plan, K: int, programs: int, sms: int, smem: int) -> int:
 
 def decode_first(p: Plan, ws: bool) -> bool:
     """Whether a ``decode`` program decodes its whole weight column before its first MMA rather than K step by
-    K step during its first tile: with rounding warps (``ws``) and two MMA warpgroups (8 warps), whose
-    accumulator next to the codes would spill. One warpgroup interleaves, as does every program without ``ws``
-    (on the H200, faster in 12 of 14 one-warpgroup configs at T = 64 / 256, by up to 9%; BENCHMARKS.md)."""
+    K step during its first tile: with rounding warps (``ws``) and two MMA warpgroups (8 warps). One warpgroup
+    interleaves, as does every program without ``ws`` (on the H200, faster in 12 of 14 one-warpgroup configs at
+    T = 64 / 256, by up to 9%); for two warpgroups interleaving spilled in session 8 and, without spills in
+    session 11, measured the same (BENCHMARKS.md)."""
     return ws and p.num_warps == 8
 
 

@@ -330,7 +330,8 @@ class BmmConfig:
     ``ws`` (with ``wgmma``): warp specialisation: with mxfp4 activations, :data:`gluon_bmm.ROUND_WARPS` more
     warps round the x tiles while the MMA warps only wait, issue MMAs and write y (``decode`` with 8 warps then
     decodes the whole weight column before the first MMA, :func:`gluon_bmm.decode_first`); ``swap`` always
-    has them. ``round_warps``: how many, 4 or 8 (8 only with ``ws`` or ``swap``, and at most 20 warps in all)."""
+    has them. ``round_warps``: how many, 4 or 8 (8 only with ``ws`` or ``swap``, and at most
+    :data:`gluon_bmm.MAX_WARPS` warps in all)."""
 
     block_m: int
     block_n: int
@@ -536,9 +537,9 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
                 f"triton bmm_a16wfp4: bad config {cfg} (wgmma: 'stationary' or 'streaming' with predecode, "
                 f"'decode' and 'swap' without, tiles_m=0; {bad})"
             )
-        if cfg.num_warps + (cfg.round_warps if extra_warps else 0) > 20:
-            raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (at most 20 warps with the rounding warps: "
-                               f"24 leave too few registers)")  # fmt: skip
+        if cfg.num_warps + (cfg.round_warps if extra_warps else 0) > gluon_bmm.MAX_WARPS:
+            raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (at most {gluon_bmm.MAX_WARPS} warps with the "
+                               f"rounding warps: more leave too few registers)")  # fmt: skip
     act = act_quant == "mxfp4"
     plan = None
     decode_args = (w_codes, w_scales) if cfg.wgmma in gluon_bmm.FROM_CODES else ()
