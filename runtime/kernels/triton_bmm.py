@@ -377,7 +377,7 @@ _TUNED = {
     (256, 512, False, 64): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
     (256, 512, True, 64): _C(64, 128, 128, 8, 1, 0, wgmma="swap"),
     (512, 192, False, 256): _C(64, 128, 64, 4, 3, 0, wgmma="decode", ws=True),
-    (512, 192, True, 256): _C(64, 256, 64, 8, 3, 0, wgmma="decode", ws=True),
+    (512, 192, True, 256): _C(64, 128, 64, 4, 3, 0, wgmma="decode", ws=True),
     (512, 256, False, 256): _C(64, 128, 256, 4, 3, 0, wgmma="decode", ws=True),
     (512, 256, True, 256): _C(128, 256, 64, 8, 3, 0, wgmma="decode", ws=True),
     (256, 512, False, 256): _C(64, 128, 256, 8, 1, 0, wgmma="swap", round_warps=8),
