@@ -45,11 +45,11 @@ OPS = {"kup192": (512, 192, 256), "kup256": (512, 256, 256), "vup": (256, 512, 5
 
 
 def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
-    """Configs worth timing for an M bucket (the default first): tiled shapes for decode (small M tiles, long
-    K steps, few warps); from 17 rows the Gluon kernel decoding its weight column itself (tiles whose column
-    fits in shared memory), each with and without rounding warps, and its swap schedule (16-64-row x tiles
-    against 64-256 weight rows, with 4 or 8 rounding warps); from 65 rows also on predecoded weights, and the
-    Triton kernels on predecoded weights."""
+    """Configs worth timing for an M bucket (the default first): tiled shapes for decode (16-row tiles, long
+    K steps, few warps; timed up to 64 rows); from 17 rows the Gluon kernel decoding its weight column itself
+    (tiles whose column fits in shared memory), each with and without rounding warps, and its swap schedule
+    (16-64-row x tiles against 64-256 weight rows, with 4 or 8 rounding warps); from 65 rows also on
+    predecoded weights, and the Triton kernels on predecoded weights."""
     C, bk = tb.BmmConfig, tb._block_k
 
     def pre(bm, bn, warps, stages, tma=False, wgmma=""):
@@ -87,13 +87,14 @@ def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
     swapped += rw8(swapped)
     swapped_256 += rw8(swapped_256)
 
+    tiled_16 = [C(16, 32, bk(K, 64), 2, 3, 0), C(16, 64, bk(K, 64), 4, 3, 0), C(16, 32, bk(K, 512), 4, 1, 0),
+                C(16, 64, bk(K, 128), 4, 3, 0), C(16, 32, bk(K, 256), 4, 1, 0), C(16, 16, bk(K, 512), 4, 1, 0),
+                C(16, 32, bk(K, 512), 2, 1, 0), C(16, 64, bk(K, 512), 4, 1, 0)]  # fmt: skip
     if M <= 16:
-        extra = [C(16, 32, bk(K, 64), 2, 3, 0), C(16, 64, bk(K, 64), 4, 3, 0), C(16, 32, bk(K, 512), 4, 1, 0),
-                 C(16, 64, bk(K, 128), 4, 3, 0), C(16, 32, bk(K, 256), 4, 1, 0), C(16, 16, bk(K, 512), 4, 1, 0),
-                 C(16, 32, bk(K, 512), 2, 1, 0), C(16, 64, bk(K, 512), 4, 1, 0)]  # fmt: skip
+        extra = tiled_16
     elif M <= 64:
         extra = [*decoded, *narrow, *ws(decoded + narrow), *swapped, C(64, 256, bk(K, 64), 8, 3, 0),
-                 C(32, 64, bk(K, 128), 4, 3, 0)]  # fmt: skip
+                 C(32, 64, bk(K, 128), 4, 3, 0), *tiled_16]  # fmt: skip
     elif M <= 256:
         extra = [*decoded, *narrow, *gluon, *ws(decoded + narrow + gluon), *swapped_256, C(64, 256, bk(K, 64), 8, 3, 0),
                  pre(64, 128, 4, 4, True)]  # fmt: skip
