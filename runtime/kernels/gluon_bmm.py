@@ -370,11 +370,11 @@ if not IMPORT_ERROR and not _INTERPRETED:
                       DECODE_LAYOUT)  # fmt: skip
 
     @gluon.jit
-    def _swap_mma_loop(column, N, x_desc, y_desc, x_bufs, y_buf, ready, rounded, m0, K: gl.constexpr,
+    def _swap_mma_loop(column, pid, M, N, x_desc, y_desc, x_bufs, y_buf, ready, rounded, m0, K: gl.constexpr,
                        CODE_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, MMA_LAYOUT: gl.constexpr):  # fmt: skip
         """The swap schedule's MMA warps: load the column's codes (:func:`_load_column`), per K step decode them
-        straight into wgmma A registers, wait for the reordered x tile, ``acc[BN, BM] += w . x^T``; then
-        y = acc^T through shared memory and TMA."""
+        straight into wgmma A registers, wait for the reordered x tile, ``acc[BN, BM] += w . x^T``, refill the
+        slot just read; then y = acc^T through shared memory and TMA."""
         STAGES: gl.constexpr = x_bufs.type.shape[0]
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
@@ -388,10 +388,8 @@ if not IMPORT_ERROR and not _INTERPRETED:
             xs = x_bufs.index(kk % STAGES).reshape([BM, BK])
             acc = warpgroup_mma(a, xs.permute((1, 0)), acc, use_acc=kk > 0, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            if kk + STAGES < K // BK:  # refill the slot just read
-                mbarrier.expect(ready.index(kk % STAGES), x_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(x_desc, [b, m0, (kk + STAGES) * BK], ready.index(kk % STAGES),
-                                                x_bufs.index(kk % STAGES))  # fmt: skip
+            if kk + STAGES < K // BK:  # a split per M tile: flattened step kk + STAGES is this tile's
+                _load_step(x_desc, None, x_bufs, None, ready, kk + STAGES, pid, M, N, gl.cdiv(M, BM), K, BN, True)
         y_buf.reshape([BM, BN]).store(acc.to(gl.bfloat16).permute((1, 0)))
         fence_async_shared()
         tma.async_copy_shared_to_global(y_desc, [b, m0, n0], y_buf)
@@ -418,17 +416,17 @@ if not IMPORT_ERROR and not _INTERPRETED:
         for st in gl.static_range(STAGES):
             mbarrier.init(ready.index(st), count=1)
             mbarrier.init(rounded.index(st), count=1)
-        b, m0, n0 = _tile(0, gl.program_id(0), M, N, gl.cdiv(M, BM), BM, BN)  # a split per M tile: one tile each
+        pid = gl.program_id(0)
+        b, m0, n0 = _tile(0, pid, M, N, gl.cdiv(M, BM), BM, BN)  # a split per M tile: one tile each
         for j in gl.static_range(STAGES):  # STAGES <= KSTEPS
-            mbarrier.expect(ready.index(j), x_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [b, m0, j * BK], ready.index(j), x_bufs.index(j))
+            _load_step(x_desc, None, x_bufs, None, ready, j, pid, M, N, gl.cdiv(M, BM), K, BN, True)
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BM, 16]
         )
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
         gl.warp_specialize([
-            (_swap_mma_loop, ((c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0), N, x_desc, y_desc,
-                              x_bufs, y_buf, ready, rounded, m0, K, CODE_LAYOUT, a_layout, mma_layout)),
+            (_swap_mma_loop, ((c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0), pid, M, N, x_desc,
+                              y_desc, x_bufs, y_buf, ready, rounded, m0, K, CODE_LAYOUT, a_layout, mma_layout)),
             (_round_loop, (x_bufs, ready, rounded, KSTEPS, ROUND_LAYOUT, ACT_MXFP4, True)),
         ], [WORKERS], [_ROUND_REGS])  # fmt: skip
 
