@@ -79,6 +79,7 @@ MAX_STAGES = 4
 ROUND_WARPS = 4  # warps rounding x with warp specialisation (WS), unless a plan asks for 8
 ROUND_REGS = 96  # their registers per thread
 MAX_SHARED_WARPS = 12  # programs of more warps (16 or 20) run alone on a multiprocessor: two would get <= 64 registers
+ACC_HEADROOM = 32  # registers an MMA thread needs beyond its accumulator (programs_per_sm)
 MAX_WARPS = 20  # MMA and rounding warps of a program: 24 (16 swap MMA warps + 8) fail in ptxas, too few registers
 _SMEM_SLACK = 1024  # barriers and alignment, bytes
 _INTERPRETED = interpreted()  # read at import, as the kernels below are defined (or not) by it
@@ -614,15 +615,25 @@ def prepare(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: tor
     return launch
 
 
+def register_cap(p: Plan, programs_per_sm: int) -> int:
+    """Registers per thread of a program with rounding warps (``maxnreg``): the MMA and rounding warps of
+    ``programs_per_sm`` programs share a multiprocessor's 65536 (a multiple of 8, at most 255)."""
+    return min(255, 65536 // (32 * (p.num_warps + p.round_warps) * programs_per_sm) // 8 * 8)
+
+
 def programs_per_sm(p: Plan, K: int, programs: int, sms: int, smem: int) -> int:
     """Programs of a launch that share a multiprocessor: 2 where there are more programs than ``sms``, shared
     memory holds two (an sm_90 multiprocessor has ``smem``, the per-program limit, plus the 1 KiB the system
-    reserves per program) and a program has at most :data:`MAX_SHARED_WARPS` warps (rounding warps included;
+    reserves per program), a program has at most :data:`MAX_SHARED_WARPS` warps (rounding warps included;
     on the H200 two 16-warp programs were much slower than one, and the 16-warp swap tiles do not compile
-    under the 48 registers two 20-warp programs would leave), else 1."""
+    under the 48 registers two 20-warp programs would leave) and, with rounding warps, the register cap of two
+    leaves the MMA warps their fp32 accumulator plus :data:`ACC_HEADROOM` (64 x 128 tiles on 4 MMA warps with
+    8 rounding warps: 64 + 26 needed, ptxas said, under a cap of 80), else 1."""
     need = smem_bytes(p.block_m, p.block_n, p.block_k, K, p.schedule, p.stages) + 1024
     warps = p.num_warps + (p.round_warps if p.ws else 0)
-    return 2 if programs > sms and 2 * need <= smem + 1024 and warps <= MAX_SHARED_WARPS else 1
+    acc = p.block_m * p.block_n // (32 * p.num_warps)
+    regs_ok = not p.ws or register_cap(p, 2) >= acc + ACC_HEADROOM
+    return 2 if programs > sms and 2 * need <= smem + 1024 and warps <= MAX_SHARED_WARPS and regs_ok else 1
 
 
 def decode_first(p: Plan, ws: bool) -> bool:
@@ -668,5 +679,5 @@ def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1)
                       STATIONARY=p.schedule != "streaming", DECODE=p.schedule == "decode", WS=ws,
                       DECODE_LAYOUT=decoding, DECODE_FIRST=decode_first(p, ws))  # fmt: skip
     if ws:  # the registers of all warps together: at most 65536 per multiprocessor
-        consts["maxnreg"] = min(255, 65536 // (32 * (p.num_warps + p.round_warps) * programs_per_sm) // 8 * 8)
+        consts["maxnreg"] = register_cap(p, programs_per_sm)
     return consts

@@ -316,6 +316,21 @@ def test_programs_of_more_than_twelve_warps_run_alone():
     assert gb.programs_per_sm(narrow, 192, 256, 132, H200_SMEM) == 2
 
 
+def test_programs_pair_only_where_the_register_cap_leaves_the_accumulator_room():
+    """4 MMA warps of 64 x 128 (64 fp32 accumulator registers a thread) with 8 rounding warps: two programs
+    would cap every thread at 80 registers, under which ptxas refuses the MMA warps' code (it asked for 90),
+    so they run alone, and compile; at 64 x 64 (32 registers) two share a multiprocessor and compile under the
+    cap. Shared memory holds two of either (97 and 81 KiB)."""
+    wide = gb.plan(64, 128, 64, 4, "decode", 192, H200_SMEM, ws=True, round_warps=8)
+    narrow = gb.plan(64, 64, 64, 4, "decode", 192, H200_SMEM, ws=True, round_warps=8)
+    assert gb.register_cap(wide, 2) == 80 and gb.register_cap(wide, 1) == 168
+    for p, tiles, programs, per_sm in ((wide, (64, 128, 64, 4), 256, 1), (narrow, (64, 64, 64, 4), 512, 2)):
+        assert 2 * (gb.smem_bytes(*tiles[:3], 192, "decode", p.stages) + 1024) <= H200_SMEM + 1024
+        assert gb.programs_per_sm(p, 192, programs, 132, H200_SMEM) == per_sm
+        got = _compile(tiles, "decode", 192, True, True, per_sm, 8)
+        assert got["stack"] == 0 and got["warps"] == 12 and got["maxnreg"] == gb.register_cap(p, per_sm)
+
+
 def test_only_two_warpgroup_programs_with_rounding_warps_decode_their_column_first():
     """The compile-time choice behind the interleaved decode: programs with rounding warps and 8 MMA warps decode
     the whole weight column before their first MMA; 4-warp programs, and every program without rounding warps
@@ -340,6 +355,7 @@ _GPU_CONFIGS = {
     "decode-ws": tb.BmmConfig(128, 256, 64, 8, 3, 0, wgmma="decode", ws=True),
     "decode-64rows-ws": tb.BmmConfig(64, 128, 64, 8, 3, 0, wgmma="decode", ws=True),
     "decode-64x64-ws": tb.BmmConfig(64, 64, 64, 4, 3, 0, wgmma="decode", ws=True),
+    "decode-64x128-rw8": tb.BmmConfig(64, 128, 64, 4, 3, 0, wgmma="decode", ws=True, round_warps=8),
     "swap-32x64": tb.BmmConfig(32, 64, 64, 4, 1, 0, wgmma="swap"),
     "swap-16x128": tb.BmmConfig(16, 128, 32, 8, 1, 0, wgmma="swap"),
     "swap-64x64": tb.BmmConfig(64, 64, 64, 4, 1, 0, wgmma="swap"),
@@ -384,11 +400,12 @@ def test_matches_reference_on_gpu(B, M, N, K, row, name, monkeypatch):
 
 
 @sm90_only
-@pytest.mark.parametrize("name", ["decode-64rows-ws", "decode-64rows"])
-def test_two_programs_per_multiprocessor_on_gpu(name, monkeypatch):
+@pytest.mark.parametrize("name, per_sm", [("decode-64rows-ws", 2), ("decode-64rows", 2), ("decode-64x128-rw8", 1)])
+def test_two_programs_per_multiprocessor_on_gpu(name, per_sm, monkeypatch):
     """K-up 192 at 64 heads and 64 rows: 256 programs of 64 x 128 tiles, more than the GPU's multiprocessors,
     two of which fit in one's shared memory: the launch pairs them (with rounding warps, under a shared
-    register cap) and the result is still exact."""
+    register cap) and the result is still exact; 4 MMA warps with 8 rounding warps run alone (two would leave
+    too few registers to compile) and are exact too."""
     shares = []
     real = gb.programs_per_sm
     monkeypatch.setattr(gb, "programs_per_sm", lambda *a: shares.append(real(*a)) or shares[-1])
@@ -399,7 +416,7 @@ def test_two_programs_per_multiprocessor_on_gpu(name, monkeypatch):
         buf, out = poisoned_out(M, B, N)
         tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=_GPU_CONFIGS[name])
         assert_close_to_reference(out, x, codes, scales, act_quant)
-    assert shares == [2, 2]
+    assert shares == [per_sm, per_sm]
 
 
 @sm90_only
