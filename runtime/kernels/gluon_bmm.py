@@ -615,10 +615,22 @@ def prepare(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: tor
     return launch
 
 
-def register_cap(p: Plan, programs_per_sm: int) -> int:
-    """Registers per thread of a program with rounding warps (``maxnreg``): the MMA and rounding warps of
-    ``programs_per_sm`` programs share a multiprocessor's 65536 (a multiple of 8, at most 255)."""
-    return min(255, 65536 // (32 * (p.num_warps + p.round_warps) * programs_per_sm) // 8 * 8)
+def register_cap(warps: int, programs_per_sm: int) -> int:
+    """Registers per thread (``maxnreg``) of a program of ``warps`` warps, rounding warps included, when
+    ``programs_per_sm`` such programs share a multiprocessor's 65536 (a multiple of 8, at most 255)."""
+    return min(255, 65536 // (32 * warps * programs_per_sm) // 8 * 8)
+
+
+def register_error(block_m: int, block_n: int, num_warps: int, round_warps: int, programs_per_sm: int = 1) -> str:
+    """Why a program of these tiles with ``round_warps`` rounding warps would not compile ("" when it would):
+    under the cap of :func:`register_cap` an MMA thread needs its fp32 accumulator (``block_m * block_n /
+    (32 * num_warps)`` registers) plus :data:`ACC_HEADROOM` (where ptxas refused, it asked for 26 more: 64 -> 90
+    at 64 x 128 on 4 warps with 8 rounding warps, 128 -> 154 at 128 x 256 on 8 with 8)."""
+    need = block_m * block_n // (32 * num_warps) + ACC_HEADROOM
+    cap = register_cap(num_warps + round_warps, programs_per_sm)
+    if cap < need:
+        return f"{num_warps} MMA warps with {round_warps} rounding warps: {cap} registers a thread, {need} needed"
+    return ""
 
 
 def programs_per_sm(p: Plan, K: int, programs: int, sms: int, smem: int) -> int:
@@ -626,13 +638,11 @@ def programs_per_sm(p: Plan, K: int, programs: int, sms: int, smem: int) -> int:
     memory holds two (an sm_90 multiprocessor has ``smem``, the per-program limit, plus the 1 KiB the system
     reserves per program), a program has at most :data:`MAX_SHARED_WARPS` warps (rounding warps included;
     on the H200 two 16-warp programs were much slower than one, and the 16-warp swap tiles do not compile
-    under the 48 registers two 20-warp programs would leave) and, with rounding warps, the register cap of two
-    leaves the MMA warps their fp32 accumulator plus :data:`ACC_HEADROOM` (64 x 128 tiles on 4 MMA warps with
-    8 rounding warps: 64 + 26 needed, ptxas said, under a cap of 80), else 1."""
+    under the 48 registers two 20-warp programs would leave) and, with rounding warps, two still compile
+    (:func:`register_error`), else 1."""
     need = smem_bytes(p.block_m, p.block_n, p.block_k, K, p.schedule, p.stages) + 1024
     warps = p.num_warps + (p.round_warps if p.ws else 0)
-    acc = p.block_m * p.block_n // (32 * p.num_warps)
-    regs_ok = not p.ws or register_cap(p, 2) >= acc + ACC_HEADROOM
+    regs_ok = not p.ws or not register_error(p.block_m, p.block_n, p.num_warps, p.round_warps, 2)
     return 2 if programs > sms and 2 * need <= smem + 1024 and warps <= MAX_SHARED_WARPS and regs_ok else 1
 
 
@@ -679,5 +689,5 @@ def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1)
                       STATIONARY=p.schedule != "streaming", DECODE=p.schedule == "decode", WS=ws,
                       DECODE_LAYOUT=decoding, DECODE_FIRST=decode_first(p, ws))  # fmt: skip
     if ws:  # the registers of all warps together: at most 65536 per multiprocessor
-        consts["maxnreg"] = register_cap(p, programs_per_sm)
+        consts["maxnreg"] = register_cap(p.num_warps + p.round_warps, programs_per_sm)
     return consts

@@ -330,8 +330,9 @@ class BmmConfig:
     ``ws`` (with ``wgmma``): warp specialisation: with mxfp4 activations, :data:`gluon_bmm.ROUND_WARPS` more
     warps round the x tiles while the MMA warps only wait, issue MMAs and write y (``decode`` with 8 warps then
     decodes the whole weight column before the first MMA, :func:`gluon_bmm.decode_first`); ``swap`` always
-    has them. ``round_warps``: how many, 4 or 8 (8 only with ``ws`` or ``swap``, and at most
-    :data:`gluon_bmm.MAX_WARPS` warps in all)."""
+    has them. ``round_warps``: how many, 4 or 8 (8 only with ``ws`` or ``swap``, at most
+    :data:`gluon_bmm.MAX_WARPS` warps in all, and leaving the MMA warps registers for their accumulator:
+    :func:`gluon_bmm.register_error`)."""
 
     block_m: int
     block_n: int
@@ -540,6 +541,10 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
         if cfg.num_warps + (cfg.round_warps if extra_warps else 0) > gluon_bmm.MAX_WARPS:
             raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (at most {gluon_bmm.MAX_WARPS} warps with the "
                                f"rounding warps: more leave too few registers)")  # fmt: skip
+        short = extra_warps and gluon_bmm.register_error(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.round_warps)
+        if short:
+            raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (too few registers for the MMA warps' "
+                               f"accumulator: {short})")  # fmt: skip
     act = act_quant == "mxfp4"
     plan = None
     decode_args = (w_codes, w_scales) if cfg.wgmma in gluon_bmm.FROM_CODES else ()

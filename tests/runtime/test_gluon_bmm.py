@@ -86,7 +86,8 @@ def test_tile_rules(tiles, schedule, bad):
      (dict(block_m=32, block_n=128, wgmma="swap"), "'decode' and 'swap' without"),
      (dict(round_warps=6), "round_warps: 4, or 8 with ws or swap"),
      (dict(round_warps=8), "round_warps: 4, or 8 with ws or swap"),
-     (dict(block_m=64, num_warps=16, predecode=False, wgmma="swap", round_warps=8), "at most 20 warps")],
+     (dict(block_m=64, num_warps=16, predecode=False, wgmma="swap", round_warps=8), "at most 20 warps"),
+     (dict(predecode=False, wgmma="decode", ws=True, round_warps=8), "128 registers a thread, 160 needed")],
 )  # fmt: skip
 def test_rejects_wgmma_configs_outside_the_contract(change, match):
     cfg = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tiles_m=0, predecode=True)
@@ -323,12 +324,14 @@ def test_programs_pair_only_where_the_register_cap_leaves_the_accumulator_room()
     cap. Shared memory holds two of either (97 and 81 KiB)."""
     wide = gb.plan(64, 128, 64, 4, "decode", 192, H200_SMEM, ws=True, round_warps=8)
     narrow = gb.plan(64, 64, 64, 4, "decode", 192, H200_SMEM, ws=True, round_warps=8)
-    assert gb.register_cap(wide, 2) == 80 and gb.register_cap(wide, 1) == 168
+    assert gb.register_cap(12, 2) == 80 and gb.register_cap(12, 1) == 168
+    assert gb.register_error(64, 128, 4, 8, 2) == "4 MMA warps with 8 rounding warps: 80 registers a thread, 96 needed"
+    assert not gb.register_error(64, 128, 4, 8, 1) and not gb.register_error(64, 64, 4, 8, 2)
     for p, tiles, programs, per_sm in ((wide, (64, 128, 64, 4), 256, 1), (narrow, (64, 64, 64, 4), 512, 2)):
         assert 2 * (gb.smem_bytes(*tiles[:3], 192, "decode", p.stages) + 1024) <= H200_SMEM + 1024
         assert gb.programs_per_sm(p, 192, programs, 132, H200_SMEM) == per_sm
         got = _compile(tiles, "decode", 192, True, True, per_sm, 8)
-        assert got["stack"] == 0 and got["warps"] == 12 and got["maxnreg"] == gb.register_cap(p, per_sm)
+        assert got["stack"] == 0 and got["warps"] == 12 and got["maxnreg"] == gb.register_cap(12, per_sm)
 
 
 def test_only_two_warpgroup_programs_with_rounding_warps_decode_their_column_first():
