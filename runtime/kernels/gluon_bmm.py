@@ -79,7 +79,7 @@ MAX_STAGES = 4
 ROUND_WARPS = 4  # warps rounding x with warp specialisation (WS), unless a plan asks for 8
 ROUND_REGS = 96  # their registers per thread
 MAX_SHARED_WARPS = 12  # programs of more warps (16 or 20) run alone on a multiprocessor: two would get <= 64 registers
-ACC_HEADROOM = 32  # registers an MMA thread needs beyond its accumulator (programs_per_sm)
+ACC_HEADROOM = 32  # registers an MMA thread needs beyond its accumulator (register_error)
 MAX_WARPS = 20  # MMA and rounding warps of a program: 24 (16 swap MMA warps + 8) fail in ptxas, too few registers
 _SMEM_SLACK = 1024  # barriers and alignment, bytes
 _INTERPRETED = interpreted()  # read at import, as the kernels below are defined (or not) by it

@@ -321,7 +321,7 @@ def test_programs_pair_only_where_the_register_cap_leaves_the_accumulator_room()
     """4 MMA warps of 64 x 128 (64 fp32 accumulator registers a thread) with 8 rounding warps: two programs
     would cap every thread at 80 registers, under which ptxas refuses the MMA warps' code (it asked for 90),
     so they run alone, and compile; at 64 x 64 (32 registers) two share a multiprocessor and compile under the
-    cap. Shared memory holds two of either (97 and 81 KiB)."""
+    cap. Shared memory holds two of either (97 and 65 KiB)."""
     wide = gb.plan(64, 128, 64, 4, "decode", 192, H200_SMEM, ws=True, round_warps=8)
     narrow = gb.plan(64, 64, 64, 4, "decode", 192, H200_SMEM, ws=True, round_warps=8)
     assert gb.register_cap(12, 2) == 80 and gb.register_cap(12, 1) == 168
