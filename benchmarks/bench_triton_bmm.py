@@ -49,18 +49,19 @@ def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
     K steps, few warps; timed up to 64 rows); from 17 rows the Gluon kernel decoding its weight column itself
     (tiles whose column fits in shared memory), each with and without rounding warps, and its swap schedule
     (16-64-row x tiles against 64-256 weight rows, with 4 or 8 rounding warps); from 65 rows also on
-    predecoded weights, and the Triton kernels on predecoded weights."""
+    predecoded weights, the Triton kernels on predecoded weights, and the ``xreg`` schedule (x rounded in the
+    MMA warps' registers)."""
     C, bk = tb.BmmConfig, tb._block_k
 
     def pre(bm, bn, warps, stages, tma=False, wgmma=""):
         return C(bm, bn, bk(K, 64), warps, stages, 0, True, tma, wgmma)
 
-    def dec(bm, bn, warps, k_cap=64):  # Gluon kernel decoding its weight column itself; tiles that fit
+    def dec(bm, bn, warps, k_cap=64, schedule="decode"):  # Gluon kernel decoding its weight column itself
         k = bk(K, k_cap)
-        if tb.gluon_bmm.tile_error(bm, bn, k, warps, "decode"):
+        if tb.gluon_bmm.tile_error(bm, bn, k, warps, schedule):
             return []
-        fits = tb.gluon_bmm.plan(bm, bn, k, warps, "decode", K, tb.gluon_bmm.smem_limit(torch.device("cuda")))
-        return [C(bm, bn, k, warps, 3, 0, wgmma="decode")] if fits else []
+        fits = tb.gluon_bmm.plan(bm, bn, k, warps, schedule, K, tb.gluon_bmm.smem_limit(torch.device("cuda")))
+        return [C(bm, bn, k, warps, 3, 0, wgmma=schedule)] if fits else []
 
     decoded = [*dec(64, 256, 8), *dec(64, 128, 4), *dec(64, 128, 8), *dec(64, 64, 4)]
     # narrower columns and longer K steps: less decoding per program, more programs per head
@@ -68,6 +69,7 @@ def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
               *dec(128, 64, 8), *dec(128, 64, 8, 128), *dec(64, 64, 4, 256), *dec(64, 128, 4, 256)]  # fmt: skip
     gluon = [pre(128, 256, 8, 3, True, "stationary"), pre(128, 256, 8, 3, True, "streaming"),
              *dec(128, 256, 8), *dec(128, 128, 8)]  # fmt: skip
+    xreg = [*dec(64, 256, 4, 128, "xreg"), *dec(64, 128, 4, 128, "xreg"), *dec(128, 128, 8, 128, "xreg")]
 
     def ws(configs):  # the same with rounding warps (warp specialisation)
         return [dataclasses.replace(c, ws=True) for c in configs]
@@ -96,10 +98,10 @@ def candidates(B: int, M: int, N: int, K: int) -> list[tb.BmmConfig]:
         extra = [*decoded, *narrow, *ws(decoded + narrow), *swapped, C(64, 256, bk(K, 64), 8, 3, 0),
                  C(32, 64, bk(K, 128), 4, 3, 0), *tiled_16]  # fmt: skip
     elif M <= 256:
-        extra = [*decoded, *narrow, *gluon, *ws(decoded + narrow + gluon), *swapped_256, C(64, 256, bk(K, 64), 8, 3, 0),
-                 pre(64, 128, 4, 4, True)]  # fmt: skip
+        extra = [*decoded, *narrow, *gluon, *ws(decoded + narrow + gluon), *swapped_256, *xreg,
+                 C(64, 256, bk(K, 64), 8, 3, 0), pre(64, 128, 4, 4, True)]  # fmt: skip
     else:
-        extra = [*gluon, *ws(gluon), *decoded[:2]]
+        extra = [*gluon, *ws(gluon), *decoded[:2], *xreg]
     return list(dict.fromkeys([tb.default_config(B, M, N, K), *extra]))
 
 

@@ -11,8 +11,8 @@ x tile is rounded to MXFP4 in shared memory, in place, by the shared
 ``[block_m, block_n]`` output tiles (64 or 128 rows: one or two warpgroups along M, any other warps along N),
 ``block_k`` K steps, both operands from shared memory (wgmma SS), fp32 accumulators in registers; y leaves
 through one buffer (:func:`y_columns`). A program owns one ``(b, n0)`` column of weights and a contiguous run
-of its M tiles (each column's tiles split over the multiprocessors left over). Three schedules work this way; a
-fourth, for small M, swaps the operands:
+of its M tiles (each column's tiles split over the multiprocessors left over). Four schedules work this way; a
+fifth, for small M, swaps the operands:
 
 * ``decode``: the program loads the column's codes and scales into registers at once and decodes them into
   shared memory (bf16; a byte-table lookup per code pair, :func:`_e2m1_dequant_ptx`): K step ``k`` during
@@ -23,6 +23,11 @@ fourth, for small M, swaps the operands:
 * ``stationary``: the same, with the column loaded by TMA from predecoded bf16 weights.
 * ``streaming``: x and predecoded w tiles stream through one ring, for weights too large to keep (GLM's V-up:
   256 x 512 bf16 = 256 KiB per head at 256 columns).
+* ``xreg`` (:func:`_xreg_loop`): ``decode``'s column, decoded before the first MMA with K in :func:`_swap_k_order`,
+  and x as the wgmma's register operand: the MMA warps load each x tile from its slot into registers
+  (:func:`xreg_x_layout`: a thread holds runs of consecutive k, so whole 32-blocks where ``block_k`` = 128),
+  round it there and multiply, and the slot is refilled at once; no rounding warps, no rounded copy of x in
+  shared memory, no hand-off. Step i + 1's x is rounded while step i's MMAs run. One warpgroup per 64 rows.
 * ``swap`` (:func:`_swap_kernel`): the operands swapped, ``y^T = w . x^T``: ``block_n`` = 16 * ``num_warps``
   weight rows are the wgmma's M (one, two or four warpgroups), ``block_m`` = 16-64 rows of x its N, one tile a
   program. The MMA warps decode each K step of codes straight into the A-operand registers (wgmma RS: no
@@ -220,6 +225,27 @@ if not IMPORT_ERROR and not _INTERPRETED:
         fence_async_shared()  # generic-proxy writes before the MMA's (async-proxy) reads
 
     @gluon.jit
+    def _store_y(acc, y_desc, y_buf, b, m0, n0):
+        """Write a finished ``[BM, BN]`` accumulator tile as bf16 y through ``y_buf`` (whole or in two halves)."""
+        BM: gl.constexpr = acc.shape[0]
+        BN: gl.constexpr = acc.shape[1]
+        YN: gl.constexpr = y_desc.block_type.shape[2]
+        tma.store_wait(0)  # the previous store has read y_buf
+        if YN == BN:
+            y_buf.reshape([BM, BN]).store(acc.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(y_desc, [b, m0, n0], y_buf)
+        else:
+            y0, y1 = acc.to(gl.bfloat16).reshape([BM, 2, YN]).permute((0, 2, 1)).split()
+            y_buf.reshape([BM, YN]).store(y0)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(y_desc, [b, m0, n0], y_buf)
+            tma.store_wait(0)
+            y_buf.reshape([BM, YN]).store(y1)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(y_desc, [b, m0, n0 + YN], y_buf)
+
+    @gluon.jit
     def _step(i, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, steps, pid, M, N, SPLITS,
               K: gl.constexpr, BN: gl.constexpr, ACT_MXFP4: gl.constexpr, STATIONARY: gl.constexpr,
               WS: gl.constexpr, ROUND_LAYOUT: gl.constexpr):  # fmt: skip
@@ -228,7 +254,6 @@ if not IMPORT_ERROR and not _INTERPRETED:
         y. Returns the accumulator."""
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
-        YN: gl.constexpr = y_desc.block_type.shape[2]
         STAGES: gl.constexpr = x_bufs.type.shape[0]
         KSTEPS: gl.constexpr = K // BK
         xs = x_bufs.index(i % STAGES).reshape([BM, BK])
@@ -249,20 +274,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
         if i % KSTEPS == KSTEPS - 1:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             b, m0, n0 = _tile(i // KSTEPS, pid, M, N, SPLITS, BM, BN)
-            tma.store_wait(0)  # the previous store has read y_buf
-            if YN == BN:
-                y_buf.reshape([BM, BN]).store(acc.to(gl.bfloat16))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(y_desc, [b, m0, n0], y_buf)
-            else:
-                y0, y1 = acc.to(gl.bfloat16).reshape([BM, 2, YN]).permute((0, 2, 1)).split()
-                y_buf.reshape([BM, YN]).store(y0)
-                fence_async_shared()
-                tma.async_copy_shared_to_global(y_desc, [b, m0, n0], y_buf)
-                tma.store_wait(0)
-                y_buf.reshape([BM, YN]).store(y1)
-                fence_async_shared()
-                tma.async_copy_shared_to_global(y_desc, [b, m0, n0 + YN], y_buf)
+            _store_y(acc, y_desc, y_buf, b, m0, n0)
         return acc
 
     @gluon.jit
@@ -301,6 +313,60 @@ if not IMPORT_ERROR and not _INTERPRETED:
         tma.store_wait(0)
 
     @gluon.jit
+    def _x_operand(x_bufs, ready, i, X_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, ACT_MXFP4: gl.constexpr,
+                   PAIRS: gl.constexpr):  # fmt: skip
+        """Flattened step i's x tile as the wgmma A operand: wait for its TMA load, load it into registers in
+        X_LAYOUT (:func:`xreg_x_layout`), round it to MXFP4 there (with ACT_MXFP4; PAIRS k pairs per PTX
+        invocation) and put it in :func:`_swap_k_order`, which A_LAYOUT holds by renaming registers."""
+        STAGES: gl.constexpr = x_bufs.type.shape[0]
+        BM: gl.constexpr = x_bufs.type.shape[2]
+        BK: gl.constexpr = x_bufs.type.shape[3]
+        mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
+        v = x_bufs.index(i % STAGES).reshape([BM, BK]).load(X_LAYOUT)
+        if ACT_MXFP4:
+            v = mxfp4_even_round_trip(v, BM, BK, False, PAIRS)
+        return gl.convert_layout(_swap_k_order(v), A_LAYOUT)
+
+    @gluon.jit
+    def _xreg_loop(acc, column, x_desc, y_desc, x_bufs, w_bufs, y_buf, ready, steps, pid, M, N, SPLITS,
+                   K: gl.constexpr, BN: gl.constexpr, ACT_MXFP4: gl.constexpr, X_LAYOUT: gl.constexpr,
+                   DECODE_LAYOUT: gl.constexpr, PAIRS: gl.constexpr):  # fmt: skip
+        """The ``xreg`` schedule's steps (no worker warps): decode the weight column into shared memory with K in
+        :func:`_swap_k_order`, then per step take x from its slot into A registers (:func:`_x_operand`: rounded
+        there, never stored back), refill the slot as soon as every warp has read it, and multiply; step i + 1's
+        x is loaded and rounded while step i's MMAs run (the wait's ``deps`` keep step i's A registers alive)."""
+        BM: gl.constexpr = x_desc.block_type.shape[1]
+        BK: gl.constexpr = x_desc.block_type.shape[2]
+        KSTEPS: gl.constexpr = K // BK
+        STAGES: gl.constexpr = x_bufs.type.shape[0]
+        A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+        codes, scales = _load_column(column, N, BN, BK, K, 16, DECODE_LAYOUT)
+        for kk in gl.static_range(KSTEPS):
+            w_bufs.index(kk).reshape([BN, BK]).store(_swap_k_order(_e2m1_dequant_ptx(codes[kk], scales[kk])))
+        fence_async_shared()
+        gl.thread_barrier()
+        if steps > 0:
+            a = _x_operand(x_bufs, ready, 0, X_LAYOUT, A_LAYOUT, ACT_MXFP4, PAIRS)
+            gl.thread_barrier()  # every warp has read slot 0
+            if STAGES < steps:
+                _load_step(x_desc, None, x_bufs, None, ready, STAGES, pid, M, N, SPLITS, K, BN, True)
+            for i in range(steps):
+                ws = w_bufs.index(i % KSTEPS).reshape([BN, BK])
+                acc = warpgroup_mma(a, ws.permute((1, 0)), acc, use_acc=(i % KSTEPS) != 0, is_async=True)
+                a_next = a
+                if i + 1 < steps:
+                    a_next = _x_operand(x_bufs, ready, i + 1, X_LAYOUT, A_LAYOUT, ACT_MXFP4, PAIRS)
+                    gl.thread_barrier()  # every warp has read slot i + 1
+                    if i + 1 + STAGES < steps:
+                        _load_step(x_desc, None, x_bufs, None, ready, i + 1 + STAGES, pid, M, N, SPLITS, K, BN, True)
+                acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+                if i % KSTEPS == KSTEPS - 1:
+                    b, m0, n0 = _tile(i // KSTEPS, pid, M, N, SPLITS, BM, BN)
+                    _store_y(acc, y_desc, y_buf, b, m0, n0)
+                a = a_next
+        tma.store_wait(0)
+
+    @gluon.jit
     def _round_loop(x_bufs, ready, rounded, steps, ROUND_LAYOUT: gl.constexpr, ROUND: gl.constexpr = True,
                     SWAP: gl.constexpr = False):  # fmt: skip
         """The worker warps' steps (WS): round each x tile to MXFP4 in place (:func:`_round_in_place`) once its
@@ -319,11 +385,13 @@ if not IMPORT_ERROR and not _INTERPRETED:
                     M, N, SPLITS, K: gl.constexpr, BN: gl.constexpr, W_LAYOUT: gl.constexpr,
                     ACT_MXFP4: gl.constexpr, STATIONARY: gl.constexpr, DECODE: gl.constexpr, WS: gl.constexpr,
                     ROUND_LAYOUT: gl.constexpr, DECODE_LAYOUT: gl.constexpr, DECODE_FIRST: gl.constexpr,
-                    STAGES: gl.constexpr, WORKERS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                    STAGES: gl.constexpr, WORKERS: gl.constexpr, XREG: gl.constexpr, PAIRS: gl.constexpr,
+                    num_warps: gl.constexpr):  # fmt: skip
         """Grid ``(columns * SPLITS,)``; descriptors over x ``[B, M, K]`` (block ``[1, BM, BK]``), y ``[B, M, N]``
         (``[1, BM, YN]``, :func:`y_columns`) and, unless DECODE, bf16 w ``[B, N, K]`` (``[1, BN, BK]``); with DECODE
         (stationary only) the weights come from codes ``c_ptr`` / scales ``s_ptr`` instead. WS: the x tiles are
-        rounded by WORKERS more warps (``ROUND_LAYOUT`` over those), else by the MMA warps."""
+        rounded by WORKERS more warps (``ROUND_LAYOUT`` over those), else by the MMA warps; XREG (with DECODE):
+        the ``xreg`` schedule, ``ROUND_LAYOUT`` its x register layout and PAIRS its rounding's k pairs."""
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
         KSTEPS: gl.constexpr = K // BK
@@ -358,7 +426,10 @@ if not IMPORT_ERROR and not _INTERPRETED:
             mbarrier.expect(w_ready.index(0), KSTEPS * w_desc.block_type.nbytes)
             for kk in gl.static_range(KSTEPS):
                 tma.async_copy_global_to_shared(w_desc, [b, n0, kk * BK], w_ready.index(0), w_bufs.index(kk))
-        if WS:
+        if XREG:
+            _xreg_loop(acc, column, x_desc, y_desc, x_bufs, w_bufs, y_buf, ready, steps, pid, M, N, SPLITS, K, BN,
+                       ACT_MXFP4, ROUND_LAYOUT, DECODE_LAYOUT, PAIRS)  # fmt: skip
+        elif WS:
             gl.warp_specialize([
                 (_mma_loop, (acc, column, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
                              steps, pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, DECODE_FIRST, WS,
@@ -432,15 +503,15 @@ if not IMPORT_ERROR and not _INTERPRETED:
         ], [WORKERS], [_ROUND_REGS])  # fmt: skip
 
 
-SCHEDULES = ("stationary", "streaming", "decode", "swap")
-FROM_CODES = ("decode", "swap")  # the schedules that read E2M1 codes and scales, not predecoded bf16 weights
+SCHEDULES = ("stationary", "streaming", "decode", "swap", "xreg")
+FROM_CODES = ("decode", "swap", "xreg")  # the schedules that read E2M1 codes and scales, not predecoded bf16 weights
 
 
 @dataclass(frozen=True)
 class Plan:
     """A launch: tile sizes, warps, schedule (one of :data:`SCHEDULES`), x-ring stages (shared memory
     permitting) and whether ``round_warps`` (4 or 8) more warps round mxfp4 activations (``ws``; ``swap``
-    always has them: they also reorder x's K)."""
+    always has them: they also reorder x's K; ``xreg`` never: its MMA warps round)."""
 
     block_m: int
     block_n: int
@@ -487,8 +558,10 @@ def smem_bytes(block_m: int, block_n: int, block_k: int, K: int, schedule: str, 
 def tile_error(block_m: int, block_n: int, block_k: int, num_warps: int, schedule: str) -> str:
     """Why these tiles break the kernel's shape rules ("" when they do not): 4 or 8 warps, ``block_m`` 64 or
     128 rows with at least ``block_m / 16`` warps (one or two warpgroups along M, the others along N),
-    ``block_n`` a multiple of 32 up to 256, ``block_k`` 32 to 256; ``decode`` also needs a 32-block of
-    weights per thread: ``block_n >= 32 / (block_k / 32) * num_warps``. ``swap`` (weights as the MMA's M):
+    ``block_n`` a multiple of 32 up to 256, ``block_k`` 32 to 256; ``decode`` and ``xreg`` also need a 32-block
+    of weights per thread: ``block_n >= 32 / (block_k / 32) * num_warps``; ``xreg`` one warpgroup per 64 rows
+    (``block_m = 16 * num_warps``, no warps along N: each would round the same x) and ``block_k`` <= 128 (a
+    thread's run of ``block_k / 4`` k within one 32-block or whole ones). ``swap`` (weights as the MMA's M):
     ``block_n`` = 16 rows per warp (one, two or four warpgroups), ``block_m`` 16, 32 or 64 rows of x,
     ``block_k`` a power of two from 32 to 256."""
     if schedule not in SCHEDULES:
@@ -501,14 +574,16 @@ def tile_error(block_m: int, block_n: int, block_k: int, num_warps: int, schedul
         if block_k not in (32, 64, 128, 256):
             return f"block_k={block_k}: swap needs a power of two from 32 to 256"
         return ""
+    if schedule == "xreg" and (block_m != 16 * num_warps or block_k > 128):
+        return f"block_m={block_m}, block_k={block_k} on {num_warps} warps: xreg needs 16 * warps rows, block_k <= 128"
     if num_warps not in (4, 8) or block_m not in (64, 128) or block_m > 16 * num_warps:
         return f"block_m={block_m} with num_warps={num_warps}: needs 4 or 8 warps, block_m 64 or 128 <= 16 * num_warps"
     if block_n % 32 or not 32 <= block_n <= 256:
         return f"block_n={block_n}: needs a multiple of 32 up to 256"
     if not 32 <= block_k <= 256:
         return f"block_k={block_k}: needs 32 to 256"
-    if schedule == "decode" and block_n < 32 // (block_k // 32) * num_warps:
-        return f"block_n={block_n}: decode needs >= {32 // (block_k // 32) * num_warps} rows with these warps"
+    if schedule in ("decode", "xreg") and block_n < 32 // (block_k // 32) * num_warps:
+        return f"block_n={block_n}: {schedule} needs >= {32 // (block_k // 32) * num_warps} rows with these warps"
     return ""
 
 
@@ -521,7 +596,8 @@ def plan(block_m: int, block_n: int, block_k: int, num_warps: int, schedule: str
     swap = schedule == "swap"
     for stages in range(min(max_stages, K // block_k) if swap else max_stages, 0 if swap else 1, -1):
         if smem_bytes(block_m, block_n, block_k, K, schedule, stages) <= smem:
-            return Plan(block_m, block_n, block_k, num_warps, schedule, stages, ws or swap, round_warps)
+            return Plan(block_m, block_n, block_k, num_warps, schedule, stages, (ws or swap) and schedule != "xreg",
+                        round_warps)  # fmt: skip
     return None
 
 
@@ -655,39 +731,61 @@ def decode_first(p: Plan, ws: bool) -> bool:
     return ws and p.num_warps == 8
 
 
+def _a_operand_runs(cols: int, num_warps: int) -> tuple[list, list, list]:
+    """Register, lane and warp bases ``[row, col]`` of the wgmma A-operand rows (lanes 4r + t: rows r and r + 8
+    of each warp's 16, warps along rows) with lane t of each quad holding the run of ``cols / 4`` consecutive
+    columns from ``t * cols / 4`` (the order :func:`_swap_k_order` makes of k)."""
+    regs = [[0, p] for p in _powers(cols // 4)] + [[8, 0]]
+    lanes = [[0, cols // 4], [0, cols // 2], [1, 0], [2, 0], [4, 0]]
+    return regs, lanes, [[16 * p, 0] for p in _powers(num_warps)]
+
+
+def _powers(n: int) -> list[int]:
+    """1, 2, 4, ... below the power of two n."""
+    return [1 << i for i in range(n.bit_length() - 1)]
+
+
 def swap_code_layout(block_n: int, block_k: int, num_warps: int):
     """Register layout of a ``swap`` program's codes for one K step, ``[block_n, NG, G]`` (G = min(16,
-    block_k / 8) bytes a group, NG groups a row): the rows, lanes and warps of the wgmma A-operand layout
-    (lanes 4r + t: row r and r + 8 of each warp's 16, warps along rows), a thread holding the block_k / 8
-    consecutive code bytes its A registers need after :func:`_swap_k_order` (lane t: bytes t * block_k / 8 on),
-    so the decoded values only change registers on their way to the MMA."""
+    block_k / 8) bytes a group, NG groups a row): :func:`_a_operand_runs` over the ``block_k / 2`` code bytes of
+    a row, a thread holding the block_k / 8 consecutive code bytes its A registers need after
+    :func:`_swap_k_order` (lane t: bytes t * block_k / 8 on), so the decoded values only change registers on
+    their way to the MMA."""
     g = min(16, block_k // 8)
-    groups = block_k // 2 // g
 
-    def powers(n: int) -> list[int]:  # 1, 2, 4, ... below the power of two n
-        return [1 << i for i in range(n.bit_length() - 1)]
+    def split(bases: list) -> list:  # column c of the row's bytes -> (group, byte)
+        return [[row, col // g, col % g] for row, col in bases]
 
-    regs = [[0, 0, p] for p in powers(g)] + [[0, p, 0] for p in powers(groups // 4)] + [[8, 0, 0]]
-    lanes = [[0, groups // 4, 0], [0, groups // 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
-    warps = [[16 * p, 0, 0] for p in powers(num_warps)]
-    return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_n, groups, g])
+    regs, lanes, warps = _a_operand_runs(block_k // 2, num_warps)
+    return gl.DistributedLinearLayout(split(regs), split(lanes), split(warps), [], [block_n, block_k // 2 // g, g])
+
+
+def xreg_x_layout(block_m: int, block_k: int, num_warps: int):
+    """Register layout of an ``xreg`` x tile ``[block_m, block_k]`` bf16: :func:`_a_operand_runs` over k, lane t
+    of each quad holding k ``t * block_k / 4`` on, which :func:`_swap_k_order` turns into the A-operand layout by
+    renaming registers."""
+    regs, lanes, warps = _a_operand_runs(block_k, num_warps)
+    return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_m, block_k])
 
 
 def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1) -> dict:
     """The compile-time arguments of a launch of ``p`` (``num_warps`` and, with WS, ``maxnreg`` included: the
     registers of ``programs_per_sm`` programs' warps share a multiprocessor's 65536)."""
-    swap = p.schedule == "swap"
-    ws = (p.ws and act_mxfp4) or swap
+    swap, xreg = p.schedule == "swap", p.schedule == "xreg"
+    ws = ((p.ws and act_mxfp4) or swap) and not xreg
     rounding, decoding = _register_layouts(p.block_m, p.block_n, p.block_k, p.num_warps,
                                            p.round_warps if ws else p.num_warps)  # fmt: skip
+    if xreg:
+        rounding = xreg_x_layout(p.block_m, p.block_k, p.num_warps)
     consts = dict(K=K, ACT_MXFP4=act_mxfp4, ROUND_LAYOUT=rounding, STAGES=p.stages, WORKERS=p.round_warps,
                   num_warps=p.num_warps)  # fmt: skip
     if swap:
         consts.update(CODE_LAYOUT=swap_code_layout(p.block_n, p.block_k, p.num_warps))
     else:
         consts.update(BN=p.block_n, W_LAYOUT=_smem_layout((1, p.block_n, p.block_k)),
-                      STATIONARY=p.schedule != "streaming", DECODE=p.schedule == "decode", WS=ws,
-                      DECODE_LAYOUT=decoding, DECODE_FIRST=decode_first(p, ws))  # fmt: skip
+                      STATIONARY=p.schedule != "streaming", DECODE=p.schedule in FROM_CODES, WS=ws,
+                      DECODE_LAYOUT=decoding, DECODE_FIRST=decode_first(p, ws), XREG=xreg,
+                      PAIRS=min(16, p.block_k // 8))  # fmt: skip
     if ws:  # the registers of all warps together: at most 65536 per multiprocessor
         consts["maxnreg"] = register_cap(p.num_warps + p.round_warps, programs_per_sm)
     return consts

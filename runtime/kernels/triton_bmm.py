@@ -26,8 +26,9 @@ Kernels, picked per call by :func:`default_config` (``BmmConfig.tiles_m``, ``pre
   extra warps, wgmma on both operands from shared memory) on sm_90 GPUs. ``"decode"`` decodes each program's
   weight column from the codes into shared memory itself (no predecode pass); ``"stationary"`` /
   ``"streaming"`` read predecoded weights; ``"swap"`` (small M) decodes the weights straight into the MMA's
-  register operand, with x as the other. The tiled (``decode``, ``swap``) or ``tma`` / tiled (the others)
-  kernels serve where it cannot run.
+  register operand, with x as the other; ``"xreg"`` (K-up 256 at large M) decodes like ``"decode"`` and rounds x
+  in the MMA warps' registers, x being the register operand. The tiled (``decode``, ``swap``, ``xreg``) or
+  ``tma`` / tiled (the others) kernels serve where it cannot run.
 
 Importing this module never fails without Triton: :func:`available` says why the kernel cannot run.
 Triton picks interpreter or compiler when a kernel is defined, i.e. when this module is imported.
@@ -403,13 +404,21 @@ def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
         return BmmConfig(64, 64, bk, 4, 2, 1)
     if M <= 256:
         return BmmConfig(64, 128, bk, 4, 3, 0)
-    return _large_m(K)
+    return _large_m(K, B * M)
 
 
-def _large_m(K: int) -> BmmConfig:
+XREG_MIN_ROWS = 16384  # B * M above which K-up 256 takes the xreg schedule (H200: 64 heads from 300 tokens)
+
+
+def _large_m(K: int, rows: int) -> BmmConfig:
     """Above 256 rows: the Hopper wgmma kernel, decoding its weight column into shared memory itself while a
     256-column bf16 column fits next to the x ring (K <= 256), else streaming predecoded weights; the tiled
-    ``dot_scaled`` kernel / the persistent TMA kernel on predecoded weights (same tiles) where it cannot run."""
+    ``dot_scaled`` kernel / the persistent TMA kernel on predecoded weights (same tiles) where it cannot run.
+    At K = 256 with more than :data:`XREG_MIN_ROWS` rows over all batches, the ``xreg`` schedule (64 x 256
+    tiles, 128-deep K steps: whole 32-blocks of x in a thread); measured on the H200 at GLM's padded K-up only
+    (BENCHMARKS.md: a tie at 16 heads x 1024 tokens, faster above)."""
+    if K == 256 and rows > XREG_MIN_ROWS:
+        return BmmConfig(64, 256, 128, 4, 3, 0, wgmma="xreg")
     if K <= 256:
         return BmmConfig(128, 256, _block_k(K, 64), 8, 3, 0, wgmma="decode", ws=True)
     return BmmConfig(128, 256, _block_k(K, 64), 8, 3, 0, predecode=True, tma=True, wgmma="streaming", ws=True)
@@ -526,8 +535,9 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
         raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (predecode needs the tiled kernel, tiles_m=0)")
     if cfg.tma and not cfg.predecode:
         raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (tma reads decoded weights: set predecode)")
-    if cfg.ws and not cfg.wgmma:
-        raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (ws is an option of the wgmma kernel)")
+    if cfg.ws and cfg.wgmma in ("", "xreg"):
+        raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (ws is an option of the wgmma kernel, not of xreg, "
+                           f"whose MMA warps round x)")  # fmt: skip
     extra_warps = cfg.ws or cfg.wgmma == "swap"
     if cfg.round_warps not in (4, 8) or (cfg.round_warps != gluon_bmm.ROUND_WARPS and not extra_warps):
         raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (round_warps: 4, or 8 with ws or swap)")
@@ -536,7 +546,7 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
         if bad or cfg.predecode == (cfg.wgmma in gluon_bmm.FROM_CODES) or cfg.tiles_m:
             raise BackendError(
                 f"triton bmm_a16wfp4: bad config {cfg} (wgmma: 'stationary' or 'streaming' with predecode, "
-                f"'decode' and 'swap' without, tiles_m=0; {bad})"
+                f"'decode', 'swap' and 'xreg' without, tiles_m=0; {bad})"
             )
         if cfg.num_warps + (cfg.round_warps if extra_warps else 0) > gluon_bmm.MAX_WARPS:
             raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (at most {gluon_bmm.MAX_WARPS} warps with the "

@@ -65,25 +65,29 @@ def test_plans_take_the_most_stages_that_fit():
      ((128, 256, 64, 8), "both", "one of"), ((32, 64, 256, 4), "swap", ""), ((16, 128, 32, 8), "swap", ""),
      ((32, 128, 64, 4), "swap", "block_n = 16 \\* warps"), ((128, 64, 64, 4), "swap", "16, 32 or 64"),
      ((32, 64, 512, 4), "swap", "power of two from 32 to 256"), ((64, 256, 128, 16), "swap", ""),
-     ((64, 512, 64, 32), "swap", "4, 8 or 16 warps")],
+     ((64, 512, 64, 32), "swap", "4, 8 or 16 warps"), ((64, 256, 128, 4), "xreg", ""), ((128, 128, 64, 8), "xreg", ""),
+     ((64, 128, 64, 8), "xreg", "xreg needs 16 \\* warps rows"), ((64, 128, 256, 4), "xreg", "block_k <= 128"),
+     ((64, 32, 64, 4), "xreg", "xreg needs >= 64 rows")],
 )  # fmt: skip
 def test_tile_rules(tiles, schedule, bad):
     """Each rule against a hand-picked violation; the decode rule: 32 / (64 / 32) = 16 rows per warp, so 8 warps
-    need 128 weight rows; swap: 16 weight rows per warp (up to four warpgroups), 16-64 rows of x."""
+    need 128 weight rows (4 warps: 64); swap: 16 weight rows per warp (up to four warpgroups), 16-64 rows of x;
+    xreg: one warpgroup per 64 rows of x and none along N, K steps of at most 128."""
     err = gb.tile_error(*tiles, schedule)
     assert (err == "") == (bad == "")
     if bad:
         codes, scales = weights(1, 64, 512, seed=0)
-        cfg = tb.BmmConfig(*tiles, 3, 0, predecode=schedule != "decode", wgmma=schedule)
+        cfg = tb.BmmConfig(*tiles, 3, 0, predecode=schedule not in ("decode", "xreg"), wgmma=schedule)
         with pytest.raises(BackendError, match=bad):
             tb.bmm_a16wfp4(activations(4, 1, 512, seed=1), codes, scales, config=cfg)
 
 
 @pytest.mark.parametrize(
     "change, match",
-    [(dict(predecode=False), "with predecode"), (dict(wgmma="decode"), "'decode' and 'swap' without"),
+    [(dict(predecode=False), "with predecode"), (dict(wgmma="decode"), "'decode', 'swap' and 'xreg' without"),
      (dict(tiles_m=2, predecode=False, wgmma="decode"), "tiles_m=0"),
-     (dict(block_m=32, block_n=128, wgmma="swap"), "'decode' and 'swap' without"),
+     (dict(block_m=32, block_n=128, wgmma="swap"), "'decode', 'swap' and 'xreg' without"),
+     (dict(block_m=64, num_warps=4, predecode=False, wgmma="xreg", ws=True), "not of xreg"),
      (dict(round_warps=6), "round_warps: 4, or 8 with ws or swap"),
      (dict(round_warps=8), "round_warps: 4, or 8 with ws or swap"),
      (dict(block_m=64, num_warps=16, predecode=False, wgmma="swap", round_warps=8), "at most 20 warps"),
@@ -137,11 +141,16 @@ def test_falls_back_to_the_triton_kernels_where_it_cannot_run(cfg, monkeypatch):
     assert_close_to_reference(out, x, codes, scales, "mxfp4")
 
 
-def test_large_m_defaults_pick_the_schedule_by_weight_size():
-    assert tb._large_m(192).wgmma == tb._large_m(256).wgmma == "decode"
-    assert not tb._large_m(256).predecode
-    assert (tb._large_m(512).wgmma, tb._large_m(512).predecode) == ("streaming", True)
-    assert tb._large_m(192).ws and tb._large_m(512).ws  # rounding warps from 257 rows on
+def test_large_m_defaults_pick_the_schedule_by_weight_size_and_rows(monkeypatch):
+    monkeypatch.setattr(tb, "_INTERPRETED", False)  # the interpreter has one small config for every shape
+    rows = tb.XREG_MIN_ROWS  # 16 heads x 1024 tokens: a tie between decode and xreg on the H200
+    assert tb._large_m(192, 10**6).wgmma == tb._large_m(256, rows).wgmma == "decode"
+    assert not tb._large_m(256, rows).predecode
+    assert (tb._large_m(512, 10**6).wgmma, tb._large_m(512, 10**6).predecode) == ("streaming", True)
+    assert tb._large_m(192, 10**6).ws and tb._large_m(512, 10**6).ws  # rounding warps from 257 rows on
+    xreg = tb._large_m(256, rows + 1)  # K-up 256 above the tie: x rounded in the MMA warps, whole 32-blocks each
+    assert (xreg.wgmma, xreg.ws, xreg.block_k, xreg.num_warps * 16) == ("xreg", False, 128, xreg.block_m)
+    assert tb.default_config(64, 300, 512, 256) == xreg and tb.default_config(16, 1024, 512, 256).wgmma == "decode"
 
 
 def test_ws_needs_the_wgmma_kernel():
@@ -162,7 +171,7 @@ _COMPILE = textwrap.dedent(
 
     bm, bn, bk, warps, schedule, K, act, ws, per_sm, round_warps = json.loads(sys.argv[1])
     p = gb.plan(bm, bn, bk, warps, schedule, K, 232448, ws=ws, round_warps=round_warps)
-    decode, swap = schedule in ("decode", "swap"), schedule == "swap"
+    decode, swap = schedule in gb.FROM_CODES, schedule == "swap"
     def desc(block):
         return f"tensordesc<bf16{block},{gb._smem_layout(tuple(block))!r}>"
     sig = {"x_desc": desc([1, bm, bk]), "w_desc": "constexpr" if decode else desc([1, bn, bk]),
@@ -287,6 +296,21 @@ def test_swap_kernel_compiles_for_sm90_with_its_weights_in_registers(tiles, K, a
     assert got["shared"] <= got["estimate"] and got["stages"] == min(gb.MAX_STAGES, K // tiles[2])
 
 
+@pytest.mark.parametrize(
+    "tiles, K, act", [((64, 256, 128, 4), 256, True), ((64, 128, 64, 4), 192, True), ((128, 128, 128, 8), 512, False)],
+    ids=["kup256-64x256x128", "kup192-64x128x64", "vup-128x128x128-none"],
+)  # fmt: skip
+def test_xreg_kernel_compiles_for_sm90_with_x_in_registers(tiles, K, act):
+    """The xreg schedule compiled for sm_90a here: only the MMA warps (no rounding warps, no register
+    rebalancing), no stack (two x tiles and the accumulator in registers), the weight decode there, and shared
+    memory within the estimate, which counts the column, the x ring and the y tile only: taking x into the A
+    operand's layout through shared memory (a scratch tile) would exceed it."""
+    got = _compile(tiles, "xreg", K, act, False, 1)
+    assert got["warps"] == tiles[3] and got["maxnreg"] is None and got["setmaxnreg"] == 0 and got["stack"] == 0
+    assert got["wgmma"] >= 1 and got["prmt"] > 0
+    assert got["shared"] <= got["estimate"] <= H200_SMEM
+
+
 def test_two_programs_share_a_multiprocessor_only_where_there_are_more_and_both_fit():
     # K-up 192 at 64 x 128: 4 x 8 KiB x + 3 x 16 KiB column + 16 KiB y + 1 KiB slack = 97 KiB, twice
     # (with 1 KiB reserved each) within the 228 KiB of an sm_90 multiprocessor; at K = 512 (8 x 16 KiB
@@ -364,6 +388,8 @@ _GPU_CONFIGS = {
     "swap-64x64": tb.BmmConfig(64, 64, 64, 4, 1, 0, wgmma="swap"),
     "swap-32x64-rw8": tb.BmmConfig(32, 64, 64, 4, 1, 0, wgmma="swap", round_warps=8),
     "swap-64x256-w16": tb.BmmConfig(64, 256, 64, 16, 1, 0, wgmma="swap"),
+    "xreg-64x128": tb.BmmConfig(64, 128, 64, 4, 3, 0, wgmma="xreg"),
+    "xreg-128x128-w8": tb.BmmConfig(128, 128, 64, 8, 3, 0, wgmma="xreg"),
 }
 
 
@@ -403,6 +429,22 @@ def test_matches_reference_on_gpu(B, M, N, K, row, name, monkeypatch):
 
 
 @sm90_only
+@pytest.mark.parametrize("B, M, N", [(64, 300, 512), (5, 3300, 200)])
+def test_xreg_default_matches_reference_on_gpu(B, M, N, monkeypatch):
+    """K-up 256's default above :data:`XREG_MIN_ROWS` rows (128-deep K steps: whole 32-blocks of x per thread),
+    on GLM's shape and a ragged one (N not a multiple of the 256-column tiles, M of the 64 rows)."""
+    launched = _launches(monkeypatch)
+    codes, scales = weights(B, N, 256, seed=M)
+    x = activations(M, B, 256, seed=N, row=256)
+    for act_quant in ("mxfp4", "none"):
+        buf, out = poisoned_out(M, B, N)
+        tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out)
+        assert torch.isnan(buf[..., N:]).all()
+        assert_close_to_reference(out, x, codes, scales, act_quant)
+    assert [p.schedule for p in launched] == ["xreg", "xreg"] and not launched[0].ws
+
+
+@sm90_only
 @pytest.mark.parametrize("name, per_sm", [("decode-64rows-ws", 2), ("decode-64rows", 2), ("decode-64x128-rw8", 1)])
 def test_two_programs_per_multiprocessor_on_gpu(name, per_sm, monkeypatch):
     """K-up 192 at 64 heads and 64 rows: 256 programs of 64 x 128 tiles, more than the GPU's multiprocessors,
@@ -423,7 +465,7 @@ def test_two_programs_per_multiprocessor_on_gpu(name, per_sm, monkeypatch):
 
 
 @sm90_only
-@pytest.mark.parametrize("name", ["decode-128cols", "swap-16x128", "swap-64x256-w16"])
+@pytest.mark.parametrize("name", ["decode-128cols", "swap-16x128", "swap-64x256-w16", "xreg-64x128"])
 @pytest.mark.parametrize("K", [192, 512])
 def test_decode_is_exact_for_every_code_and_scale(K, name, monkeypatch):
     """Identity activations (``act_quant="none"``) make y the decoded weights transposed: every E2M1 code with

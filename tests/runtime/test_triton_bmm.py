@@ -273,7 +273,7 @@ def test_default_config_takes_the_first_bucket_that_holds_the_rows(monkeypatch):
     assert tb.default_config(16, 16, 256, 512) == tb._TUNED[key(16)]
     assert tb.default_config(16, 17, 256, 512) == tb.default_config(16, 32, 256, 512) == tb._TUNED[key(32)]
     assert tb.default_config(16, 33, 256, 512) == tb.default_config(16, 64, 256, 512) == tb._TUNED[key(64)]
-    assert tb.default_config(16, 257, 256, 512) == tb._large_m(512)
+    assert tb.default_config(16, 257, 256, 512) == tb._large_m(512, 16 * 257)
     monkeypatch.delitem(tb._TUNED, key(32))
     assert tb.default_config(16, 20, 256, 512) == tb._TUNED[key(64)]
 
