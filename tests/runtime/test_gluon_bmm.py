@@ -18,7 +18,14 @@ from glm_pack.packing.errors import BackendError
 from glm_pack.packing.mxfp4 import dequantize
 from tests.runtime.kernel_modules import kernel_module
 from tests.runtime.ptx_emulator import run_ptx
-from tests.runtime.test_triton_bmm import activations, assert_close_to_reference, poisoned_out, weights
+from tests.runtime.test_mxfp4_jit import block_scales, round_trip_blocks, round_trip_reference
+from tests.runtime.test_triton_bmm import (
+    activations,
+    assert_close_to_reference,
+    identity_weights,
+    poisoned_out,
+    weights,
+)
 
 gb = kernel_module("gluon_bmm")
 tb = kernel_module("triton_bmm")
@@ -442,6 +449,34 @@ def test_xreg_default_matches_reference_on_gpu(B, M, N, monkeypatch):
         assert torch.isnan(buf[..., N:]).all()
         assert_close_to_reference(out, x, codes, scales, act_quant)
     assert [p.schedule for p in launched] == ["xreg", "xreg"] and not launched[0].ws
+
+
+@sm90_only
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # 6 * 2**127 -> Inf, in numpy
+@pytest.mark.parametrize("cfg", [tb.BmmConfig(64, 256, 128, 4, 3, 0, wgmma="xreg"),
+                                 tb.BmmConfig(64, 128, 64, 4, 3, 0, wgmma="xreg")], ids=["whole-blocks", "half-blocks"])
+def test_xreg_rounds_x_in_registers_like_the_reference(cfg, monkeypatch):
+    """Identity weights make y the rounded x itself, so the MMA warps' in-register rounding (a thread holding a
+    32-block's k, or half of it at 64-deep K steps) must give the reference round trip bit for bit, on the
+    round-trip test's blocks: both paths of the PTX rounding (scales below 2**120 and from it). Left out: blocks
+    with NaN or Inf before or after rounding (times the identity's zeros they spread NaN over the row) and
+    blocks of bf16-subnormal results (the module's documented corner case)."""
+    launched = _launches(monkeypatch)
+    blocks = round_trip_blocks()
+    amax = blocks.float().abs().amax(dim=1)
+    keep = blocks.isfinite().all(dim=1) & round_trip_reference(blocks).isfinite().all(dim=1)
+    keep &= (amax == 0) | (amax >= 2.0**-100)
+    assert (block_scales(blocks[keep]) >= 120).any()
+    B, K = 2, 256
+    flat = blocks[keep].reshape(-1)
+    rows = -(-flat.numel() // (B * K))
+    x = torch.zeros(B * rows * K, dtype=torch.bfloat16)
+    x[: flat.numel()] = flat
+    x = x.reshape(B, rows, K).cuda()
+    codes, scales = identity_weights(B, K)
+    y = tb.bmm_a16wfp4(x, codes, scales, act_quant="mxfp4", config=cfg)
+    assert launched and launched[0].schedule == "xreg"
+    assert torch.equal(y.cpu(), round_trip_reference(x))  # -0.0 == 0.0; everything else bit for bit
 
 
 @sm90_only
