@@ -313,11 +313,13 @@ if not IMPORT_ERROR and not _INTERPRETED:
         tma.store_wait(0)
 
     @gluon.jit
-    def _x_operand(x_bufs, ready, i, X_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, ACT_MXFP4: gl.constexpr,
+    def _x_operand(x_desc, x_bufs, ready, i, steps, pid, M, N, SPLITS, K: gl.constexpr, BN: gl.constexpr,
+                   X_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, ACT_MXFP4: gl.constexpr,
                    PAIRS: gl.constexpr):  # fmt: skip
         """Flattened step i's x tile as the wgmma A operand: wait for its TMA load, load it into registers in
         X_LAYOUT (:func:`xreg_x_layout`), round it to MXFP4 there (with ACT_MXFP4; PAIRS k pairs per PTX
-        invocation) and put it in :func:`_swap_k_order`, which A_LAYOUT holds by renaming registers."""
+        invocation) and put it in :func:`_swap_k_order`, which A_LAYOUT holds by renaming registers; then, every
+        warp having read the slot, refill it with step i + STAGES."""
         STAGES: gl.constexpr = x_bufs.type.shape[0]
         BM: gl.constexpr = x_bufs.type.shape[2]
         BK: gl.constexpr = x_bufs.type.shape[3]
@@ -325,7 +327,11 @@ if not IMPORT_ERROR and not _INTERPRETED:
         v = x_bufs.index(i % STAGES).reshape([BM, BK]).load(X_LAYOUT)
         if ACT_MXFP4:
             v = mxfp4_even_round_trip(v, BM, BK, False, PAIRS)
-        return gl.convert_layout(_swap_k_order(v), A_LAYOUT)
+        a = gl.convert_layout(_swap_k_order(v), A_LAYOUT)
+        gl.thread_barrier()  # every warp has read slot i
+        if i + STAGES < steps:
+            _load_step(x_desc, None, x_bufs, None, ready, i + STAGES, pid, M, N, SPLITS, K, BN, True)
+        return a
 
     @gluon.jit
     def _xreg_loop(acc, column, x_desc, y_desc, x_bufs, w_bufs, y_buf, ready, steps, pid, M, N, SPLITS,
@@ -338,7 +344,6 @@ if not IMPORT_ERROR and not _INTERPRETED:
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
         KSTEPS: gl.constexpr = K // BK
-        STAGES: gl.constexpr = x_bufs.type.shape[0]
         A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
         codes, scales = _load_column(column, N, BN, BK, K, 16, DECODE_LAYOUT)
         for kk in gl.static_range(KSTEPS):
@@ -346,19 +351,15 @@ if not IMPORT_ERROR and not _INTERPRETED:
         fence_async_shared()
         gl.thread_barrier()
         if steps > 0:
-            a = _x_operand(x_bufs, ready, 0, X_LAYOUT, A_LAYOUT, ACT_MXFP4, PAIRS)
-            gl.thread_barrier()  # every warp has read slot 0
-            if STAGES < steps:
-                _load_step(x_desc, None, x_bufs, None, ready, STAGES, pid, M, N, SPLITS, K, BN, True)
+            a = _x_operand(x_desc, x_bufs, ready, 0, steps, pid, M, N, SPLITS, K, BN, X_LAYOUT, A_LAYOUT, ACT_MXFP4,
+                           PAIRS)  # fmt: skip
             for i in range(steps):
                 ws = w_bufs.index(i % KSTEPS).reshape([BN, BK])
                 acc = warpgroup_mma(a, ws.permute((1, 0)), acc, use_acc=(i % KSTEPS) != 0, is_async=True)
                 a_next = a
                 if i + 1 < steps:
-                    a_next = _x_operand(x_bufs, ready, i + 1, X_LAYOUT, A_LAYOUT, ACT_MXFP4, PAIRS)
-                    gl.thread_barrier()  # every warp has read slot i + 1
-                    if i + 1 + STAGES < steps:
-                        _load_step(x_desc, None, x_bufs, None, ready, i + 1 + STAGES, pid, M, N, SPLITS, K, BN, True)
+                    a_next = _x_operand(x_desc, x_bufs, ready, i + 1, steps, pid, M, N, SPLITS, K, BN, X_LAYOUT,
+                                        A_LAYOUT, ACT_MXFP4, PAIRS)  # fmt: skip
                 acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
                 if i % KSTEPS == KSTEPS - 1:
                     b, m0, n0 = _tile(i // KSTEPS, pid, M, N, SPLITS, BM, BN)
@@ -772,7 +773,7 @@ def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1)
     """The compile-time arguments of a launch of ``p`` (``num_warps`` and, with WS, ``maxnreg`` included: the
     registers of ``programs_per_sm`` programs' warps share a multiprocessor's 65536)."""
     swap, xreg = p.schedule == "swap", p.schedule == "xreg"
-    ws = ((p.ws and act_mxfp4) or swap) and not xreg
+    ws = (p.ws and act_mxfp4) or swap  # never for xreg: plan() makes its plans without rounding warps
     rounding, decoding = _register_layouts(p.block_m, p.block_n, p.block_k, p.num_warps,
                                            p.round_warps if ws else p.num_warps)  # fmt: skip
     if xreg:
