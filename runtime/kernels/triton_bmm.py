@@ -387,16 +387,23 @@ _TUNED = {
 }
 
 
+FEW_LARGE_TILES = 64  # at most this many 128 x 256 tiles above 256 rows: a GLM shape keeps its 256-row config
+
+
 def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
     """Kernel and tiles by M bucket (16, 32, 64, 256, larger), measured on an H200 (BENCHMARKS.md): the tuned GLM
-    shapes first, then general rules; above 256 rows :func:`_large_m`. ``wide``: enough 64-column tiles
-    (B * N / 64 >= 256) to fill the GPU with one-tile programs."""
+    shapes first, then general rules; above 256 rows :func:`_large_m`, unless its 128 x 256 tiles would number at
+    most :data:`FEW_LARGE_TILES` (fewer than half of the H200's 132 multiprocessors: few heads, as at 8 per
+    rank, and up to about a thousand tokens), where a GLM shape keeps its 256-row config, whose 64-row tiles
+    give four times the programs. ``wide``: enough 64-column tiles (B * N / 64 >= 256) to fill the GPU with
+    one-tile programs."""
     if _INTERPRETED:
         return BmmConfig(16 if M <= 16 else 32, 32 if N <= 32 else 64, _block_k(K, 64), 4, 1, 2)
     bk = _block_k(K, 64)
     wide = B * triton.cdiv(N, 64) >= 256
+    few_large_tiles = B * triton.cdiv(N, 256) * triton.cdiv(M, 128) <= FEW_LARGE_TILES
     for bucket in (16, 32, 64, 256):
-        if M <= bucket and (N, K, wide, bucket) in _TUNED:
+        if (M <= bucket or (bucket == 256 and few_large_tiles)) and (N, K, wide, bucket) in _TUNED:
             return _TUNED[(N, K, wide, bucket)]
     if M <= 16:
         return BmmConfig(16, 64, _block_k(K, 128), 4, 2, 0) if wide else BmmConfig(16, 32, bk, 4, 2, 1)

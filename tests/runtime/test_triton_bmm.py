@@ -273,9 +273,27 @@ def test_default_config_takes_the_first_bucket_that_holds_the_rows(monkeypatch):
     assert tb.default_config(16, 16, 256, 512) == tb._TUNED[key(16)]
     assert tb.default_config(16, 17, 256, 512) == tb.default_config(16, 32, 256, 512) == tb._TUNED[key(32)]
     assert tb.default_config(16, 33, 256, 512) == tb.default_config(16, 64, 256, 512) == tb._TUNED[key(64)]
-    assert tb.default_config(16, 257, 256, 512) == tb._large_m(512, 16 * 257)
+    assert tb.default_config(16, 513, 256, 512) == tb._large_m(512, 16 * 513)
     monkeypatch.delitem(tb._TUNED, key(32))
     assert tb.default_config(16, 20, 256, 512) == tb._TUNED[key(64)]
+
+
+def test_few_large_tiles_keep_the_256_row_config(monkeypatch):
+    """Above 256 rows a GLM shape keeps its 256-row entry while the large-M tiles (128 x 256) would number at most
+    FEW_LARGE_TILES: V-up at 8 heads (GLM at TP 8) up to 1024 tokens (8 x 1 x 8 = 64 tiles), not from 1025 (72);
+    K-up at 8 heads up to 512 (8 x 2 x 4 = 64); 16 heads of V-up up to 512. Shapes without a tuned entry keep
+    the large-M rule."""
+    monkeypatch.setattr(tb, "_INTERPRETED", False)
+    vup, kup192, kup256 = (256, 512, False, 256), (512, 192, False, 256), (512, 256, False, 256)
+    assert tb.FEW_LARGE_TILES == 64
+    assert tb.default_config(8, 300, 256, 512) == tb.default_config(8, 1024, 256, 512) == tb._TUNED[vup]
+    assert tb.default_config(8, 1025, 256, 512) == tb._large_m(512, 8 * 1025)
+    assert tb.default_config(16, 512, 256, 512) == tb._TUNED[vup]
+    assert tb.default_config(8, 512, 512, 192) == tb._TUNED[kup192]
+    assert tb.default_config(8, 513, 512, 192) == tb._large_m(192, 8 * 513)
+    assert tb.default_config(1, 4096, 512, 256) == tb._TUNED[kup256]  # 1 x 2 x 32 = 64
+    assert tb.default_config(5, 300, 512, 256) == tb._TUNED[kup256]
+    assert tb.default_config(2, 2048, 96, 64) == tb._large_m(64, 2 * 2048)  # no tuned entry
 
 
 @gpu_only
@@ -294,6 +312,23 @@ def test_tuned_glm_defaults_match_reference_on_gpu(key):
             _, out = poisoned_out(M, B, N)
             tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out)
             assert_close_to_reference(out, x, codes, scales, act_quant)
+
+
+@gpu_only
+@pytest.mark.parametrize("B, M", [(8, 1024), (5, 300)])
+@pytest.mark.parametrize("op", [(512, 192), (512, 256), (256, 512)], ids=["kup192", "kup256", "vup"])
+def test_few_large_tile_defaults_match_reference_on_gpu(op, B, M):
+    """The 256-row configs that few-head calls above 256 rows keep (:data:`FEW_LARGE_TILES`), at GLM's shapes
+    over several of their M tiles (ragged at 300 rows), through the runtime's strided views: the reference's
+    result, every element written."""
+    N, K = op
+    assert tb.default_config(B, M, N, K) == tb._TUNED[(N, K, False, 256)]
+    codes, scales = weights(B, N, K, seed=M + N)
+    x = activations(M, B, K, seed=K + B, row=576)
+    for act_quant in ("mxfp4", "none"):
+        _, out = poisoned_out(M, B, N)
+        tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out)
+        assert_close_to_reference(out, x, codes, scales, act_quant)
 
 
 @gpu_only
