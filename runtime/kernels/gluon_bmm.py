@@ -201,6 +201,21 @@ if not IMPORT_ERROR and not _INTERPRETED:
         return codes, scales
 
     @gluon.jit
+    def _decode_column(w_bufs, codes, scales, SWAP: gl.constexpr):
+        """Decode a whole weight column (:func:`_load_column`'s codes and scales, one tile per K step) into the
+        slots of ``w_bufs`` (``[KSTEPS, 1, BN, BK]`` bf16), with SWAP in :func:`_swap_k_order`, and make the
+        stores visible to every MMA warp's (async-proxy) reads."""
+        BN: gl.constexpr = w_bufs.type.shape[2]
+        BK: gl.constexpr = w_bufs.type.shape[3]
+        for kk in gl.static_range(len(codes)):
+            w = _e2m1_dequant_ptx(codes[kk], scales[kk])
+            if SWAP:
+                w = _swap_k_order(w)
+            w_bufs.index(kk).reshape([BN, BK]).store(w)
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
     def _swap_k_order(v):
         """``[R, BK]`` in k order -> the swap schedule's order: k = t * BK/4 + 2j + e (t < 4, e < 2) moves to
         8j + 2t + e. In the wgmma A-operand layout (bf16) lane t of each quad holds k 2t, 2t + 1 of every 8, so
@@ -293,10 +308,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
             codes, scales = _load_column(column, N, BN, BK, K, 16, DECODE_LAYOUT)
         first = 0
         if DECODE and DECODE_FIRST:
-            for kk in gl.static_range(KSTEPS):
-                w_bufs.index(kk).reshape([BN, BK]).store(_e2m1_dequant_ptx(codes[kk], scales[kk]))
-            fence_async_shared()
-            gl.thread_barrier()
+            _decode_column(w_bufs, codes, scales, False)
         elif DECODE:
             if steps > 0:
                 for kk in gl.static_range(KSTEPS):
@@ -346,10 +358,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
         KSTEPS: gl.constexpr = K // BK
         A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
         codes, scales = _load_column(column, N, BN, BK, K, 16, DECODE_LAYOUT)
-        for kk in gl.static_range(KSTEPS):
-            w_bufs.index(kk).reshape([BN, BK]).store(_swap_k_order(_e2m1_dequant_ptx(codes[kk], scales[kk])))
-        fence_async_shared()
-        gl.thread_barrier()
+        _decode_column(w_bufs, codes, scales, True)
         if steps > 0:
             a = _x_operand(x_desc, x_bufs, ready, 0, steps, pid, M, N, SPLITS, K, BN, X_LAYOUT, A_LAYOUT, ACT_MXFP4,
                            PAIRS)  # fmt: skip
