@@ -358,60 +358,80 @@ def _block_k(K: int, cap: int) -> int:
 
 _C = BmmConfig
 # Per-shape winners of H200 sweeps for GLM's K-up (N=512, K=192/256) and V-up (N=256, K=512), T <= 256,
-# keyed (N, K, wide, M bucket) (BENCHMARKS.md); a bucket without an entry takes the next one's.
+# keyed (N, K, heads class, M bucket) (BENCHMARKS.md, classes: :func:`heads_class`); a bucket without an entry
+# takes the "narrow" one's for "few" heads, then the next bucket's.
 _TUNED = {
-    (512, 192, False, 16): _C(16, 32, 64, 2, 3, 0),
-    (512, 192, True, 16): _C(16, 64, 64, 4, 1, 0),
-    (512, 256, False, 16): _C(16, 64, 256, 4, 2, 0),
-    (512, 256, True, 16): _C(16, 128, 256, 4, 2, 0),
-    (256, 512, False, 16): _C(16, 64, 512, 4, 1, 0),
-    (256, 512, True, 16): _C(16, 64, 512, 4, 1, 0),
-    (512, 192, False, 32): _C(32, 64, 64, 4, 1, 0, wgmma="swap"),
-    (512, 192, True, 32): _C(32, 128, 64, 8, 1, 0, wgmma="swap"),
-    (512, 256, False, 32): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
-    (512, 256, True, 32): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
-    (256, 512, False, 32): _C(16, 64, 512, 4, 1, 0),
-    (256, 512, True, 32): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
-    (512, 192, False, 64): _C(64, 64, 64, 4, 3, 0, wgmma="decode", ws=True),
-    (512, 192, True, 64): _C(64, 128, 64, 8, 1, 0, wgmma="swap"),
-    (512, 256, False, 64): _C(32, 128, 256, 8, 1, 0, wgmma="swap"),
-    (512, 256, True, 64): _C(64, 256, 128, 16, 1, 0, wgmma="swap"),
-    (256, 512, False, 64): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
-    (256, 512, True, 64): _C(64, 128, 128, 8, 1, 0, wgmma="swap"),
-    (512, 192, False, 256): _C(64, 128, 64, 4, 3, 0, wgmma="decode", ws=True),
-    (512, 192, True, 256): _C(64, 128, 64, 4, 3, 0, wgmma="decode", ws=True),
-    (512, 256, False, 256): _C(64, 128, 256, 4, 3, 0, wgmma="decode", ws=True),
-    (512, 256, True, 256): _C(128, 256, 64, 8, 3, 0, wgmma="decode", ws=True),
-    (256, 512, False, 256): _C(64, 128, 256, 8, 1, 0, wgmma="swap", round_warps=8),
-    (256, 512, True, 256): _C(64, 128, 128, 4, 3, 0, wgmma="decode", ws=True),
+    (512, 192, "narrow", 16): _C(16, 32, 64, 2, 3, 0),
+    (512, 192, "wide", 16): _C(16, 64, 64, 4, 1, 0),
+    (512, 256, "narrow", 16): _C(16, 64, 256, 4, 2, 0),
+    (512, 256, "wide", 16): _C(16, 128, 256, 4, 2, 0),
+    (256, 512, "few", 16): _C(16, 32, 512, 4, 1, 0),
+    (256, 512, "narrow", 16): _C(16, 64, 512, 4, 1, 0),
+    (256, 512, "wide", 16): _C(16, 64, 512, 4, 1, 0),
+    (512, 192, "narrow", 32): _C(32, 64, 64, 4, 1, 0, wgmma="swap"),
+    (512, 192, "wide", 32): _C(32, 128, 64, 8, 1, 0, wgmma="swap"),
+    (512, 256, "narrow", 32): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
+    (512, 256, "wide", 32): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
+    (256, 512, "few", 32): _C(16, 32, 512, 4, 1, 0),
+    (256, 512, "narrow", 32): _C(16, 64, 512, 4, 1, 0),
+    (256, 512, "wide", 32): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
+    (512, 192, "few", 64): _C(32, 64, 64, 4, 1, 0, wgmma="swap"),
+    (512, 192, "narrow", 64): _C(64, 64, 64, 4, 3, 0, wgmma="decode", ws=True),
+    (512, 192, "wide", 64): _C(64, 128, 64, 8, 1, 0, wgmma="swap"),
+    (512, 256, "few", 64): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
+    (512, 256, "narrow", 64): _C(32, 128, 256, 8, 1, 0, wgmma="swap"),
+    (512, 256, "wide", 64): _C(64, 256, 128, 16, 1, 0, wgmma="swap"),
+    (256, 512, "few", 64): _C(16, 64, 512, 4, 1, 0),
+    (256, 512, "narrow", 64): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
+    (256, 512, "wide", 64): _C(64, 128, 128, 8, 1, 0, wgmma="swap"),
+    (512, 192, "narrow", 256): _C(64, 128, 64, 4, 3, 0, wgmma="decode", ws=True),
+    (512, 192, "wide", 256): _C(64, 128, 64, 4, 3, 0, wgmma="decode", ws=True),
+    (512, 256, "few", 256): _C(64, 128, 128, 8, 1, 0, wgmma="swap", round_warps=8),
+    (512, 256, "narrow", 256): _C(64, 128, 256, 4, 3, 0, wgmma="decode", ws=True),
+    (512, 256, "wide", 256): _C(128, 256, 64, 8, 3, 0, wgmma="decode", ws=True),
+    (256, 512, "few", 256): _C(64, 64, 256, 4, 1, 0, wgmma="swap", round_warps=8),
+    (256, 512, "narrow", 256): _C(64, 128, 256, 8, 1, 0, wgmma="swap", round_warps=8),
+    (256, 512, "wide", 256): _C(64, 128, 128, 4, 3, 0, wgmma="decode", ws=True),
 }
 
 
+FEW_HEADS = 8  # at most this many batches (heads a rank: GLM's 64 at tensor parallelism 8) take the "few" entries
 FEW_LARGE_TILES = 64  # at most this many 128 x 256 tiles above 256 rows: a GLM shape keeps its 256-row config
+
+
+def heads_class(B: int, N: int) -> str:
+    """Which tuned entries B batches (heads) of N output columns take: ``"wide"`` with enough 64-column tiles
+    (B * N / 64 >= 256) to fill the GPU with one-tile programs (K-up from 32 heads, V-up from 64), ``"few"`` with at
+    most :data:`FEW_HEADS` (8 heads: smaller tiles for as many programs), else ``"narrow"`` (16 heads)."""
+    if B * triton.cdiv(N, 64) >= 256:
+        return "wide"
+    return "few" if B <= FEW_HEADS else "narrow"
 
 
 def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
     """Kernel and tiles by M bucket (16, 32, 64, 256, larger), measured on an H200 (BENCHMARKS.md): the tuned GLM
-    shapes first, then general rules; above 256 rows :func:`_large_m`, unless its 128 x 256 tiles would number at
-    most :data:`FEW_LARGE_TILES` (fewer than half of the H200's 132 multiprocessors: few heads, as at 8 per
-    rank, and up to about a thousand tokens), where a GLM shape keeps its 256-row config, whose 64-row tiles
-    give four times the programs. ``wide``: enough 64-column tiles (B * N / 64 >= 256) to fill the GPU with
-    one-tile programs."""
+    shapes first (by :func:`heads_class`), then general rules; above 256 rows :func:`_large_m`, unless its 128 x
+    256 tiles would number at most :data:`FEW_LARGE_TILES` (fewer than half of the H200's 132 multiprocessors:
+    few heads, as at 8 per rank, and up to about a thousand tokens), where a GLM shape keeps its "narrow" 256-row
+    config, whose 64-row tiles give four times the programs."""
     if _INTERPRETED:
         return BmmConfig(16 if M <= 16 else 32, 32 if N <= 32 else 64, _block_k(K, 64), 4, 1, 2)
-    bk = _block_k(K, 64)
-    wide = B * triton.cdiv(N, 64) >= 256
-    few_large_tiles = B * triton.cdiv(N, 256) * triton.cdiv(M, 128) <= FEW_LARGE_TILES
+    if M > 256:
+        narrow = (N, K, "narrow", 256)
+        few_large_tiles = B * triton.cdiv(N, 256) * triton.cdiv(M, 128) <= FEW_LARGE_TILES
+        return _TUNED[narrow] if few_large_tiles and narrow in _TUNED else _large_m(K, B * M)
+    spread = heads_class(B, N)
+    classes = (spread, "narrow") if spread == "few" else (spread,)
     for bucket in (16, 32, 64, 256):
-        if (M <= bucket or (bucket == 256 and few_large_tiles)) and (N, K, wide, bucket) in _TUNED:
-            return _TUNED[(N, K, wide, bucket)]
+        for key in ((N, K, c, bucket) for c in classes):
+            if M <= bucket and key in _TUNED:
+                return _TUNED[key]
+    bk = _block_k(K, 64)
     if M <= 16:
-        return BmmConfig(16, 64, _block_k(K, 128), 4, 2, 0) if wide else BmmConfig(16, 32, bk, 4, 2, 1)
+        return BmmConfig(16, 64, _block_k(K, 128), 4, 2, 0) if spread == "wide" else BmmConfig(16, 32, bk, 4, 2, 1)
     if M <= 64:
         return BmmConfig(64, 64, bk, 4, 2, 1)
-    if M <= 256:
-        return BmmConfig(64, 128, bk, 4, 3, 0)
-    return _large_m(K, B * M)
+    return BmmConfig(64, 128, bk, 4, 3, 0)
 
 
 XREG_MIN_ROWS = 16384  # B * M above which K-up 256 takes xreg: 64 heads from 257 tokens, 16 from 1025 (H200 tie)

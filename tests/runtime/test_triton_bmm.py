@@ -268,7 +268,7 @@ def test_default_config_takes_the_first_bucket_that_holds_the_rows(monkeypatch):
     monkeypatch.setattr(tb, "_INTERPRETED", False)
 
     def key(bucket):
-        return 256, 512, False, bucket
+        return 256, 512, "narrow", bucket
 
     assert tb.default_config(16, 16, 256, 512) == tb._TUNED[key(16)]
     assert tb.default_config(16, 17, 256, 512) == tb.default_config(16, 32, 256, 512) == tb._TUNED[key(32)]
@@ -282,9 +282,9 @@ def test_few_large_tiles_keep_the_256_row_config(monkeypatch):
     """Above 256 rows a GLM shape keeps its 256-row entry while the large-M tiles (128 x 256) would number at most
     FEW_LARGE_TILES: V-up at 8 heads (GLM at TP 8) up to 1024 tokens (8 x 1 x 8 = 64 tiles), not from 1025 (72);
     K-up at 8 heads up to 512 (8 x 2 x 4 = 64); 16 heads of V-up up to 512. Shapes without a tuned entry keep
-    the large-M rule."""
+    the large-M rule. Above 256 rows the "narrow" entry is kept at 8 heads too, not the "few" one."""
     monkeypatch.setattr(tb, "_INTERPRETED", False)
-    vup, kup192, kup256 = (256, 512, False, 256), (512, 192, False, 256), (512, 256, False, 256)
+    vup, kup192, kup256 = (256, 512, "narrow", 256), (512, 192, "narrow", 256), (512, 256, "narrow", 256)
     assert tb.default_config(8, 300, 256, 512) == tb.default_config(8, 1024, 256, 512) == tb._TUNED[vup]
     assert tb.default_config(8, 1025, 256, 512) == tb._large_m(512, 8 * 1025)
     assert tb.default_config(16, 512, 256, 512) == tb._TUNED[vup]
@@ -293,6 +293,24 @@ def test_few_large_tiles_keep_the_256_row_config(monkeypatch):
     assert tb.default_config(1, 4096, 512, 256) == tb._TUNED[kup256]  # 1 x 2 x 32 = 64
     assert tb.default_config(5, 300, 512, 256) == tb._TUNED[kup256]
     assert tb.default_config(2, 2048, 96, 64) == tb._large_m(64, 2 * 2048)  # no tuned entry
+
+
+def test_few_heads_take_their_entries_then_the_narrow_ones(monkeypatch):
+    """Up to FEW_HEADS (8) heads a GLM shape takes its "few" entry for the rows' bucket where there is one, else
+    the "narrow" (16-head) entry of the same bucket, not the next bucket's; from 9 heads the "narrow" ones."""
+    monkeypatch.setattr(tb, "_INTERPRETED", False)
+    assert [tb.heads_class(B, 512) for B in (1, 8, 9, 31, 32)] == ["few", "few", "narrow", "narrow", "wide"]
+    assert [tb.heads_class(B, 256) for B in (8, 9, 63, 64)] == ["few", "narrow", "narrow", "wide"]
+    for B in (1, 4, 8):
+        assert tb.default_config(B, 64, 512, 192) == tb._TUNED[(512, 192, "few", 64)]
+        assert tb.default_config(B, 16, 512, 192) == tb._TUNED[(512, 192, "narrow", 16)]  # no "few" 16-row entry
+        assert tb.default_config(B, 200, 512, 192) == tb._TUNED[(512, 192, "narrow", 256)]
+        assert tb.default_config(B, 1, 256, 512) == tb._TUNED[(256, 512, "few", 16)]
+        assert tb.default_config(B, 65, 256, 512) == tb._TUNED[(256, 512, "few", 256)]
+        assert tb.default_config(B, 256, 512, 256) == tb._TUNED[(512, 256, "few", 256)]
+    assert tb.default_config(9, 64, 512, 192) == tb._TUNED[(512, 192, "narrow", 64)]
+    assert tb.default_config(9, 1, 256, 512) == tb._TUNED[(256, 512, "narrow", 16)]
+    assert tb._TUNED[(256, 512, "few", 16)] != tb._TUNED[(256, 512, "narrow", 16)]
 
 
 def assert_default_matches_reference(B: int, M: int, N: int, K: int) -> None:
@@ -309,11 +327,11 @@ def assert_default_matches_reference(B: int, M: int, N: int, K: int) -> None:
 @gpu_only
 @pytest.mark.parametrize("key", sorted(tb._TUNED))
 def test_tuned_glm_defaults_match_reference_on_gpu(key):
-    """Each tuned default at a GLM shape that selects it (16 or 64 heads; rows at the top of its bucket and one
+    """Each tuned default at a GLM shape that selects it (8, 16 or 64 heads; rows at the top of its bucket and one
     below, so a tile is ragged), through the runtime's strided views: the reference's result, every element
     written."""
-    N, K, wide, bucket = key
-    B = 64 if wide else 16
+    N, K, spread, bucket = key
+    B = {"few": 8, "narrow": 16, "wide": 64}[spread]
     for M in (bucket, bucket - 3):
         assert tb.default_config(B, M, N, K) == tb._TUNED[key]
         assert_default_matches_reference(B, M, N, K)
@@ -327,7 +345,7 @@ def test_few_large_tile_defaults_match_reference_on_gpu(op, B, M):
     over several of their M tiles (ragged at 300 rows), through the runtime's strided views: the reference's
     result, every element written."""
     N, K = op
-    assert tb.default_config(B, M, N, K) == tb._TUNED[(N, K, False, 256)]
+    assert tb.default_config(B, M, N, K) == tb._TUNED[(N, K, "narrow", 256)]
     assert_default_matches_reference(B, M, N, K)
 
 
