@@ -262,9 +262,10 @@ def test_glm_shapes_on_gpu_all_kernels(op, T):
 
 
 def test_default_config_takes_the_first_bucket_that_holds_the_rows(monkeypatch):
-    """Buckets of 16, 32, 64 and 256 rows: V-up at 16 heads takes its 16-row entry up to 16 rows, the 32-row one
-    from 17 to 32, the 64-row one from 33, the large-M rule above 256; a bucket without an entry for the shape
-    takes the next one's (here with the 32-row entry removed). Compiled-kernel defaults, as on a GPU."""
+    """Buckets of 16, 32, 64, 128 and 256 rows: V-up at 16 heads takes its 16-row entry up to 16 rows, the 32-row
+    one from 17 to 32, the 64-row one from 33, the 256-row one from 65 (no 128-row entry), the large-M rule above
+    256; a bucket without an entry for the shape takes the next one's (here with the 32-row entry removed).
+    Compiled-kernel defaults, as on a GPU."""
     monkeypatch.setattr(tb, "_INTERPRETED", False)
 
     def key(bucket):
@@ -273,16 +274,17 @@ def test_default_config_takes_the_first_bucket_that_holds_the_rows(monkeypatch):
     assert tb.default_config(16, 16, 256, 512) == tb._TUNED[key(16)]
     assert tb.default_config(16, 17, 256, 512) == tb.default_config(16, 32, 256, 512) == tb._TUNED[key(32)]
     assert tb.default_config(16, 33, 256, 512) == tb.default_config(16, 64, 256, 512) == tb._TUNED[key(64)]
+    assert tb.default_config(16, 65, 256, 512) == tb.default_config(16, 256, 256, 512) == tb._TUNED[key(256)]
     assert tb.default_config(16, 513, 256, 512) == tb._large_m(512, 16 * 513)
     monkeypatch.delitem(tb._TUNED, key(32))
     assert tb.default_config(16, 20, 256, 512) == tb._TUNED[key(64)]
 
 
 def test_few_large_tiles_keep_the_256_row_config(monkeypatch):
-    """Above 256 rows a GLM shape keeps its 256-row entry while the large-M tiles (128 x 256) would number at most
-    FEW_LARGE_TILES: V-up at 8 heads (GLM at TP 8) up to 1024 tokens (8 x 1 x 8 = 64 tiles), not from 1025 (72);
-    K-up at 8 heads up to 512 (8 x 2 x 4 = 64); 16 heads of V-up up to 512. Shapes without a tuned entry keep
-    the large-M rule. Above 256 rows the "narrow" entry is kept at 8 heads too, not the "few" one."""
+    """Above 256 rows a GLM shape keeps its "narrow" 256-row entry while the large-M tiles (128 x 256) would number
+    at most FEW_LARGE_TILES: V-up at 8 heads (GLM at TP 8) up to 1024 tokens (8 x 1 x 8 = 64 tiles), not from 1025
+    (72); K-up at 8 heads up to 512 (8 x 2 x 4 = 64); 16 heads of V-up up to 512; 5 heads x 600 tokens (375 rows
+    as 8 heads, 50 tiles). Shapes without a tuned entry keep the large-M rule."""
     monkeypatch.setattr(tb, "_INTERPRETED", False)
     vup, kup192, kup256 = (256, 512, "narrow", 256), (512, 192, "narrow", 256), (512, 256, "narrow", 256)
     assert tb.default_config(8, 300, 256, 512) == tb.default_config(8, 1024, 256, 512) == tb._TUNED[vup]
@@ -290,27 +292,32 @@ def test_few_large_tiles_keep_the_256_row_config(monkeypatch):
     assert tb.default_config(16, 512, 256, 512) == tb._TUNED[vup]
     assert tb.default_config(8, 512, 512, 192) == tb._TUNED[kup192]
     assert tb.default_config(8, 513, 512, 192) == tb._large_m(192, 8 * 513)
-    assert tb.default_config(1, 4096, 512, 256) == tb._TUNED[kup256]  # 1 x 2 x 32 = 64
-    assert tb.default_config(5, 300, 512, 256) == tb._TUNED[kup256]
+    assert tb.default_config(1, 4096, 512, 256) == tb._TUNED[kup256]  # 512 rows as 8 heads; 1 x 2 x 32 = 64 tiles
+    assert tb.default_config(5, 600, 512, 256) == tb._TUNED[kup256]
     assert tb.default_config(2, 2048, 96, 64) == tb._large_m(64, 2 * 2048)  # no tuned entry
 
 
-def test_few_heads_take_their_entries_then_the_narrow_ones(monkeypatch):
-    """Up to FEW_HEADS (8) heads a GLM shape takes its "few" entry for the rows' bucket where there is one, else
-    the "narrow" (16-head) entry of the same bucket, not the next bucket's; from 9 heads the "narrow" ones."""
+def test_few_heads_take_their_entries_by_rows_as_eight_heads(monkeypatch):
+    """Up to FEW_HEADS (8) heads a GLM shape's bucket is that of ``B * M / 8`` rows (the 8-head call with as many
+    one-tile programs), where it takes its "few" entry, else the "narrow" (16-head) one of the same bucket, not
+    the next bucket's; from 9 heads the "narrow" entries by M."""
     monkeypatch.setattr(tb, "_INTERPRETED", False)
     assert [tb.heads_class(B, 512) for B in (1, 8, 9, 31, 32)] == ["few", "few", "narrow", "narrow", "wide"]
     assert [tb.heads_class(B, 256) for B in (8, 9, 63, 64)] == ["few", "narrow", "narrow", "wide"]
-    for B in (1, 4, 8):
-        assert tb.default_config(B, 64, 512, 192) == tb._TUNED[(512, 192, "few", 64)]
-        assert tb.default_config(B, 16, 512, 192) == tb._TUNED[(512, 192, "narrow", 16)]  # no "few" 16-row entry
-        assert tb.default_config(B, 200, 512, 192) == tb._TUNED[(512, 192, "narrow", 256)]
-        assert tb.default_config(B, 1, 256, 512) == tb._TUNED[(256, 512, "few", 16)]
-        assert tb.default_config(B, 65, 256, 512) == tb._TUNED[(256, 512, "few", 256)]
-        assert tb.default_config(B, 256, 512, 256) == tb._TUNED[(512, 256, "few", 256)]
-    assert tb.default_config(9, 64, 512, 192) == tb._TUNED[(512, 192, "narrow", 64)]
-    assert tb.default_config(9, 1, 256, 512) == tb._TUNED[(256, 512, "narrow", 16)]
-    assert tb._TUNED[(256, 512, "few", 16)] != tb._TUNED[(256, 512, "narrow", 16)]
+
+    def entry(N, K, spread, bucket):
+        return tb._TUNED[(N, K, spread, bucket)]
+
+    assert tb.default_config(8, 64, 512, 192) == tb.default_config(4, 128, 512, 192) == entry(512, 192, "few", 64)
+    assert tb.default_config(8, 65, 512, 192) == tb.default_config(1, 1024, 512, 192) == entry(512, 192, "few", 128)
+    assert tb.default_config(8, 129, 512, 192) == tb.default_config(2, 1024, 512, 192) == entry(512, 192, "narrow", 256)
+    assert tb.default_config(8, 16, 512, 192) == tb.default_config(1, 128, 512, 192) == entry(512, 192, "narrow", 16)
+    assert tb.default_config(8, 1, 256, 512) == tb.default_config(2, 128, 256, 512) == entry(256, 512, "few", 16)
+    assert tb.default_config(8, 65, 256, 512) == tb.default_config(1, 2048, 256, 512) == entry(256, 512, "few", 256)
+    assert tb.default_config(8, 256, 512, 256) == tb.default_config(3, 600, 512, 256) == entry(512, 256, "few", 256)
+    assert tb.default_config(9, 64, 512, 192) == entry(512, 192, "narrow", 64)
+    assert tb.default_config(9, 1, 256, 512) == entry(256, 512, "narrow", 16)
+    assert entry(256, 512, "few", 16) != entry(256, 512, "narrow", 16)
 
 
 def assert_default_matches_reference(B: int, M: int, N: int, K: int) -> None:
@@ -338,15 +345,18 @@ def test_tuned_glm_defaults_match_reference_on_gpu(key):
 
 
 @gpu_only
-@pytest.mark.parametrize("B, M", [(4, 1024), (5, 300)])  # 64 and 30 large tiles at K-up, 32 and 15 at V-up
-@pytest.mark.parametrize("op", [(512, 192), (512, 256), (256, 512)], ids=["kup192", "kup256", "vup"])
-def test_few_large_tile_defaults_match_reference_on_gpu(op, B, M):
-    """The 256-row configs that few-head calls above 256 rows keep (:data:`FEW_LARGE_TILES`), at GLM's shapes
-    over several of their M tiles (ragged at 300 rows), through the runtime's strided views: the reference's
-    result, every element written."""
-    N, K = op
-    assert tb.default_config(B, M, N, K) == tb._TUNED[(N, K, "narrow", 256)]
-    assert_default_matches_reference(B, M, N, K)
+@pytest.mark.parametrize(
+    "B, M, keys",
+    [(4, 1024, [("narrow", 256)] * 3), (5, 600, [("narrow", 256)] * 3),
+     (1, 1000, [("few", 128), ("few", 128), ("few", 256)]), (3, 300, [("few", 128), ("few", 128), ("few", 256)])],
+)  # fmt: skip
+def test_few_head_defaults_match_reference_on_gpu(B, M, keys):
+    """The tuned entries that few-head calls take by their rows as 8 heads: the "narrow" 256-row ones above 256 such
+    rows (:data:`FEW_LARGE_TILES`) and the "few" ones below, at GLM's shapes over several M tiles (ragged but for
+    1024 rows), through the runtime's strided views: the reference's result, every element written."""
+    for (N, K), (spread, bucket) in zip([(512, 192), (512, 256), (256, 512)], keys, strict=True):
+        assert tb.default_config(B, M, N, K) == tb._TUNED[(N, K, spread, bucket)]
+        assert_default_matches_reference(B, M, N, K)
 
 
 @gpu_only
