@@ -394,20 +394,41 @@ _TUNED = {
     (256, 512, "few", 256): _C(64, 64, 256, 4, 1, 0, wgmma="swap", round_warps=8),
     (256, 512, "narrow", 256): _C(64, 128, 256, 8, 1, 0, wgmma="swap", round_warps=8),
     (256, 512, "wide", 256): _C(64, 128, 128, 4, 3, 0, wgmma="decode", ws=True),
+    # 32 heads: every bucket (no fallback); the 16- or 64-head entry where it stayed within 2.5% of the sweep's best
+    (512, 192, "half", 16): _C(16, 32, 64, 2, 3, 0),
+    (512, 192, "half", 32): _C(32, 64, 64, 4, 1, 0, wgmma="swap"),
+    (512, 192, "half", 64): _C(64, 128, 64, 8, 1, 0, wgmma="swap"),
+    (512, 192, "half", 128): _C(64, 128, 64, 4, 3, 0, wgmma="decode", ws=True),
+    (512, 192, "half", 256): _C(64, 256, 64, 8, 3, 0, wgmma="decode", ws=True),
+    (512, 256, "half", 16): _C(16, 64, 256, 4, 2, 0),
+    (512, 256, "half", 32): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
+    (512, 256, "half", 64): _C(64, 128, 128, 8, 1, 0, wgmma="swap"),
+    (512, 256, "half", 128): _C(64, 256, 128, 16, 1, 0, wgmma="swap"),
+    (512, 256, "half", 256): _C(64, 128, 256, 4, 3, 0, wgmma="decode", ws=True),
+    (256, 512, "half", 16): _C(16, 64, 512, 4, 1, 0),
+    (256, 512, "half", 32): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
+    (256, 512, "half", 64): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
+    (256, 512, "half", 128): _C(64, 128, 256, 8, 1, 0, wgmma="swap", round_warps=8),
+    (256, 512, "half", 256): _C(64, 128, 128, 4, 3, 0, wgmma="decode", ws=True),
 }
 
 
 FEW_HEADS = 8  # at most this many batches (heads a rank: GLM's 64 at tensor parallelism 8) take the "few" entries
+HALF_HEADS = range(24, 33)  # batches taking the "half" entries (32 heads a rank: GLM's 64 at tensor parallelism 2)
 FEW_LARGE_TILES = 64  # at most this many 128 x 256 tiles above 256 rows: a GLM shape keeps its 256-row config
 
 
 def heads_class(B: int, N: int) -> str:
-    """Which tuned entries B batches (heads) of N output columns take: ``"wide"`` with enough 64-column tiles
-    (B * N / 64 >= 256) to fill the GPU with one-tile programs (K-up from 32 heads, V-up from 64), ``"few"`` with at
-    most :data:`FEW_HEADS` (8 heads: smaller tiles for as many programs), else ``"narrow"`` (16 heads)."""
-    if B * triton.cdiv(N, 64) >= 256:
-        return "wide"
-    return "few" if B <= FEW_HEADS else "narrow"
+    """Which tuned entries B batches (heads) of N output columns take, by the head counts they were measured at:
+    ``"few"`` up to :data:`FEW_HEADS` (8 heads: smaller tiles for as many programs), ``"half"`` in
+    :data:`HALF_HEADS` (32), ``"wide"`` with enough 64-column tiles (B * N / 64 >= 256) to fill the GPU with
+    one-tile programs (64 heads; K-up from 33, V-up from 64), else ``"narrow"`` (16). The "half" one-tile entries
+    launch about 128 programs at 32 heads: from 33 they would need a second wave."""
+    if B <= FEW_HEADS:
+        return "few"
+    if B in HALF_HEADS:
+        return "half"
+    return "wide" if B * triton.cdiv(N, 64) >= 256 else "narrow"
 
 
 def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
