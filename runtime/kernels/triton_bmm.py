@@ -421,14 +421,19 @@ FEW_LARGE_TILES = 64  # at most this many 128 x 256 tiles above 256 rows: a GLM 
 def heads_class(B: int, N: int) -> str:
     """Which tuned entries B batches (heads) of N output columns take, by the head counts they were measured at:
     ``"few"`` up to :data:`FEW_HEADS` (8 heads: smaller tiles for as many programs), ``"half"`` in
-    :data:`HALF_HEADS` (32), ``"wide"`` with enough 64-column tiles (B * N / 64 >= 256) to fill the GPU with
-    one-tile programs (64 heads; K-up from 33, V-up from 64), else ``"narrow"`` (16). The "half" one-tile entries
+    :data:`HALF_HEADS` (32), ``"wide"`` where :func:`_fills_gpu` (64 heads; K-up from 33, V-up from 64), else
+    ``"narrow"`` (16). The "half" one-tile entries
     launch about 128 programs at 32 heads: from 33 they would need a second wave."""
     if B <= FEW_HEADS:
         return "few"
     if B in HALF_HEADS:
         return "half"
-    return "wide" if B * triton.cdiv(N, 64) >= 256 else "narrow"
+    return "wide" if _fills_gpu(B, N) else "narrow"
+
+
+def _fills_gpu(B: int, N: int) -> bool:
+    """Enough 64-column tiles (B * N / 64 >= 256) to fill the GPU with one-tile programs."""
+    return B * triton.cdiv(N, 64) >= 256
 
 
 def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
@@ -453,7 +458,7 @@ def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
         return _TUNED[narrow] if few_large_tiles and narrow in _TUNED else _large_m(K, B * M)
     bk = _block_k(K, 64)
     if M <= 16:
-        return BmmConfig(16, 64, _block_k(K, 128), 4, 2, 0) if spread == "wide" else BmmConfig(16, 32, bk, 4, 2, 1)
+        return BmmConfig(16, 64, _block_k(K, 128), 4, 2, 0) if _fills_gpu(B, N) else BmmConfig(16, 32, bk, 4, 2, 1)
     if M <= 64:
         return BmmConfig(64, 64, bk, 4, 2, 1)
     return BmmConfig(64, 128, bk, 4, 3, 0)
