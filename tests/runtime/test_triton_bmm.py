@@ -322,6 +322,10 @@ def test_heads_classes_and_few_heads_rows_as_eight_heads(monkeypatch):
     assert tb.default_config(9, 64, 512, 192) == entry(512, 192, "narrow", 64)
     assert tb.default_config(9, 1, 256, 512) == entry(256, 512, "narrow", 16)
     assert tb.default_config(32, 100, 512, 256) == entry(512, 256, "half", 128)  # "half": by M, every bucket
+    # shapes without tuned entries: the generic rules by M and their own fill criterion (8 x 2048 / 64 = 256 tiles)
+    assert tb.default_config(8, 16, 2048, 128) == tb.default_config(64, 16, 2048, 128)
+    wide = tb.default_config(8, 16, 2048, 128)
+    assert tb.default_config(8, 16, 1984, 128) == tb.default_config(4, 16, 1984, 128) != wide
     assert entry(256, 512, "few", 16) != entry(256, 512, "narrow", 16)
 
 
