@@ -357,9 +357,10 @@ def _block_k(K: int, cap: int) -> int:
 
 
 _C = BmmConfig
-# Per-shape winners of H200 sweeps and A/B runs for GLM's K-up (N=512, K=192/256) and V-up (N=256, K=512), T <= 256,
-# keyed (N, K, heads class, rows bucket) (BENCHMARKS.md; :func:`heads_class`, rows: :func:`default_config`); a
-# bucket without an entry takes the "narrow" one's for "few" heads, then the next bucket's.
+# Per-shape winners of H200 sweeps and A/B runs for GLM's K-up (N=512, K=192/256) and V-up (N=256, K=512), T <= 256
+# (V-up with few heads: up to 1024 rows as 8 heads), keyed (N, K, heads class, rows bucket) (BENCHMARKS.md;
+# :func:`heads_class`, rows: :func:`default_config`); a bucket without an entry takes the "narrow" one's for "few"
+# heads, then the next bucket's.
 _TUNED = {
     (512, 192, "narrow", 16): _C(16, 32, 64, 2, 3, 0),
     (512, 192, "wide", 16): _C(16, 64, 64, 4, 1, 0),
@@ -392,6 +393,8 @@ _TUNED = {
     (512, 256, "narrow", 256): _C(64, 128, 256, 4, 3, 0, wgmma="decode", ws=True),
     (512, 256, "wide", 256): _C(128, 256, 64, 8, 3, 0, wgmma="decode", ws=True),
     (256, 512, "few", 256): _C(64, 64, 256, 4, 1, 0, wgmma="swap", round_warps=8),
+    (256, 512, "few", 512): _C(64, 128, 256, 8, 1, 0, wgmma="swap", round_warps=8),
+    (256, 512, "few", 1024): _C(64, 128, 128, 4, 3, 0, wgmma="decode", ws=True),
     (256, 512, "narrow", 256): _C(64, 128, 256, 8, 1, 0, wgmma="swap", round_warps=8),
     (256, 512, "wide", 256): _C(64, 128, 128, 4, 3, 0, wgmma="decode", ws=True),
     # 32 heads: every bucket (no fallback); the 16- or 64-head entry where it stayed within 2.5% of the sweep's best
@@ -437,18 +440,19 @@ def _fills_gpu(B: int, N: int) -> bool:
 
 
 def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
-    """Kernel and tiles by rows bucket (16, 32, 64, 128, 256, larger), measured on an H200 (BENCHMARKS.md): the
-    tuned GLM shapes first (by :func:`heads_class`; with "few" heads the rows are ``B * M / FEW_HEADS``, those of
-    the 8-head call launching as many one-tile programs), then general rules; above 256 rows :func:`_large_m`,
-    unless its 128 x 256 tiles would number at most :data:`FEW_LARGE_TILES` (fewer than half of the H200's 132
-    multiprocessors: few heads, as at 8 per rank, and up to about a thousand tokens), where a GLM shape keeps its
-    "narrow" 256-row config, whose 64-row tiles give four times the programs."""
+    """Kernel and tiles by rows bucket (16, 32, 64, 128, 256, 512, 1024, larger), measured on an H200
+    (BENCHMARKS.md): the tuned GLM shapes first (by :func:`heads_class`; with "few" heads the rows are ``B * M /
+    FEW_HEADS``, those of the 8-head call launching as many one-tile programs), then general rules; above 256 rows
+    (and the tuned buckets) :func:`_large_m`, unless its 128 x 256 tiles would number at most
+    :data:`FEW_LARGE_TILES` (fewer than half of the H200's 132 multiprocessors: few heads, as at 8 per rank, and up
+    to about a thousand tokens), where a GLM shape keeps its "narrow" 256-row config, whose 64-row tiles give four
+    times the programs."""
     if _INTERPRETED:
         return BmmConfig(16 if M <= 16 else 32, 32 if N <= 32 else 64, _block_k(K, 64), 4, 1, 2)
     spread = heads_class(B, N)
     rows = triton.cdiv(B * M, FEW_HEADS) if spread == "few" else M
     classes = (spread, "narrow") if spread == "few" else (spread,)
-    for bucket in (16, 32, 64, 128, 256):
+    for bucket in (16, 32, 64, 128, 256, 512, 1024):
         for key in ((N, K, c, bucket) for c in classes):
             if rows <= bucket and key in _TUNED:
                 return _TUNED[key]

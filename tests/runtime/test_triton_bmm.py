@@ -282,12 +282,15 @@ def test_default_config_takes_the_first_bucket_that_holds_the_rows(monkeypatch):
 
 def test_few_large_tiles_keep_the_256_row_config(monkeypatch):
     """Above 256 rows a GLM shape keeps its "narrow" 256-row entry while the large-M tiles (128 x 256) would number
-    at most FEW_LARGE_TILES: V-up at 8 heads (GLM at TP 8) up to 1024 tokens (8 x 1 x 8 = 64 tiles), not from 1025
-    (72); K-up at 8 heads up to 512 (8 x 2 x 4 = 64); 16 heads of V-up up to 512; 5 heads x 600 tokens (375 rows
-    as 8 heads, 50 tiles). Shapes without a tuned entry keep the large-M rule."""
+    at most FEW_LARGE_TILES: K-up at 8 heads (GLM at TP 8) up to 512 tokens (8 x 2 x 4 = 64 tiles), not from 513;
+    16 heads of V-up up to 512; 5 heads x 600 tokens of K-up (375 rows as 8 heads, 50 tiles). V-up at 8 heads has
+    "few" entries up to 1024 rows as 8 heads (8 x 1 x 8 = 64 tiles), then the large-M rule from 1025 (72). Shapes
+    without a tuned entry keep the large-M rule."""
     monkeypatch.setattr(tb, "_INTERPRETED", False)
     vup, kup192, kup256 = (256, 512, "narrow", 256), (512, 192, "narrow", 256), (512, 256, "narrow", 256)
-    assert tb.default_config(8, 300, 256, 512) == tb.default_config(8, 1024, 256, 512) == tb._TUNED[vup]
+    few_512, few_1024 = tb._TUNED[(256, 512, "few", 512)], tb._TUNED[(256, 512, "few", 1024)]
+    assert tb.default_config(8, 300, 256, 512) == tb.default_config(4, 1024, 256, 512) == few_512
+    assert tb.default_config(8, 513, 256, 512) == tb.default_config(1, 8192, 256, 512) == few_1024
     assert tb.default_config(8, 1025, 256, 512) == tb._large_m(512, 8 * 1025)
     assert tb.default_config(16, 512, 256, 512) == tb._TUNED[vup]
     assert tb.default_config(8, 512, 512, 192) == tb._TUNED[kup192]
@@ -356,15 +359,18 @@ def test_tuned_glm_defaults_match_reference_on_gpu(key):
 @gpu_only
 @pytest.mark.parametrize(
     "B, M, keys",
-    [(4, 1024, [("narrow", 256)] * 3), (5, 600, [("narrow", 256)] * 3),
+    [(4, 1024, [("narrow", 256), ("narrow", 256), ("few", 512)]),
+     (5, 600, [("narrow", 256), ("narrow", 256), ("few", 512)]),
+     (4, 2000, [None, None, ("few", 1024)]),
      (1, 1000, [("few", 128), ("few", 128), ("few", 256)]), (3, 300, [("few", 128), ("few", 128), ("few", 256)])],
 )  # fmt: skip
 def test_few_head_defaults_match_reference_on_gpu(B, M, keys):
-    """The tuned entries that few-head calls take by their rows as 8 heads: the "narrow" 256-row ones above 256 such
-    rows (:data:`FEW_LARGE_TILES`) and the "few" ones below, at GLM's shapes over several M tiles (ragged but for
-    1024 rows), through the runtime's strided views: the reference's result, every element written."""
-    for (N, K), (spread, bucket) in zip([(512, 192), (512, 256), (256, 512)], keys, strict=True):
-        assert tb.default_config(B, M, N, K) == tb._TUNED[(N, K, spread, bucket)]
+    """The configs that few-head calls take by their rows as 8 heads: for K-up the "narrow" 256-row entries above 256
+    such rows while :data:`FEW_LARGE_TILES` holds, then the large-M rule (None); else the "few" entries; at GLM's
+    shapes over several M tiles (ragged but for 1024 rows), through the runtime's strided views: the reference's
+    result, every element written."""
+    for (N, K), key in zip([(512, 192), (512, 256), (256, 512)], keys, strict=True):
+        assert tb.default_config(B, M, N, K) == (tb._large_m(K, B * M) if key is None else tb._TUNED[(N, K, *key)])
         assert_default_matches_reference(B, M, N, K)
 
 
