@@ -425,8 +425,8 @@ def heads_class(B: int, N: int) -> str:
     """Which tuned entries B batches (heads) of N output columns take, by the head counts they were measured at:
     ``"few"`` up to :data:`FEW_HEADS` (8 heads: smaller tiles for as many programs), ``"half"`` in
     :data:`HALF_HEADS` (32), ``"wide"`` where :func:`_fills_gpu` (64 heads; K-up from 33, V-up from 64), else
-    ``"narrow"`` (16). The "half" one-tile entries
-    launch about 128 programs at 32 heads: from 33 they would need a second wave."""
+    ``"narrow"`` (16). The "half" one-tile entries launch about 128 programs at 32 heads: from 33 they would need a
+    second wave."""
     if B <= FEW_HEADS:
         return "few"
     if B in HALF_HEADS:
