@@ -450,8 +450,10 @@ def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
     if _INTERPRETED:
         return BmmConfig(16 if M <= 16 else 32, 32 if N <= 32 else 64, _block_k(K, 64), 4, 1, 2)
     spread = heads_class(B, N)
-    rows = triton.cdiv(B * M, FEW_HEADS) if spread == "few" else M
-    classes = (spread, "narrow") if spread == "few" else (spread,)
+    if spread == "few":  # the 8-head call's rows and entries, then the 16-head ones in the same bucket
+        rows, classes = triton.cdiv(B * M, FEW_HEADS), ("few", "narrow")
+    else:
+        rows, classes = M, (spread,)
     for bucket in (16, 32, 64, 128, 256, 512, 1024):
         for key in ((N, K, c, bucket) for c in classes):
             if rows <= bucket and key in _TUNED:
