@@ -8,7 +8,9 @@ reads :func:`interpreted` at its own import.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -16,10 +18,11 @@ try:
     import triton
     import triton.language as tl
     from triton.compiler import CompiledKernel
+    from triton.knobs import HookChain
 
     IMPORT_ERROR = ""
 except Exception as exc:  # any import failure means "unavailable"
-    triton = tl = CompiledKernel = None
+    triton = tl = CompiledKernel = HookChain = None
     IMPORT_ERROR = f"triton cannot be imported: {exc}"
 
 
@@ -57,6 +60,54 @@ def tma_strides_ok(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1])
 
 
+def _hooks_idle(runtime) -> bool:
+    """No launch hook is registered in Triton's ``knobs.runtime`` (profilers such as proton add them)."""
+    hooks = (runtime.launch_enter_hook, runtime.launch_exit_hook)
+    return all(h is None or (isinstance(h, HookChain) and not h.calls) for h in hooks)
+
+
+def c_launcher(compiled, grid: tuple[int, int, int], driver=None) -> Callable | None:
+    """A launch of ``compiled`` over ``grid`` through the C function Triton (3.6) builds to launch it on
+    CUDA, called directly with every parameter (constexprs included, as ``compiled[grid]`` takes them) on the
+    current device's current stream; None where ``compiled`` has another launcher (other backends or
+    versions) or needs scratch memory. ``driver`` defaults to Triton's active driver.
+
+    It passes the C function what ``compiled[grid]`` would, through Triton's own per-descriptor expansion
+    (``make_tensordesc_arg``: the CUtensorMap, then shape and strides), without the Python layers between
+    (``runner``, ``CudaLauncher.__call__``, the descriptor wrapper), about half of a launch's host time. Calls
+    made while a launch hook is registered go through ``compiled[grid]``, which runs the hooks."""
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher, make_tensordesc_arg
+
+        run = compiled.run
+        if type(run) is not CudaLauncher or run.global_scratch_size or run.profile_scratch_size:
+            return None
+        wrapped = inspect.getclosurevars(run.launch).nonlocals if inspect.isfunction(run.launch) else {}
+        launch = wrapped.get("launcher", run.launch)
+        indices, metas = sorted(wrapped.get("tensordesc_indices", ())), wrapped.get("tensordesc_meta", ())
+        descriptors = list(zip(indices, metas, strict=True))
+        if inspect.isfunction(launch) or (inspect.isfunction(run.launch) and not descriptors):
+            return None  # not the wrapper over the C function this was written against
+        driver = driver or triton.runtime.driver.active
+        device, stream = driver.get_current_device, driver.get_current_stream
+        head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata)
+        runtime, fallback = triton.knobs.runtime, compiled[grid]
+    except Exception:  # noqa: BLE001 - any other layout of Triton's internals means "not this launcher"
+        return None
+
+    def launch_direct(*args) -> None:
+        if not _hooks_idle(runtime):
+            fallback(*args)
+            return
+        if descriptors:
+            args = list(args)
+            for i, meta in reversed(descriptors):  # from the last, so that the earlier indices hold
+                args[i : i + 1] = make_tensordesc_arg(args[i], meta)
+        launch(*grid, stream(device()), *head, None, None, None, *args)  # no launch metadata or hooks
+
+    return launch_direct
+
+
 class KernelLaunch:
     """``kernel[grid](*args, **constexprs)`` with grid, constexprs and options fixed, for arguments whose
     specialization the caller holds fixed (it keeps one instance per key covering what Triton specializes a
@@ -64,9 +115,10 @@ class KernelLaunch:
     16-byte alignment, each descriptor's block type and layout).
 
     The first call goes through the JIT (argument binding, specialization, compiling or finding the kernel);
-    later calls go straight to the compiled kernel's launcher (``compiled[grid](*args)``), which skips the
-    JIT's per-call work: tens of microseconds of host time per launch. Where the JIT returns no compiled
-    kernel (the interpreter), every call goes through it."""
+    later calls go straight to the compiled kernel's C launcher (:func:`c_launcher`) or, where that is not
+    available, its Python launcher (``compiled[grid](*args)``), which skips the JIT's per-call work: tens of
+    microseconds of host time per launch. Where the JIT returns no compiled kernel (the interpreter), every
+    call goes through it."""
 
     def __init__(self, kernel, grid: tuple[int, ...], constexprs: dict):
         self.kernel, self.constexprs = kernel, constexprs
@@ -82,4 +134,4 @@ class KernelLaunch:
         if isinstance(compiled, CompiledKernel):  # the launcher takes every parameter, constexprs included
             params = self.kernel.params[len(args) :]
             self._tail = tuple(self.constexprs.get(p.name, p.default) for p in params)
-            self._runner = compiled[self.grid]
+            self._runner = c_launcher(compiled, self.grid) or compiled[self.grid]

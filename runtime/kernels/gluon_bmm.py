@@ -76,6 +76,15 @@ try:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    class _CheckedDescriptor(TensorDescriptor):
+        """A Gluon ``TensorDescriptor`` without its constructor's checks (alignment, strides, block shape),
+        which :func:`unusable_reason` and the plan made once for the call signature it is launched under (the
+        caller's key pins each tensor's shape, strides and alignment): built on every call, so its host time
+        counts."""
+
+        def __post_init__(self):
+            pass
+
     IMPORT_ERROR = _TRITON_ERROR
 except Exception as exc:  # noqa: BLE001 - any import failure means "unavailable"
     IMPORT_ERROR = _TRITON_ERROR or f"triton's gluon cannot be imported: {exc}"
@@ -677,7 +686,7 @@ def prepare(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: tor
     ints = (*w.stride()[:2], *(w_scales if decode else w).stride()[:2], M, N)
 
     def descriptor(t: torch.Tensor, which: str):
-        return TensorDescriptor.from_tensor(t, *blocks[which])
+        return _CheckedDescriptor(t, t.shape, t.stride(), *blocks[which])
 
     if p.schedule == "swap":
         kernel = KernelLaunch(_swap_kernel, (columns * splits,), constants)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
 
 from glm_pack.runtime.kernels import _triton
 
@@ -60,3 +61,146 @@ def test_without_a_compiled_kernel_every_call_goes_through_the_jit(monkeypatch):
     launch("a", 1)
     launch("b", 2)
     assert [c[:2] for c in kernel.calls] == [((2, 3, 1), ("a", 1)), ((2, 3, 1), ("b", 2))]
+
+
+class _Capture:
+    """Stands in for the C function Triton builds to launch a kernel (not a Python function): records its
+    arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+class _CompiledCuda:
+    """A compiled kernel with a Triton CUDA launcher ``run`` (built without its C module) and a Python launcher
+    ``[grid]`` that records what it gets."""
+
+    function, packed_metadata = 0xF00, ("packed",)
+
+    def __init__(self, run):
+        self.run, self.fallbacks = run, []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.fallbacks.append((grid, args))
+
+
+class _Driver:
+    @staticmethod
+    def get_current_device():
+        return 0
+
+    @staticmethod
+    def get_current_stream(device):
+        return 1000 + device
+
+
+def _cuda_launcher(signature: dict, capture: _Capture, scratch: int = 0):
+    """Triton's ``CudaLauncher`` over ``capture``, wrapped by Triton's own descriptor expansion (as
+    ``CudaLauncher.__init__`` wraps the C function, whose compilation needs the CUDA toolkit)."""
+    from triton.backends.nvidia.driver import CudaLauncher, wrap_handle_tensordesc
+
+    run = CudaLauncher.__new__(CudaLauncher)
+    run.launch = wrap_handle_tensordesc(capture, signature, None)
+    run.global_scratch_size, run.profile_scratch_size = scratch, 0
+    run.global_scratch_align = run.profile_scratch_align = 1
+    run.num_ctas, run.launch_cooperative_grid, run.launch_pdl = 1, False, True
+    return run
+
+
+def _triton_own_calls(signature: dict, grid: tuple, args: tuple) -> list:
+    """What Triton's ``CudaLauncher.__call__`` gives the C function for ``args`` on stream 1000, as
+    ``compiled[grid]`` calls it, less the launch metadata and hooks (None, as with no hook registered)."""
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    capture = _Capture()
+    CudaLauncher.__call__(_cuda_launcher(signature, capture), *grid, 1000, 0xF00, ("packed",), None, None, None, *args)
+    return capture.calls
+
+
+def _descriptor(rows: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(torch.zeros(2, rows, 64, dtype=torch.bfloat16), [1, rows, 64])
+
+
+_SIGNATURE = {"x_desc": "tensordesc<bf16[1, 16, 64]>", "n": "i32", "y_desc": "tensordesc<bf16[1, 32, 64]>",
+              "w": "*u8", "BLOCK": "constexpr", "FLAG": "constexpr"}  # fmt: skip
+
+
+@pytest.mark.parametrize("signature", [_SIGNATURE, {"x": "*bf16", "n": "i32", "BLOCK": "constexpr"}],
+                         ids=["descriptors", "pointers"])  # fmt: skip
+def test_c_launcher_passes_what_the_python_launcher_passes(signature):
+    """The C function gets the arguments Triton's ``CudaLauncher.__call__`` would give it (descriptors
+    expanded by Triton's own code), with no launch metadata or hooks while none is registered."""
+    args = {"x_desc": _descriptor(16), "x": 0xA0, "n": 5, "y_desc": _descriptor(32), "w": 0xB0, "BLOCK": 64,
+            "FLAG": None}  # fmt: skip
+    args = tuple(args[name] for name in signature)
+    ours = _Capture()
+    launch = _triton.c_launcher(_CompiledCuda(_cuda_launcher(signature, ours)), (3, 2, 1), _Driver)
+    launch(*args)
+    assert len(ours.calls) == 1 and ours.calls == _triton_own_calls(signature, (3, 2, 1), args)
+
+
+def test_c_launcher_leaves_hooked_launches_to_the_python_launcher():
+    """While a launch hook is registered, calls go through ``compiled[grid]`` (which runs the hooks)."""
+    capture = _Capture()
+    compiled = _CompiledCuda(_cuda_launcher(_SIGNATURE, capture))
+    launch = _triton.c_launcher(compiled, (1, 1, 1), _Driver)
+    hooked = (_descriptor(16), 5, _descriptor(32), 0xB0, 64, None)
+    after = (_descriptor(16), 6, _descriptor(32), 0xC0, 8, True)
+    hook = _triton.triton.knobs.runtime.launch_enter_hook
+    hook.add(print)
+    try:
+        launch(*hooked)
+    finally:
+        hook.remove(print)
+    launch(*after)
+    assert compiled.fallbacks == [((1, 1, 1), hooked)]
+    assert capture.calls == _triton_own_calls(_SIGNATURE, (1, 1, 1), after)  # after the hook's removal: direct
+
+
+@pytest.mark.parametrize("case", ["other launcher", "scratch memory"])
+def test_c_launcher_declines_what_it_was_not_written_for(case):
+    run = object() if case == "other launcher" else _cuda_launcher(_SIGNATURE, _Capture(), scratch=256)
+    assert _triton.c_launcher(_CompiledCuda(run), (1, 1, 1), _Driver) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (compiled kernels)")
+@pytest.mark.parametrize(
+    "H, T, N, K",
+    [(16, 16, 512, 192), (16, 64, 256, 512), (16, 64, 512, 192), (16, 1024, 256, 512)],
+    ids=["tiled", "swap", "decode", "predecode-streaming"],
+)
+def test_repeated_calls_go_through_the_c_function_on_gpu(H, T, N, K, monkeypatch):
+    """The default kernels of four GLM-like calls (Triton pointers; Gluon with two or three TMA descriptors):
+    after the first call, every launch goes through :func:`_triton.c_launcher`'s function, and every call
+    writes the same output, within tolerance of the reference (outputs poisoned before each call)."""
+    from tests.runtime.kernel_modules import kernel_module
+    from tests.runtime.test_triton_bmm import activations, assert_close_to_reference, poisoned_out, weights
+
+    tb = kernel_module("triton_bmm")
+    direct = []
+
+    def counted(compiled, grid, driver=None):
+        launch = c_launcher(compiled, grid, driver)
+        assert launch is not None, "the C launcher was declined"
+        return lambda *args: direct.append(grid) or launch(*args)
+
+    c_launcher = _triton.c_launcher
+    monkeypatch.setattr(_triton, "c_launcher", counted)
+    monkeypatch.setattr(tb, "_PREPARED", {})  # launches prepared by other tests would not be counted
+    codes, scales = weights(H, N, K, seed=T)
+    x = activations(T, H, K, seed=K)
+    outputs = []
+    for _ in range(3):
+        buf, out = poisoned_out(T, H, N)
+        tb.bmm_a16wfp4(x, codes, scales, out=out)
+        torch.cuda.synchronize()
+        outputs.append(out.clone())
+    launches_per_call = len(direct) // 2
+    assert launches_per_call in (1, 2) and len(direct) == 2 * launches_per_call  # calls 2 and 3 only
+    assert all(torch.equal(o.view(torch.int16), outputs[0].view(torch.int16)) for o in outputs[1:])
+    assert_close_to_reference(outputs[2], x, codes, scales, "mxfp4")
