@@ -72,15 +72,19 @@ def c_launcher(compiled, grid: tuple[int, int, int], driver=None) -> Callable | 
     current device's current stream; None where ``compiled`` has another launcher (other backends or
     versions) or needs scratch memory. ``driver`` defaults to Triton's active driver.
 
-    It passes the C function what ``compiled[grid]`` would, through Triton's own per-descriptor expansion
-    (``make_tensordesc_arg``: the CUtensorMap, then shape and strides), without the Python layers between
-    (``runner``, ``CudaLauncher.__call__``, the descriptor wrapper), about half of a launch's host time. Calls
-    made while a launch hook is registered go through ``compiled[grid]``, which runs the hooks."""
+    It passes the C function what ``compiled[grid]`` would (its 13 leading arguments, then the parameters with
+    each TMA descriptor expanded by Triton's own ``make_tensordesc_arg``: the CUtensorMap, shape, strides),
+    without the Python layers between (``runner``, ``CudaLauncher.__call__``, the descriptor wrapper): about a
+    third of a Gluon call's host time. Calls made while a launch hook is registered go through
+    ``compiled[grid]``, which runs the hooks."""
     try:
+        from triton.backends.nvidia import driver as nvidia
         from triton.backends.nvidia.driver import CudaLauncher, make_tensordesc_arg
 
         run = compiled.run
         if type(run) is not CudaLauncher or run.global_scratch_size or run.profile_scratch_size:
+            return None
+        if nvidia._BASE_ARGS_FORMAT_LEN != 13:  # grid (3), stream, function, cooperative, pdl, 2 scratch, 4 below
             return None
         wrapped = inspect.getclosurevars(run.launch).nonlocals if inspect.isfunction(run.launch) else {}
         launch = wrapped.get("launcher", run.launch)

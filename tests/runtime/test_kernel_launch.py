@@ -162,9 +162,14 @@ def test_c_launcher_leaves_hooked_launches_to_the_python_launcher():
     assert capture.calls == _triton_own_calls(_SIGNATURE, (1, 1, 1), after)  # after the hook's removal: direct
 
 
-@pytest.mark.parametrize("case", ["other launcher", "scratch memory"])
-def test_c_launcher_declines_what_it_was_not_written_for(case):
-    run = object() if case == "other launcher" else _cuda_launcher(_SIGNATURE, _Capture(), scratch=256)
+@pytest.mark.parametrize("case", ["other launcher", "scratch memory", "other leading arguments"])
+def test_c_launcher_declines_what_it_was_not_written_for(case, monkeypatch):
+    from triton.backends.nvidia import driver
+
+    scratch = 256 if case == "scratch memory" else 0
+    run = object() if case == "other launcher" else _cuda_launcher(_SIGNATURE, _Capture(), scratch)
+    if case == "other leading arguments":
+        monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT_LEN", 14)
     assert _triton.c_launcher(_CompiledCuda(run), (1, 1, 1), _Driver) is None
 
 
