@@ -182,7 +182,8 @@ def test_c_launcher_declines_what_it_was_not_written_for(case, monkeypatch):
 def test_repeated_calls_go_through_the_c_function_on_gpu(H, T, N, K, monkeypatch):
     """The default kernels of four GLM-like calls (Triton pointers; Gluon with two or three TMA descriptors):
     after the first call, every launch goes through :func:`_triton.c_launcher`'s function, and every call
-    writes the same output, within tolerance of the reference (outputs poisoned before each call)."""
+    writes the same output, within tolerance of the reference (outputs poisoned before each call); a call
+    captured in a CUDA graph (launched on the capture stream) replays on new x."""
     from tests.runtime.kernel_modules import kernel_module
     from tests.runtime.test_triton_bmm import activations, assert_close_to_reference, poisoned_out, weights
 
@@ -209,3 +210,12 @@ def test_repeated_calls_go_through_the_c_function_on_gpu(H, T, N, K, monkeypatch
     assert launches_per_call in (1, 2) and len(direct) == 2 * launches_per_call  # calls 2 and 3 only
     assert all(torch.equal(o.view(torch.int16), outputs[0].view(torch.int16)) for o in outputs[1:])
     assert_close_to_reference(outputs[2], x, codes, scales, "mxfp4")
+    graph = torch.cuda.CUDAGraph()
+    buf, out = poisoned_out(T, H, N)
+    with torch.cuda.graph(graph):
+        tb.bmm_a16wfp4(x, codes, scales, out=out)
+    x.copy_(activations(T, H, K, seed=K + 1))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert len(direct) == 3 * launches_per_call
+    assert_close_to_reference(out, x, codes, scales, "mxfp4")
