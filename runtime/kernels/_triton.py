@@ -18,11 +18,10 @@ try:
     import triton
     import triton.language as tl
     from triton.compiler import CompiledKernel
-    from triton.knobs import HookChain
 
     IMPORT_ERROR = ""
 except Exception as exc:  # any import failure means "unavailable"
-    triton = tl = CompiledKernel = HookChain = None
+    triton = tl = CompiledKernel = None
     IMPORT_ERROR = f"triton cannot be imported: {exc}"
 
 
@@ -60,10 +59,11 @@ def tma_strides_ok(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1])
 
 
-def _hooks_idle(runtime) -> bool:
-    """No launch hook is registered in Triton's ``knobs.runtime`` (profilers such as proton add them)."""
+def _hooks_idle(runtime, chain: type) -> bool:
+    """No launch hook is registered in Triton's ``knobs.runtime`` (profilers such as proton add them); ``chain``
+    is Triton's ``HookChain``."""
     hooks = (runtime.launch_enter_hook, runtime.launch_exit_hook)
-    return all(h is None or (isinstance(h, HookChain) and not h.calls) for h in hooks)
+    return all(h is None or (isinstance(h, chain) and not h.calls) for h in hooks)
 
 
 def c_launcher(compiled, grid: tuple[int, int, int], driver=None) -> Callable | None:
@@ -80,6 +80,7 @@ def c_launcher(compiled, grid: tuple[int, int, int], driver=None) -> Callable | 
     try:
         from triton.backends.nvidia import driver as nvidia
         from triton.backends.nvidia.driver import CudaLauncher, make_tensordesc_arg
+        from triton.knobs import HookChain
 
         run = compiled.run
         if type(run) is not CudaLauncher or run.global_scratch_size or run.profile_scratch_size:
@@ -100,7 +101,7 @@ def c_launcher(compiled, grid: tuple[int, int, int], driver=None) -> Callable | 
         return None
 
     def launch_direct(*args) -> None:
-        if not _hooks_idle(runtime):
+        if not _hooks_idle(runtime, HookChain):
             fallback(*args)
             return
         if descriptors:
