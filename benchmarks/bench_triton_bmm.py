@@ -355,6 +355,19 @@ def precompile(cases: list[tuple[str, int, int, bool]], jobs: int) -> None:
         pool.map(_compile_case, cases, chunksize=1)
 
 
+def benchmark_cases(ops: str, heads: str, tokens: str) -> list[tuple[str, int, int]]:
+    """(op, heads, tokens) for every combination of the comma-separated lists of ``--ops``, ``--heads``,
+    ``--tokens``."""
+    return [(op, H, T) for op in ops.split(",") for H in map(int, heads.split(","))
+            for T in map(int, tokens.split(","))]  # fmt: skip
+
+
+def unavailable() -> str:
+    """Why these benchmarks cannot run here ("" when they can): they need a GPU and the Triton kernels."""
+    ok, why = tb.available()
+    return "" if ok and torch.cuda.is_available() else f"needs a GPU and triton: {why}"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="check every case against the reference first")
@@ -365,9 +378,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--jobs", type=int, default=0, help="compile all kernels first in this many processes")
     args = p.parse_args(argv)
-    ok, why = tb.available()
-    if not ok or not torch.cuda.is_available():
-        print(f"needs a GPU and triton: {why}")
+    why = unavailable()
+    if why:
+        print(why)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference's fp32 bmm must be true fp32
     env = environment()
@@ -376,12 +389,11 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(20261118)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-    cases = [(op, H, T) for op in args.ops.split(",") for H in map(int, args.heads.split(","))
-             for T in map(int, args.tokens.split(","))]  # fmt: skip
+    todo = benchmark_cases(args.ops, args.heads, args.tokens)
     if args.jobs:
-        precompile([(*c, args.sweep) for c in cases], args.jobs)
+        precompile([(*c, args.sweep) for c in todo], args.jobs)
     rows = []
-    for op, H, T in cases:
+    for op, H, T in todo:
         rows.append(bench_case(op, H, T, env, ceilings, args, gen))
         r = rows[-1]
         print(f"{op} H={H} T={T}: mxfp4 {r['us']['mxfp4']:.2f} us, none {r['us']['none']:.2f} us, "

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_triton_bmm import OPS, host_us, kernel_label, make_set  # noqa: E402
+from bench_triton_bmm import OPS, benchmark_cases, host_us, kernel_label, make_set, unavailable  # noqa: E402
 
 from glm_pack.runtime.kernels import triton_bmm as tb  # noqa: E402
 
@@ -48,13 +48,12 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    ok, why = tb.available()
-    if not ok or not torch.cuda.is_available():
-        print(f"needs a GPU and triton: {why}")
+    why = unavailable()
+    if why:
+        print(why)
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = [host_case(op, H, T, args.calls, gen) for op in args.ops.split(",") for H in map(int, args.heads.split(","))
-            for T in map(int, args.tokens.split(","))]  # fmt: skip
+    rows = [host_case(op, H, T, args.calls, gen) for op, H, T in benchmark_cases(args.ops, args.heads, args.tokens)]
     print("| op | H | T | kernel (default config) | host us per call: ours | torch bmm |")
     print("|---|---|---|---|---|---|")
     for r in rows:
