@@ -6,12 +6,15 @@ on fresh random inputs (output poisoned with NaN first; every element must be wr
 is printed), then times it next to torch bf16 ``bmm`` on the dequantized weights. Device time is measured as
 CUDA-graph replays (as engines run decode; for prefill sizes this leaves out the host's launch cost, which
 is reported apart as host microseconds per eager call), rotating over enough input sets that the working set
-exceeds L2 (cold weights, as in a real model). The roofline column is the kernel's bytes
-(x, w codes, scales, y) over the measured copy bandwidth, or its FLOPs over the measured bf16 matmul rate
-when that is larger.
+exceeds L2 (cold weights, as in a real model). With ``--producer`` each call is also timed right after a kernel
+that writes its x, as in a model's graph (x fresh in L2): ``mul`` an elementwise kernel, ``gemm`` a bf16 matmul
+(``[rows, 64] @ [64, width]``); ours gets the q rows x is a view of written, torch its contiguous x; the time is
+that of a graph of such pairs minus one of the producers alone. The roofline column is the kernel's bytes (x, w
+codes, scales, y) over the measured copy bandwidth, or its FLOPs over the measured bf16 matmul rate when that
+is larger.
 
     python benchmarks/bench_triton_bmm.py --check [--out DIR] [--ops kup192,kup256,vup] [--heads 16,64]
-        [--tokens 1,16,32,64,256,1024,8192] [--sweep] [--jobs N]
+        [--tokens 1,16,32,64,256,1024,8192] [--sweep] [--jobs N] [--producer mul|gemm]
 
 ``--sweep`` also times the candidate configs of each M bucket (checking each) and reports them; ``--jobs N``
 compiles every kernel first in N processes, which saves minutes on a machine with an empty Triton cache.
@@ -31,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -160,7 +164,7 @@ def make_set(op: str, H: int, T: int, gen: torch.Generator) -> dict:
     if op == "kup256":
         scales[..., 6:] = 127
     out_tm = torch.empty(T, H, N, device="cuda", dtype=torch.bfloat16)
-    return {"x": q[..., :K].transpose(0, 1), "codes": codes, "scales": scales, "out": out_tm.transpose(0, 1)}
+    return {"x": q[..., :K].transpose(0, 1), "q": q, "codes": codes, "scales": scales, "out": out_tm.transpose(0, 1)}
 
 
 def set_bytes(op: str, H: int, T: int) -> int:
@@ -208,6 +212,34 @@ def time_torch(sets: list[dict]) -> float:
             torch.bmm(s["xc"], s["wt"], out=s["yc"])
 
     return _time(run, len(sets))
+
+
+def make_producer(kind: str, out: torch.Tensor) -> Callable[[], None]:
+    """A launch of one kernel that writes all of ``out`` (contiguous, bf16): ``mul`` copies a saved copy of it
+    through ``torch.mul``; ``gemm`` writes it as ``out.view(-1, width) = a @ b``, ``a`` ``[rows, 64]``."""
+    if kind == "mul":
+        src = out.clone()
+        return lambda: torch.mul(src, 1, out=out)
+    rows = out.view(-1, out.shape[-1])
+    a = torch.randn(rows.shape[0], 64, device=out.device, dtype=out.dtype)
+    b = torch.randn(64, rows.shape[1], device=out.device, dtype=out.dtype)
+    return lambda: torch.matmul(a, b, out=rows)
+
+
+def time_after_producer(sets: list[dict], call: Callable[[dict], None]) -> float:
+    """Device microseconds per ``call(s)`` right after ``s["produce"]()`` writes its x: a graph of producer +
+    call per set, minus a graph of the producers alone."""
+
+    def pairs():
+        for s in sets:
+            s["produce"]()
+            call(s)
+
+    def producers():
+        for s in sets:
+            s["produce"]()
+
+    return _time(pairs, len(sets)) - _time(producers, len(sets))
 
 
 def host_us(call, n: int = 50, rounds: int = 5) -> float:
@@ -267,6 +299,12 @@ def bench_case(op, H, T, env, ceilings, args, gen) -> dict:
                 entry["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
             sweep.append(entry)
         row["sweep"] = sweep
+    if args.producer:  # last: the gemm producer overwrites x, which the checks above compared with refs
+        for s in sets:
+            s["produce"] = make_producer(args.producer, s["q"])
+        row["after_producer_us"] = time_after_producer(
+            sets, lambda s: tb.bmm_a16wfp4(s["x"], s["codes"], s["scales"], out=s["out"])
+        )
     # torch bf16 bmm on dequantized weights, contiguous x and y (no copies inside torch)
     n_torch = max(1, min(128, math.ceil(3 * l2 / (H * (T * K * 2 + N * K * 2 + T * N * 2)))))
     tsets = []
@@ -278,6 +316,10 @@ def bench_case(op, H, T, env, ceilings, args, gen) -> dict:
             "yc": torch.empty(H, T, N, device="cuda", dtype=torch.bfloat16),
         })  # fmt: skip
     row["torch_us"] = time_torch(tsets)
+    if args.producer:
+        for t in tsets:
+            t["produce"] = make_producer(args.producer, t["xc"])
+        row["torch_after_producer_us"] = time_after_producer(tsets, lambda t: torch.bmm(t["xc"], t["wt"], out=t["yc"]))
     t0 = tsets[0]
     row["torch_host_us"] = host_us(lambda: torch.bmm(t0["xc"], t0["wt"], out=t0["yc"]))
     flops = 2 * H * T * N * K
@@ -303,9 +345,15 @@ def kernel_label(c: dict) -> str:
     return f"{kind} {tiles}s{c['num_stages']}"
 
 
-def table(rows: list[dict]) -> str:
+def _after_producer(r: dict) -> str:
+    ours, torch_us = r["after_producer_us"], r["torch_after_producer_us"]
+    return f"| {ours:.2f}, {torch_us:.2f} ({ours / torch_us:.2f}) "
+
+
+def table(rows: list[dict], producer: str | None = None) -> str:
+    after = f"| after a {producer} producer: mxfp4, torch us (ratio) " if producer else ""
     head = ("| op | N | K | H | T | kernel (default config) | triton mxfp4 us | triton none us "
-            "| torch bf16 bmm us | mxfp4 / torch | roofline us | host us/call ours, torch "
+            f"| torch bf16 bmm us | mxfp4 / torch {after}| roofline us | host us/call ours, torch "
             "| check (max err/tol, bit-identical) |")  # fmt: skip
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -317,7 +365,8 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['op']} | {r['N']} | {r['K']} | {r['H']} | {r['T']} | {kernel_label(r['default'])} "
             f"| {r['us']['mxfp4']:.2f} | {r['us']['none']:.2f} "
-            f"| {r['torch_us']:.2f} | {r['us']['mxfp4'] / r['torch_us']:.2f} | {r['roofline_us']:.2f} "
+            f"| {r['torch_us']:.2f} | {r['us']['mxfp4'] / r['torch_us']:.2f} "
+            f"{_after_producer(r) if producer else ''}| {r['roofline_us']:.2f} "
             f"| {r['host_us']:.1f}, {r['torch_host_us']:.1f} | {chk_s} |"
         )
     return "\n".join(lines)
@@ -377,6 +426,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="1,16,32,64,256,1024,8192")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--jobs", type=int, default=0, help="compile all kernels first in this many processes")
+    p.add_argument("--producer", choices=("mul", "gemm"), help="also time each call after a kernel writing its x")
     args = p.parse_args(argv)
     why = unavailable()
     if why:
@@ -396,10 +446,11 @@ def main(argv=None) -> int:
     for op, H, T in todo:
         rows.append(bench_case(op, H, T, env, ceilings, args, gen))
         r = rows[-1]
+        after = f", after a producer {_after_producer(r)[2:]}" if args.producer else ""
         print(f"{op} H={H} T={T}: mxfp4 {r['us']['mxfp4']:.2f} us, none {r['us']['none']:.2f} us, "
-              f"torch {r['torch_us']:.2f} us, roofline {r['roofline_us']:.2f} us "
+              f"torch {r['torch_us']:.2f} us{after}, roofline {r['roofline_us']:.2f} us "
               f"{json.dumps(r.get('check', {}))}", flush=True)  # fmt: skip
-    md = table(rows)
+    md = table(rows, args.producer)
     if args.sweep:
         print(sweep_table(rows))
     print(md)
