@@ -360,14 +360,14 @@ _C = BmmConfig
 # Per-shape winners of H200 sweeps and A/B runs for GLM's K-up (N=512, K=192/256) and V-up (N=256, K=512), T <= 256
 # (V-up with few heads: up to 1024 rows as 8 heads), keyed (N, K, heads class, rows bucket) (BENCHMARKS.md;
 # :func:`heads_class`, rows: :func:`default_config`); a bucket without an entry takes the "narrow" one's for "few"
-# and "mid" heads, then the next bucket's.
+# heads, then the next bucket's.
 _TUNED = {
     (512, 192, "narrow", 16): _C(16, 32, 64, 2, 3, 0),
     (512, 192, "wide", 16): _C(16, 64, 64, 4, 1, 0),
     (512, 256, "narrow", 16): _C(16, 64, 256, 4, 2, 0),
     (512, 256, "wide", 16): _C(16, 128, 256, 4, 2, 0),
-    (256, 512, "narrow", 16): _C(16, 32, 512, 4, 1, 0),
-    (256, 512, "mid", 16): _C(16, 64, 512, 4, 1, 0),
+    (256, 512, "few", 16): _C(16, 32, 512, 4, 1, 0),
+    (256, 512, "narrow", 16): _C(16, 64, 512, 4, 1, 0),
     (256, 512, "wide", 16): _C(16, 64, 512, 4, 1, 0),
     (512, 192, "narrow", 32): _C(32, 64, 64, 4, 1, 0, wgmma="swap"),
     (512, 192, "wide", 32): _C(32, 128, 64, 8, 1, 0, wgmma="swap"),
@@ -417,7 +417,6 @@ _TUNED = {
 
 
 FEW_HEADS = 8  # at most this many batches (heads a rank: GLM's 64 at tensor parallelism 8) take the "few" entries
-NARROW_HEADS = 16  # at most this many take the "narrow" ones (GLM's 64 at tensor parallelism 4)
 HALF_HEADS = range(24, 33)  # batches taking the "half" entries (32 heads a rank: GLM's 64 at tensor parallelism 2)
 FEW_LARGE_TILES = 64  # at most this many 128 x 256 tiles above 256 rows: a GLM shape keeps its 256-row config
 
@@ -425,18 +424,14 @@ FEW_LARGE_TILES = 64  # at most this many 128 x 256 tiles above 256 rows: a GLM 
 def heads_class(B: int, N: int) -> str:
     """Which tuned entries B batches (heads) of N output columns take, by the head counts they were measured at:
     ``"few"`` up to :data:`FEW_HEADS` (8 heads: smaller tiles for as many programs), ``"half"`` in
-    :data:`HALF_HEADS` (32), ``"wide"`` where :func:`_fills_gpu` (64 heads; K-up from 33, V-up from 64),
-    ``"narrow"`` up to :data:`NARROW_HEADS` (16), else ``"mid"`` (17-23 heads, and V-up's 33-63), which takes the
-    "narrow" entries where it has none of its own. The "half" one-tile entries launch about 128 programs at 32
-    heads: from 33 they would need a second wave; so would V-up's "narrow" 16-row tiles (8 programs a head) above
-    16 heads."""
+    :data:`HALF_HEADS` (32), ``"wide"`` where :func:`_fills_gpu` (64 heads; K-up from 33, V-up from 64), else
+    ``"narrow"`` (16). The "half" one-tile entries launch about 128 programs at 32 heads: from 33 they would need a
+    second wave."""
     if B <= FEW_HEADS:
         return "few"
     if B in HALF_HEADS:
         return "half"
-    if _fills_gpu(B, N):
-        return "wide"
-    return "narrow" if B <= NARROW_HEADS else "mid"
+    return "wide" if _fills_gpu(B, N) else "narrow"
 
 
 def _fills_gpu(B: int, N: int) -> bool:
@@ -455,9 +450,10 @@ def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
     if _INTERPRETED:
         return BmmConfig(16 if M <= 16 else 32, 32 if N <= 32 else 64, _block_k(K, 64), 4, 1, 2)
     spread = heads_class(B, N)
-    # "few": the 8-head call's rows and entries; "few" and "mid": then the 16-head ones in the same bucket
-    rows = triton.cdiv(B * M, FEW_HEADS) if spread == "few" else M
-    classes = (spread, "narrow") if spread in ("few", "mid") else (spread,)
+    if spread == "few":  # the 8-head call's rows and entries, then the 16-head ones in the same bucket
+        rows, classes = triton.cdiv(B * M, FEW_HEADS), ("few", "narrow")
+    else:
+        rows, classes = M, (spread,)
     for bucket in (16, 32, 64, 128, 256, 512, 1024):
         for key in ((N, K, c, bucket) for c in classes):
             if rows <= bucket and key in _TUNED:

@@ -302,15 +302,15 @@ def test_few_large_tiles_keep_the_256_row_config(monkeypatch):
 
 def test_heads_classes_and_few_heads_rows_as_eight_heads(monkeypatch):
     """Heads classes by the head counts their entries were measured at (8, 16, 32 for 24-32, 64; K-up's "wide" from
-    33 heads, V-up's from 64; "mid" between).
+    33 heads, V-up's from 64).
     Up to FEW_HEADS (8) heads a GLM shape's bucket is that of ``B * M / 8`` rows (the 8-head call with as many
     one-tile programs), where it takes its "few" entry, else the "narrow" (16-head) one of the same bucket, not
-    the next bucket's; from 9 heads the class's entries by M, "mid" falling back on "narrow" ones as "few" does."""
+    the next bucket's; from 9 heads the class's entries by M."""
     monkeypatch.setattr(tb, "_INTERPRETED", False)
-    kup = ["few", "few", "narrow", "narrow", "mid", "mid", "half", "half", "wide"]
-    assert [tb.heads_class(B, 512) for B in (1, 8, 9, 16, 17, 23, 24, 32, 33)] == kup
-    vup = [*kup[:-1], "mid", "mid", "wide"]
-    assert [tb.heads_class(B, 256) for B in (1, 8, 9, 16, 17, 23, 24, 32, 33, 63, 64)] == vup
+    kup = ["few", "few", "narrow", "narrow", "half", "half", "wide"]
+    assert [tb.heads_class(B, 512) for B in (1, 8, 9, 23, 24, 32, 33)] == kup
+    vup = [*kup[:-1], "narrow", "narrow", "wide"]
+    assert [tb.heads_class(B, 256) for B in (1, 8, 9, 23, 24, 32, 33, 63, 64)] == vup
 
     def entry(N, K, spread, bucket):
         return tb._TUNED[(N, K, spread, bucket)]
@@ -319,21 +319,17 @@ def test_heads_classes_and_few_heads_rows_as_eight_heads(monkeypatch):
     assert tb.default_config(8, 65, 512, 192) == tb.default_config(1, 1024, 512, 192) == entry(512, 192, "few", 128)
     assert tb.default_config(8, 129, 512, 192) == tb.default_config(2, 1024, 512, 192) == entry(512, 192, "narrow", 256)
     assert tb.default_config(8, 16, 512, 192) == tb.default_config(1, 128, 512, 192) == entry(512, 192, "narrow", 16)
-    assert tb.default_config(8, 1, 256, 512) == tb.default_config(2, 128, 256, 512) == entry(256, 512, "narrow", 16)
+    assert tb.default_config(8, 1, 256, 512) == tb.default_config(2, 128, 256, 512) == entry(256, 512, "few", 16)
     assert tb.default_config(8, 65, 256, 512) == tb.default_config(1, 2048, 256, 512) == entry(256, 512, "few", 256)
     assert tb.default_config(8, 256, 512, 256) == tb.default_config(3, 600, 512, 256) == entry(512, 256, "few", 256)
     assert tb.default_config(9, 64, 512, 192) == entry(512, 192, "narrow", 64)
-    assert tb.default_config(9, 1, 256, 512) == tb.default_config(16, 16, 256, 512) == entry(256, 512, "narrow", 16)
-    # "mid": V-up's own 16-row entry (the 16-head tiles would need a second wave), else the "narrow" ones
-    assert tb.default_config(17, 1, 256, 512) == tb.default_config(48, 16, 256, 512) == entry(256, 512, "mid", 16)
-    assert entry(256, 512, "mid", 16) != entry(256, 512, "narrow", 16)
-    assert tb.default_config(48, 17, 256, 512) == entry(256, 512, "narrow", 32)
-    assert tb.default_config(20, 64, 512, 192) == entry(512, 192, "narrow", 64)
+    assert tb.default_config(9, 1, 256, 512) == entry(256, 512, "narrow", 16)
     assert tb.default_config(32, 100, 512, 256) == entry(512, 256, "half", 128)  # "half": by M, every bucket
     # shapes without tuned entries: the generic rules by M and their own fill criterion (8 x 2048 / 64 = 256 tiles)
     assert tb.default_config(8, 16, 2048, 128) == tb.default_config(64, 16, 2048, 128)
     wide = tb.default_config(8, 16, 2048, 128)
     assert tb.default_config(8, 16, 1984, 128) == tb.default_config(4, 16, 1984, 128) != wide
+    assert entry(256, 512, "few", 16) != entry(256, 512, "narrow", 16)
 
 
 def assert_default_matches_reference(B: int, M: int, N: int, K: int) -> None:
@@ -350,11 +346,11 @@ def assert_default_matches_reference(B: int, M: int, N: int, K: int) -> None:
 @gpu_only
 @pytest.mark.parametrize("key", sorted(tb._TUNED))
 def test_tuned_glm_defaults_match_reference_on_gpu(key):
-    """Each tuned default at a GLM shape that selects it (8, 16, 48, 32 or 64 heads; rows at the top of its bucket
-    and one below, so a tile is ragged), through the runtime's strided views: the reference's result, every
-    element written."""
+    """Each tuned default at a GLM shape that selects it (8, 16, 32 or 64 heads; rows at the top of its bucket and one
+    below, so a tile is ragged), through the runtime's strided views: the reference's result, every element
+    written."""
     N, K, spread, bucket = key
-    B = {"few": 8, "narrow": 16, "mid": 48, "half": 32, "wide": 64}[spread]
+    B = {"few": 8, "narrow": 16, "half": 32, "wide": 64}[spread]
     for M in (bucket, bucket - 3):
         assert tb.default_config(B, M, N, K) == tb._TUNED[key]
         assert_default_matches_reference(B, M, N, K)
