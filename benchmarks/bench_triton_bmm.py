@@ -346,8 +346,9 @@ def kernel_label(c: dict) -> str:
 
 
 def _after_producer(r: dict) -> str:
+    """Ours, torch (ratio) in us, each timed after a producer kernel."""
     ours, torch_us = r["after_producer_us"], r["torch_after_producer_us"]
-    return f"| {ours:.2f}, {torch_us:.2f} ({ours / torch_us:.2f}) "
+    return f"{ours:.2f}, {torch_us:.2f} ({ours / torch_us:.2f})"
 
 
 def table(rows: list[dict], producer: str | None = None) -> str:
@@ -366,7 +367,7 @@ def table(rows: list[dict], producer: str | None = None) -> str:
             f"| {r['op']} | {r['N']} | {r['K']} | {r['H']} | {r['T']} | {kernel_label(r['default'])} "
             f"| {r['us']['mxfp4']:.2f} | {r['us']['none']:.2f} "
             f"| {r['torch_us']:.2f} | {r['us']['mxfp4'] / r['torch_us']:.2f} "
-            f"{_after_producer(r) if producer else ''}| {r['roofline_us']:.2f} "
+            f"{f'| {_after_producer(r)} ' if producer else ''}| {r['roofline_us']:.2f} "
             f"| {r['host_us']:.1f}, {r['torch_host_us']:.1f} | {chk_s} |"
         )
     return "\n".join(lines)
@@ -446,7 +447,7 @@ def main(argv=None) -> int:
     for op, H, T in todo:
         rows.append(bench_case(op, H, T, env, ceilings, args, gen))
         r = rows[-1]
-        after = f", after a producer {_after_producer(r)[2:]}" if args.producer else ""
+        after = f", after a producer {_after_producer(r)}" if args.producer else ""
         print(f"{op} H={H} T={T}: mxfp4 {r['us']['mxfp4']:.2f} us, none {r['us']['none']:.2f} us, "
               f"torch {r['torch_us']:.2f} us{after}, roofline {r['roofline_us']:.2f} us "
               f"{json.dumps(r.get('check', {}))}", flush=True)  # fmt: skip
