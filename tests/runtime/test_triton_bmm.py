@@ -7,6 +7,9 @@ plus one bf16 ulp). Paths that sum one product per output (identity operands) mu
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -402,3 +405,29 @@ def test_repeated_calls_launch_the_compiled_kernels(config, monkeypatch):
         if seed == 0:
             first = len(jit_runs)
     assert first > 0 and len(jit_runs) == first
+
+
+def test_the_benchmarks_producers_write_every_element_of_their_tensor():
+    """``bench_triton_bmm.py --producer`` times each call after a kernel writing its x (ours: the q rows x is a view
+    of; torch's: its contiguous x). A producer that left elements unwritten would time less work than a model's:
+    ``mul`` writes the values the tensor had when the producer was made, ``gemm`` ``a @ b`` over its rows, the
+    same on every call."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    try:
+        import bench_triton_bmm
+    finally:
+        sys.path.pop(0)
+    q = (torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(5)) * 2).to(torch.bfloat16)
+    before = q.clone()
+    produce = bench_triton_bmm.make_producer("mul", q)
+    q.fill_(float("nan"))
+    produce()
+    assert torch.equal(q, before)
+    produce = bench_triton_bmm.make_producer("gemm", q)
+    q.fill_(float("nan"))
+    produce()
+    first = q.clone()
+    assert torch.isfinite(first).all() and not torch.equal(first, before)
+    q.fill_(float("nan"))
+    produce()
+    assert torch.equal(q, first)
