@@ -16,7 +16,7 @@ import torch
 
 from glm_pack.packing.errors import BackendError
 from glm_pack.packing.mxfp4 import dequantize
-from tests.runtime.kernel_modules import kernel_module
+from tests.runtime.kernel_modules import benchmark_module, kernel_module
 from tests.runtime.ptx_emulator import run_ptx
 from tests.runtime.test_mxfp4_jit import block_scales, round_trip_blocks, round_trip_reference
 from tests.runtime.test_triton_bmm import (
@@ -526,11 +526,6 @@ def test_the_timeline_benchmark_still_finds_its_places_in_the_kernel_source():
     """benchmarks/timeline_gluon_bmm.py instruments a copy of this kernel by editing its source text: each edit
     still finds its text exactly once, and the result is valid Python with a stamp at each of the 11 places (7 in
     the decode kernel and the rounding loop, 4 in the swap kernel)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-    try:
-        import timeline_gluon_bmm
-    finally:
-        sys.path.pop(0)
-    src = timeline_gluon_bmm.instrumented_source()
+    src = benchmark_module("timeline_gluon_bmm").instrumented_source()
     compile(src, "gluon_bmm_timeline.py", "exec")
     assert src.count("_stamp(") == 1 + 11 and "T_ADDR = gl.constexpr(0)" in src

@@ -7,16 +7,13 @@ plus one bf16 ulp). Paths that sum one product per output (identity operands) mu
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
 from glm_pack.packing.errors import BackendError
 from glm_pack.packing.mxfp4 import dequantize, quantize
 from glm_pack.runtime import reference
-from tests.runtime.kernel_modules import kernel_module
+from tests.runtime.kernel_modules import benchmark_module, kernel_module
 
 tb = kernel_module("triton_bmm")
 _ok, _why = tb.available()
@@ -412,11 +409,7 @@ def test_the_benchmarks_producers_write_every_element_of_their_tensor():
     of; torch's: its contiguous x). A producer that left elements unwritten would time less work than a model's:
     ``mul`` writes the values the tensor had when the producer was made, ``gemm`` ``a @ b`` over its rows, the
     same on every call."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-    try:
-        import bench_triton_bmm
-    finally:
-        sys.path.pop(0)
+    bench_triton_bmm = benchmark_module("bench_triton_bmm")
     q = (torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(5)) * 2).to(torch.bfloat16)
     before = q.clone()
     produce = bench_triton_bmm.make_producer("mul", q)
