@@ -226,18 +226,19 @@ def make_producer(kind: str, out: torch.Tensor) -> Callable[[], None]:
     return lambda: torch.matmul(a, b, out=rows)
 
 
-def time_after_producer(sets: list[dict], call: Callable[[dict], None]) -> float:
-    """Device microseconds per ``call(s)`` right after ``s["produce"]()`` writes its x: a graph of producer +
-    call per set, minus a graph of the producers alone."""
+def time_after_producer(sets: list[dict], kind: str, written: str, call: Callable[[dict], None]) -> float:
+    """Device microseconds per ``call(s)`` right after a ``kind`` producer (:func:`make_producer`) writes
+    ``s[written]``: a graph of producer + call per set, minus a graph of the producers alone."""
+    produce = [make_producer(kind, s[written]) for s in sets]
 
     def pairs():
-        for s in sets:
-            s["produce"]()
+        for p, s in zip(produce, sets, strict=True):
+            p()
             call(s)
 
     def producers():
-        for s in sets:
-            s["produce"]()
+        for p in produce:
+            p()
 
     return _time(pairs, len(sets)) - _time(producers, len(sets))
 
@@ -300,10 +301,8 @@ def bench_case(op, H, T, env, ceilings, args, gen) -> dict:
             sweep.append(entry)
         row["sweep"] = sweep
     if args.producer:  # last: the gemm producer overwrites x, which the checks above compared with refs
-        for s in sets:
-            s["produce"] = make_producer(args.producer, s["q"])
         row["after_producer_us"] = time_after_producer(
-            sets, lambda s: tb.bmm_a16wfp4(s["x"], s["codes"], s["scales"], out=s["out"])
+            sets, args.producer, "q", lambda s: tb.bmm_a16wfp4(s["x"], s["codes"], s["scales"], out=s["out"])
         )
     # torch bf16 bmm on dequantized weights, contiguous x and y (no copies inside torch)
     n_torch = max(1, min(128, math.ceil(3 * l2 / (H * (T * K * 2 + N * K * 2 + T * N * 2)))))
@@ -317,9 +316,9 @@ def bench_case(op, H, T, env, ceilings, args, gen) -> dict:
         })  # fmt: skip
     row["torch_us"] = time_torch(tsets)
     if args.producer:
-        for t in tsets:
-            t["produce"] = make_producer(args.producer, t["xc"])
-        row["torch_after_producer_us"] = time_after_producer(tsets, lambda t: torch.bmm(t["xc"], t["wt"], out=t["yc"]))
+        row["torch_after_producer_us"] = time_after_producer(
+            tsets, args.producer, "xc", lambda t: torch.bmm(t["xc"], t["wt"], out=t["yc"])
+        )
     t0 = tsets[0]
     row["torch_host_us"] = host_us(lambda: torch.bmm(t0["xc"], t0["wt"], out=t0["yc"]))
     flops = 2 * H * T * N * K
