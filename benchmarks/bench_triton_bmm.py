@@ -14,10 +14,9 @@ codes, scales, y) over the measured copy bandwidth, or its FLOPs over the measur
 is larger.
 
     python benchmarks/bench_triton_bmm.py --check [--out DIR] [--ops kup192,kup256,vup] [--heads 16,64]
-        [--tokens 1,16,32,64,256,1024,8192] [--sweep [--sweep-act none]] [--jobs N] [--producer mul|gemm]
+        [--tokens 1,16,32,64,256,1024,8192] [--sweep] [--jobs N] [--producer mul|gemm]
 
-``--sweep`` also times the candidate configs of each M bucket (checking each; with ``act_quant`` mxfp4, or
-``--sweep-act none``, as V-up after an attention that rounded its output) and reports them; ``--jobs N``
+``--sweep`` also times the candidate configs of each M bucket (checking each) and reports them; ``--jobs N``
 compiles every kernel first in N processes, which saves minutes on a machine with an empty Triton cache.
 Results go to stdout (a markdown table) and, with ``--out``, to ``DIR/bench_triton_bmm.{md,json}``.
 """
@@ -295,12 +294,12 @@ def bench_case(op, H, T, env, ceilings, args, gen) -> dict:
             entry = {"config": cfg.__dict__}
             try:
                 if args.check:
-                    entry["check"] = check(sets[0], args.sweep_act, cfg, refs[args.sweep_act])
-                entry["us"] = time_ours(sets, args.sweep_act, cfg)
+                    entry["check"] = check(sets[0], "mxfp4", cfg, refs["mxfp4"])
+                entry["us"] = time_ours(sets, "mxfp4", cfg)
             except Exception as err:  # noqa: BLE001 - a config that fails to compile or launch is reported
                 entry["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
             sweep.append(entry)
-        row["sweep"], row["sweep_act"] = sweep, args.sweep_act
+        row["sweep"] = sweep
     if args.producer:  # last: the gemm producer overwrites x, which the checks above compared with refs
         row["after_producer_us"] = time_after_producer(
             sets, args.producer, "q", lambda s: tb.bmm_a16wfp4(s["x"], s["codes"], s["scales"], out=s["out"])
@@ -381,8 +380,7 @@ def sweep_table(rows: list[dict]) -> str:
             res = e.get("error") or f"{e['us']:.2f} us" + (
                 "" if "check" not in e else f" {'ok' if e['check']['ok'] else 'FAIL'}"
             )
-            act = r["sweep_act"]
-            lines.append(f"{r['op']} H{r['H']} T{r['T']} {act} default {r['us'][act]:.2f} | {cfg}: {res}")
+            lines.append(f"{r['op']} H{r['H']} T{r['T']} default {r['us']['mxfp4']:.2f} | {cfg}: {res}")
     return "\n".join(lines)
 
 
@@ -423,7 +421,6 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="check every case against the reference first")
     p.add_argument("--sweep", action="store_true", help="also time the candidate configs per M bucket")
-    p.add_argument("--sweep-act", choices=tb.ACT_QUANT_MODES, default="mxfp4", help="act_quant of the sweep")
     p.add_argument("--ops", default="kup192,kup256,vup")
     p.add_argument("--heads", default="16,64")
     p.add_argument("--tokens", default="1,16,32,64,256,1024,8192")

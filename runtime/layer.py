@@ -100,23 +100,10 @@ class MlaLayer:
         return out
 
     def attend(
-        self,
-        q_latent,
-        kv_cache,
-        kv_indptr,
-        kv_indices,
-        softmax_scale: float,
-        *,
-        q_rope=None,
-        return_lse: bool = False,
-        round_output: bool = False,
+        self, q_latent, kv_cache, kv_indptr, kv_indices, softmax_scale: float, *, q_rope=None, return_lse: bool = False
     ):
         """Sparse MLA over top-k rows of a BF16 latent cache (row L, or L+R with rope) -> ``[T, H, L]``
-        (and lse ``[T, H]`` when ``return_lse``). FP8 caches are not supported. ``round_output``: the output
-        comes rounded to the MXFP4 grid as :meth:`v_up` would round it, so ``v_up(o, act_quant="none")`` gives
-        exactly ``v_up`` of the unrounded output with ``"mxfp4"`` (the Triton backend rounds in the attention
-        kernel's epilogue, and its V-up then skips the rounding). Not for outputs merged with others (by their
-        LSE) before V-up: merging rounded parts is not rounding the merge."""
+        (and lse ``[T, H]`` when ``return_lse``). FP8 caches are not supported."""
         g = self.geometry
         self._check_act(q_latent, "q_latent", g.kv_lora_rank)
         if g.qk_rope_head_dim:
@@ -134,7 +121,6 @@ class MlaLayer:
         if kv_indptr.shape != (q_latent.shape[0] + 1,):
             raise BackendError(f"kv_indptr must be [T+1] = [{q_latent.shape[0] + 1}], got {tuple(kv_indptr.shape)}")
         out, lse = self.backend.sparse_mla(
-            q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale,
-            return_lse=return_lse, round_output=round_output,
-        )  # fmt: skip
+            q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, return_lse=return_lse
+        )
         return (out, lse) if return_lse else out

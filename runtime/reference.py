@@ -2,8 +2,7 @@
 
 * :func:`bmm_a16wfp4` is aiter's ``batched_gemm_a16wfp4(prequant=True)``: the bf16 activation is quantized
   to MXFP4 per 32-block along K (even rule), then multiplied with the MXFP4 weight in fp32; bf16 out.
-* :func:`sparse_mla` is top-k sparse attention over a BF16 latent cache, in fp32, bf16 out (optionally rounded
-  to the MXFP4 grid, :func:`mxfp4_round_trip`, so that V-up can skip its own activation rounding).
+* :func:`sparse_mla` is top-k sparse attention over a BF16 latent cache, in fp32, bf16 out.
 """
 
 from __future__ import annotations
@@ -26,13 +25,6 @@ def activation_as_float(x: torch.Tensor, act_quant: str) -> torch.Tensor:
     if act_quant == "none":
         return x.float()
     raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, got {act_quant!r}")
-
-
-def mxfp4_round_trip(x: torch.Tensor) -> torch.Tensor:
-    """bf16 ``[..., K]`` -> bf16 ``dequant(quant_even(x))`` per 32-block along the last axis: the values
-    ``act_quant="mxfp4"`` multiplies, exactly (each is ``e2m1 * 2**e``, a bf16 value; NaN stays NaN). The
-    round trip is idempotent, so for a rounded x, ``act_quant="none"`` gives the same product as ``"mxfp4"``."""
-    return activation_as_float(x, "mxfp4").to(torch.bfloat16)
 
 
 def bmm_a16wfp4(
@@ -58,7 +50,6 @@ def sparse_mla(
     softmax_scale: float,
     *,
     return_lse: bool = False,
-    round_output: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sparse MLA over selected latent rows.
 
@@ -66,8 +57,7 @@ def sparse_mla(
     dim ``L + R`` (any leading dims, flattened to global slots), kv_indptr ``[T+1]`` int32, kv_indices flat
     int32 global slot ids (-1 = skip). Scores ``scale * (q_latent . c + q_rope . k_rope)``, softmax over the
     token's valid rows, output ``sum p * c`` -> ``[T, H, L]`` bf16; lse ``[T, H]`` float32 natural log
-    (-inf and a zero output for a token with no valid row). ``round_output``: the bf16 output goes through
-    :func:`mxfp4_round_trip` (per 32-block of L), as V-up's ``act_quant="mxfp4"`` would round it.
+    (-inf and a zero output for a token with no valid row).
     """
     T, H, L = q_latent.shape
     rows = kv_cache.reshape(-1, kv_cache.shape[-1]).float()
@@ -86,8 +76,7 @@ def sparse_mla(
         scores = scores * softmax_scale
         lse[t] = torch.logsumexp(scores, dim=-1)
         out[t] = torch.softmax(scores, dim=-1) @ sel[:, :L]
-    out = out.to(torch.bfloat16)
-    return (mxfp4_round_trip(out) if round_output else out), (lse if return_lse else None)
+    return out.to(torch.bfloat16), (lse if return_lse else None)
 
 
 def unabsorbed_mla(

@@ -19,7 +19,6 @@ import torch
 
 from glm_pack.packing.errors import BackendError
 from glm_pack.packing.manifest import AITER_BMM_CONFIG_KEYS
-from glm_pack.runtime import reference
 
 from .base import Backend
 
@@ -166,9 +165,7 @@ class AiterBackend(Backend):
         else:
             self.fn.bmm(x, w_codes, w_scales, torch.bfloat16, out, cfg)
 
-    def sparse_mla(
-        self, q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, *, return_lse, round_output=False
-    ):
+    def sparse_mla(self, q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, *, return_lse):
         rope = 0 if q_rope is None else q_rope.shape[-1]
         if self.fn.sparse_mla_fwd is None or (rope == 0 and not self.fn.sparse_rope_free):
             if not self._warned:
@@ -176,9 +173,8 @@ class AiterBackend(Backend):
                 log.warning("installed aiter %s; sparse MLA runs on the %s backend", why, self.fallback.name)
                 self._warned = True
             return self.fallback.sparse_mla(
-                q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale,
-                return_lse=return_lse, round_output=round_output,
-            )  # fmt: skip
+                q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, return_lse=return_lse
+            )
         q = q_latent if q_rope is None else torch.cat([q_latent, q_rope], dim=-1)
         kwargs = {"kv_lora_rank": q_latent.shape[-1], "return_lse": return_lse}
         if self.fn.sparse_rope_free:
@@ -186,6 +182,4 @@ class AiterBackend(Backend):
         if self.fn.sparse_has_invalid:
             kwargs["has_invalid"] = bool((kv_indices < 0).any())
         out, lse = self.fn.sparse_mla_fwd(q, kv_cache, kv_indptr, kv_indices, softmax_scale, **kwargs)
-        if round_output:  # aiter's kernel has no such epilogue: a separate rounding pass, same values
-            out = reference.mxfp4_round_trip(out)
         return out, (lse if return_lse else None)

@@ -42,7 +42,6 @@ class Backend:
         softmax_scale: float,
         *,
         return_lse: bool,
-        round_output: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Top-k sparse MLA; semantics of :func:`glm_pack.runtime.reference.sparse_mla`."""
         raise NotImplementedError

@@ -16,10 +16,7 @@ class TorchBackend(Backend):
     def bmm_bf16(self, x, w, out):
         out.copy_(reference.bmm_bf16(x, w))
 
-    def sparse_mla(
-        self, q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, *, return_lse, round_output=False
-    ):
+    def sparse_mla(self, q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, *, return_lse):
         return reference.sparse_mla(
-            q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale,
-            return_lse=return_lse, round_output=round_output,
-        )  # fmt: skip
+            q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, return_lse=return_lse
+        )

@@ -32,10 +32,7 @@ class TritonBackend(Backend):
     def bmm_a16wfp4(self, x, w_codes, w_scales, out, *, op, act_quant):
         self._bmm.bmm_a16wfp4(x, w_codes, w_scales, act_quant=act_quant, out=out)
 
-    def sparse_mla(
-        self, q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, *, return_lse, round_output=False
-    ):
+    def sparse_mla(self, q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, *, return_lse):
         return self._sparse.sparse_mla(
-            q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale,
-            return_lse=return_lse, round_output=round_output,
-        )  # fmt: skip
+            q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, return_lse=return_lse
+        )

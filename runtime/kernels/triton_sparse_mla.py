@@ -5,9 +5,7 @@ output, optional natural-log LSE). One program takes a block of heads of one tok
 that token's selected rows, so each gathered row is read once for all heads of the block (the q tile is
 ``[BLOCK_H, L]``, rows ``[BLOCK_N, L + R]``, scores and ``P @ V`` through ``tl.dot``). When tokens are few,
 the top-k axis is split across programs (flash-decoding): each split writes an unnormalised fp32 partial
-``[L]`` plus its running max and sum, and a second kernel combines the splits. With ``round_output`` the
-kernel writing the output rounds it to the MXFP4 grid per 32-block of L (the activation rounding V-up would
-do, :func:`~glm_pack.runtime.kernels.mxfp4_jit.mxfp4_even_round_trip`). Launch shapes come from
+``[L]`` plus its running max and sum, and a second kernel combines the splits. Launch shapes come from
 :func:`default_config` (tuned on an H200, see BENCHMARKS.md), or :func:`compact_config` where a GPU's shared
 memory is too small for them.
 
@@ -31,7 +29,6 @@ _LOG2E = 1.4426950408889634
 _INTERPRETED = interpreted()  # read at import: Triton picks interpreter or compiler when a kernel is defined
 
 if not _TRITON_ERROR:
-    from glm_pack.runtime.kernels.mxfp4_jit import mxfp4_even_round_trip
 
     @triton.jit
     def _dot(a, b, acc, UPCAST: tl.constexpr):
@@ -88,7 +85,7 @@ if not _TRITON_ERROR:
         H, n_slots, n_idx, num_splits, n_hblocks, qk_scale,
         s_qt, s_qh, s_qd, s_rt, s_rh, s_rd, s_kv, s_ot, s_oh, s_od,
         L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr, RETURN_LSE: tl.constexpr, ROUND_OUT: tl.constexpr, INTERPRET: tl.constexpr,
+        SPLIT: tl.constexpr, RETURN_LSE: tl.constexpr, INTERPRET: tl.constexpr,
     ):  # fmt: skip
         # Head blocks vary fastest so the programs sharing one token's rows run side by side (L2 reuse).
         pid = tl.program_id(0)
@@ -138,10 +135,12 @@ if not _TRITON_ERROR:
             tl.store(part_ptr + row_ml[:, None] * L + offs_l[None, :], acc, mask=hmask[:, None])
         else:
             l_safe = tl.where(l_i > 0, l_i, 1.0)  # acc is all zeros where l_i == 0 (no valid row)
-            o = (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty)
-            if ROUND_OUT:
-                o = mxfp4_even_round_trip(o, BLOCK_H, L, INTERPRET)
-            tl.store(out_ptr + t * s_ot + offs_h[:, None] * s_oh + offs_l[None, :] * s_od, o, mask=hmask[:, None])
+            o = acc / l_safe[:, None]
+            tl.store(
+                out_ptr + t * s_ot + offs_h[:, None] * s_oh + offs_l[None, :] * s_od,
+                o.to(out_ptr.dtype.element_ty),
+                mask=hmask[:, None],
+            )
             if RETURN_LSE:
                 lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
                 tl.store(lse_ptr + t * H + offs_h, lse, mask=hmask)
@@ -151,7 +150,6 @@ if not _TRITON_ERROR:
         part_ptr, pm_ptr, pl_ptr, out_ptr, lse_ptr,
         H, num_splits, s_ot, s_oh, s_od,
         L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr, RETURN_LSE: tl.constexpr,
-        ROUND_OUT: tl.constexpr, INTERPRET: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)  # t * H + h
         t = (pid // H).to(tl.int64)
@@ -169,10 +167,8 @@ if not _TRITON_ERROR:
         d_safe = tl.where(denom > 0, denom, 1.0)  # every partial is zero where denom == 0
         offs_l = lb * BLOCK_L + tl.arange(0, BLOCK_L)
         part = tl.load(part_ptr + rows[:, None] * L + offs_l[None, :], mask=smask[:, None], other=0.0)
-        o = (tl.sum(part * w[:, None], 0) / d_safe).to(out_ptr.dtype.element_ty)
-        if ROUND_OUT:  # BLOCK_L is a multiple of 32: whole blocks
-            o = tl.reshape(mxfp4_even_round_trip(o, 1, BLOCK_L, INTERPRET), (BLOCK_L,))
-        tl.store(out_ptr + t * s_ot + h * s_oh + offs_l * s_od, o)
+        o = tl.sum(part * w[:, None], 0) / d_safe
+        tl.store(out_ptr + t * s_ot + h * s_oh + offs_l * s_od, o.to(out_ptr.dtype.element_ty))
         if RETURN_LSE:
             if lb == 0:
                 lse = tl.where(denom > 0, (m_max + tl.log2(d_safe)) / 1.4426950408889634, float("-inf"))
@@ -314,7 +310,6 @@ def sparse_mla(
     softmax_scale: float,
     *,
     return_lse: bool = False,
-    round_output: bool = False,
     out: torch.Tensor | None = None,
     config: SparseMlaConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -325,17 +320,14 @@ def sparse_mla(
     kv_indptr ``[T+1]`` int32, kv_indices flat int32 global slot ids: -1 (and any id outside the cache,
     which the kernel cannot report without a host sync) is skipped; a repeated id counts each time.
     Returns ``out [T, H, L]`` bf16 (written into ``out`` when given) and, with ``return_lse``, the natural-log
-    LSE ``[T, H]`` float32 (-inf, with a zero output row, for a token with no valid row). ``round_output``: the
-    output rounded to the MXFP4 grid (``reference.mxfp4_round_trip``), so that V-up can take
-    ``act_quant="none"`` with the same result. ``config`` overrides :func:`default_config`.
+    LSE ``[T, H]`` float32 (-inf, with a zero output row, for a token with no valid row). ``config`` overrides
+    :func:`default_config`.
     """
     ok, why = available()
     if not ok:
         raise BackendError(f"triton sparse MLA unavailable: {why}")
     rows, R = _validate(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, out)
     T, H, L = q_latent.shape
-    if round_output and L % 32:
-        raise BackendError(f"triton sparse MLA: round_output needs whole 32-blocks, L={L}", tensor="q_latent")
     dev = q_latent.device
     if out is None:
         out = torch.empty(T, H, L, dtype=torch.bfloat16, device=dev)
@@ -347,17 +339,16 @@ def sparse_mla(
         raise BackendError(f"triton sparse MLA: bad config {cfg}")
     qr = q_latent if q_rope is None else q_rope  # an unused pointer when rope-free
     try:
-        _launch(q_latent, qr, R, rows, kv_indptr, kv_indices, softmax_scale, out, lse, round_output, cfg)
+        _launch(q_latent, qr, R, rows, kv_indptr, kv_indices, softmax_scale, out, lse, cfg)
     except triton.runtime.errors.OutOfResources as exc:  # e.g. less shared memory than an H100/H200
         if config is not None:
             raise BackendError(f"triton sparse MLA: config {cfg} does not fit this GPU: {exc}") from exc
         small = compact_config(T, H, kv_indices.numel(), dev)
-        _launch(q_latent, qr, R, rows, kv_indptr, kv_indices, softmax_scale, out, lse, round_output, small)
+        _launch(q_latent, qr, R, rows, kv_indptr, kv_indices, softmax_scale, out, lse, small)
     return out, lse
 
 
-def _launch(q_latent, qr, R, rows, kv_indptr, kv_indices, softmax_scale, out, lse, round_output: bool,
-            cfg: SparseMlaConfig) -> None:  # fmt: skip
+def _launch(q_latent, qr, R, rows, kv_indptr, kv_indices, softmax_scale, out, lse, cfg: SparseMlaConfig) -> None:
     """Run the forward kernel (and the combine kernel when ``cfg`` splits the top-k axis)."""
     T, H, L = q_latent.shape
     n_hblocks = -(-H // cfg.block_h)
@@ -374,12 +365,12 @@ def _launch(q_latent, qr, R, rows, kv_indptr, kv_indices, softmax_scale, out, ls
         H, rows.shape[0], kv_indices.numel(), cfg.num_splits, n_hblocks, float(softmax_scale) * _LOG2E,
         *q_latent.stride(), *qr.stride(), rows.stride(0), *out.stride(),
         L=L, R=R, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPLIT=split, RETURN_LSE=lse is not None,
-        ROUND_OUT=round_output, INTERPRET=_INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        INTERPRET=_INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:
         block_l = min(L, 128)
         _combine[(T * H, L // block_l)](
             part, pm, pl, out, lse_arg, H, cfg.num_splits, *out.stride(),
             L=L, BLOCK_S=triton.next_power_of_2(cfg.num_splits), BLOCK_L=block_l, RETURN_LSE=lse is not None,
-            ROUND_OUT=round_output, INTERPRET=_INTERPRETED, num_warps=4,
+            num_warps=4,
         )  # fmt: skip

@@ -15,7 +15,6 @@ import torch
 from glm_pack import runtime
 from glm_pack.packing.errors import BackendError
 from glm_pack.packing.manifest import AITER_BMM_CONFIG_KEYS
-from glm_pack.runtime import reference
 from glm_pack.runtime.backends import aiter_backend as ab
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -147,8 +146,6 @@ def test_aiter_dispatch_end_to_end(packed_dirs, fake_aiter, kind):
     o = layer.attend(latent, cache, indptr, indices, 0.06, q_rope=q[..., 192:])
     assert rec.calls[-1] == ("sparse", 64)
     torch.testing.assert_close(o, ref.attend(latent, cache, indptr, indices, 0.06, q_rope=q[..., 192:]))
-    o_rounded = layer.attend(latent, cache, indptr, indices, 0.06, q_rope=q[..., 192:], round_output=True)
-    assert rec.calls[-1] == ("sparse", 64) and torch.equal(o_rounded, reference.mxfp4_round_trip(o))
     big = torch.randn(300, 8, 512).bfloat16()
     y = layer.v_up(big)
     assert rec.calls[-1] == (kind, 300, 512, 128, 128)  # the seed's V-up tuning for M > 256: BM 128, BK 128
@@ -164,10 +161,9 @@ def test_rope_free_falls_back_once_when_aiter_lacks_it(packed_dirs, fake_aiter, 
     q, cache, indptr, indices = _inputs(geom, T=2)
     latent = layer.k_up(q)
     with caplog.at_level(logging.WARNING):
-        o = layer.attend(latent, cache, indptr, indices, 0.06)
-        o_rounded = layer.attend(latent, cache, indptr, indices, 0.06, round_output=True)
+        layer.attend(latent, cache, indptr, indices, 0.06)
+        layer.attend(latent, cache, indptr, indices, 0.06)
     assert sum("lacks rope-free support" in r.message for r in caplog.records) == 1
-    assert torch.equal(o_rounded, reference.mxfp4_round_trip(o))  # the fallback backend rounds
     assert all(c[0] != "sparse" for c in rec.calls)
 
 

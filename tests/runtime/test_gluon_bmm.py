@@ -16,10 +16,9 @@ import torch
 
 from glm_pack.packing.errors import BackendError
 from glm_pack.packing.mxfp4 import dequantize
-from glm_pack.runtime import reference
 from tests.runtime.kernel_modules import benchmark_module, kernel_module
 from tests.runtime.ptx_emulator import run_ptx
-from tests.runtime.test_mxfp4_jit import block_scales, round_trip_blocks
+from tests.runtime.test_mxfp4_jit import block_scales, round_trip_blocks, round_trip_reference
 from tests.runtime.test_triton_bmm import (
     activations,
     assert_close_to_reference,
@@ -465,7 +464,7 @@ def test_xreg_rounds_x_in_registers_like_the_reference(cfg, monkeypatch):
     launched = _launches(monkeypatch)
     blocks = round_trip_blocks()
     amax = blocks.float().abs().amax(dim=1)
-    keep = blocks.isfinite().all(dim=1) & reference.mxfp4_round_trip(blocks).isfinite().all(dim=1)
+    keep = blocks.isfinite().all(dim=1) & round_trip_reference(blocks).isfinite().all(dim=1)
     keep &= (amax == 0) | (amax >= 2.0**-100)
     assert (block_scales(blocks[keep]) >= 120).any()
     B, K = 2, 256
@@ -477,7 +476,7 @@ def test_xreg_rounds_x_in_registers_like_the_reference(cfg, monkeypatch):
     codes, scales = identity_weights(B, K)
     y = tb.bmm_a16wfp4(x, codes, scales, act_quant="mxfp4", config=cfg)
     assert launched and launched[0].schedule == "xreg"
-    assert torch.equal(y.cpu(), reference.mxfp4_round_trip(x.cpu()))  # -0.0 == 0.0; everything else bit for bit
+    assert torch.equal(y.cpu(), round_trip_reference(x))  # -0.0 == 0.0; everything else bit for bit
 
 
 @sm90_only

@@ -73,29 +73,6 @@ def test_matches_reference(T, H, rope, cfg):
     check(args, out, lse)
 
 
-@pytest.mark.parametrize(
-    ("T", "H", "rope", "cfg"),
-    [
-        (2, 16, True, tsm.SparseMlaConfig(16, 16, 1)),  # rounded in the forward kernel's epilogue
-        (3, 8, False, tsm.SparseMlaConfig(16, 16, 3)),  # rounded in the combine kernel
-    ],
-)
-def test_round_output_is_the_mxfp4_round_trip_of_the_output(T, H, rope, cfg):
-    args = make_case(T, H, rope, lens=[40, 0, 33][:T], seed=T * 10 + H)
-    plain, plain_lse = tsm.sparse_mla(*args, SCALE, return_lse=True, config=cfg)
-    out, lse = tsm.sparse_mla(*args, SCALE, return_lse=True, round_output=True, out=poisoned(T, H), config=cfg)
-    want = reference.mxfp4_round_trip(plain)
-    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
-    assert not torch.equal(out, plain)  # the rounding changed something
-    assert torch.equal(lse, plain_lse)  # the LSE stays that of the unrounded output
-
-
-def test_round_output_needs_whole_blocks():
-    q_lat, _, cache, indptr, idx = make_case(1, 16, False)
-    with pytest.raises(BackendError, match="32-blocks"):
-        tsm.sparse_mla(q_lat[..., :16], None, cache[:, :16].contiguous(), indptr, idx, SCALE, round_output=True)
-
-
 @pytest.mark.parametrize("split", [1, 2])
 def test_empty_token_gives_zeros_and_minus_inf(split):
     args = make_case(4, 16, True, lens=[20, 0, 9, 12], seed=7)
