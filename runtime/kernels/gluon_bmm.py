@@ -36,8 +36,7 @@ fifth, for small M, swaps the operands:
   codes are one contiguous vector load, and the decoded values reach the A layout by renaming registers. With
   x tiles of 16-64 rows against up to 256 weight rows a head's x is rounded by fewer programs than with the
   decode schedule's tiles (each weight column's program rounds all the x it multiplies), which is where the
-  time of small-M calls goes; the weights are decoded once per x tile instead. With two 256-deep K steps the
-  workers load x step 1 once step 0 has landed (:func:`defers_second_x_step`).
+  time of small-M calls goes; the weights are decoded once per x tile instead.
 
 The x ring has as many stages as fit in shared memory, up to 4. The first ``stages`` steps are loaded up front
 (a program with that many K steps or fewer has all its x in flight at once); the TMA load for step
@@ -491,15 +490,16 @@ if not IMPORT_ERROR and not _INTERPRETED:
     def _swap_kernel(x_desc, y_desc, c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, M, N,
                      K: gl.constexpr, ACT_MXFP4: gl.constexpr, ROUND_LAYOUT: gl.constexpr,
                      CODE_LAYOUT: gl.constexpr, STAGES: gl.constexpr, WORKERS: gl.constexpr,
-                     DEFER_X1: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                     num_warps: gl.constexpr):  # fmt: skip
         """The swap schedule. Grid ``(B * tiles_n * tiles_m,)``, one ``[BM, BN]`` y tile a program; descriptors
         over x ``[B, M, K]`` (block ``[1, BM, BK]``) and y ``[B, M, N]`` (``[1, BM, BN]``); codes / scales as
         for ``decode``, in CODE_LAYOUT (:func:`swap_code_layout`). The WORKERS worker warps round
         each x tile (with ACT_MXFP4) and store it in :func:`_swap_k_order`; the num_warps MMA warps (BN / 16)
-        decode and multiply. DEFER_X1: x step 1 is loaded once step 0 has landed (:func:`defers_second_x_step`),
-        else the first STAGES steps at once."""
+        decode and multiply."""
         BM: gl.constexpr = x_desc.block_type.shape[1]
+        BK: gl.constexpr = x_desc.block_type.shape[2]
         BN: gl.constexpr = y_desc.block_type.shape[2]
+        KSTEPS: gl.constexpr = K // BK
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
         y_buf = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -509,7 +509,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
             mbarrier.init(rounded.index(st), count=1)
         pid = gl.program_id(0)
         b, m0, n0 = _tile(0, pid, M, N, gl.cdiv(M, BM), BM, BN)  # a split per M tile: one tile each
-        for j in gl.static_range(1 if DEFER_X1 else STAGES):  # STAGES <= KSTEPS
+        for j in gl.static_range(STAGES):  # STAGES <= KSTEPS
             _load_step(x_desc, None, x_bufs, None, ready, j, pid, M, N, gl.cdiv(M, BM), K, BN, True)
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BM, 16]
@@ -518,20 +518,8 @@ if not IMPORT_ERROR and not _INTERPRETED:
         gl.warp_specialize([
             (_swap_mma_loop, ((c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0), pid, M, N, x_desc,
                               y_desc, x_bufs, y_buf, ready, rounded, m0, K, CODE_LAYOUT, a_layout, mma_layout)),
-            (_swap_round_loop, (x_desc, x_bufs, ready, rounded, pid, M, N, K, BN, ROUND_LAYOUT, ACT_MXFP4, DEFER_X1)),
+            (_round_loop, (x_bufs, ready, rounded, KSTEPS, ROUND_LAYOUT, ACT_MXFP4, True)),
         ], [WORKERS], [_ROUND_REGS])  # fmt: skip
-
-    @gluon.jit
-    def _swap_round_loop(x_desc, x_bufs, ready, rounded, pid, M, N, K: gl.constexpr, BN: gl.constexpr,
-                         ROUND_LAYOUT: gl.constexpr, ACT_MXFP4: gl.constexpr, DEFER_X1: gl.constexpr):  # fmt: skip
-        """The swap schedule's worker warps: with DEFER_X1 first issue the load of x step 1 once step 0 has
-        landed (:func:`defers_second_x_step`), then :func:`_round_loop` over the tile's K steps."""
-        BM: gl.constexpr = x_bufs.type.shape[2]
-        BK: gl.constexpr = x_bufs.type.shape[3]
-        if DEFER_X1:
-            mbarrier.wait(ready.index(0), 0)
-            _load_step(x_desc, None, x_bufs, None, ready, 1, pid, M, N, gl.cdiv(M, BM), K, BN, True)
-        _round_loop(x_bufs, ready, rounded, K // BK, ROUND_LAYOUT, ACT_MXFP4, True)
 
 
 SCHEDULES = ("stationary", "streaming", "decode", "swap", "xreg")
@@ -762,15 +750,6 @@ def decode_first(p: Plan, ws: bool) -> bool:
     return ws and p.num_warps == 8
 
 
-def defers_second_x_step(p: Plan, K: int) -> bool:
-    """Whether a ``swap`` launch loads x step 1 only once step 0 has landed (its worker warps issue the load
-    before rounding step 0) instead of both at the start: for two 256-deep K steps in two stages (V-up's
-    tiles), so that step 0 does not share HBM with step 1 while the rounding of step 0 outlasts the second
-    load. On the H200 0-0.3 us faster in the 7 V-up cases timed (8-64 heads, 64-512 rows), and up to 0.27 us
-    slower with K-up 256's two 128-deep steps, whose rounding is shorter (BENCHMARKS.md)."""
-    return p.schedule == "swap" and p.block_k == 256 and K // p.block_k == 2 and p.stages == 2
-
-
 def _a_operand_runs(cols: int, num_warps: int) -> tuple[list, list, list]:
     """Register, lane and warp bases ``[row, col]`` of the wgmma A-operand rows (lanes 4r + t: rows r and r + 8
     of each warp's 16, warps along rows) with lane t of each quad holding the run of ``cols / 4`` consecutive
@@ -820,8 +799,7 @@ def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1)
     consts = dict(K=K, ACT_MXFP4=act_mxfp4, ROUND_LAYOUT=rounding, STAGES=p.stages, WORKERS=p.round_warps,
                   num_warps=p.num_warps)  # fmt: skip
     if swap:
-        consts.update(CODE_LAYOUT=swap_code_layout(p.block_n, p.block_k, p.num_warps),
-                      DEFER_X1=defers_second_x_step(p, K))  # fmt: skip
+        consts.update(CODE_LAYOUT=swap_code_layout(p.block_n, p.block_k, p.num_warps))
     else:
         consts.update(BN=p.block_n, W_LAYOUT=_smem_layout((1, p.block_n, p.block_k)),
                       STATIONARY=p.schedule != "streaming", DECODE=p.schedule in FROM_CODES, WS=ws,

@@ -279,27 +279,6 @@ def test_swap_plans_one_stage_per_k_step_at_most_and_always_rounding_warps():
     assert gb.plan(64, 64, 256, 4, "swap", 512, 30_000) is None
 
 
-def test_only_two_256_deep_swap_steps_load_the_second_once_the_first_has_landed():
-    """The deferred second x load is for swap programs of exactly two 256-deep K steps in two stages (V-up's
-    tiles at K = 512), where the rounding of step 0 outlasts the second load: not for K-up 256's two 128-deep
-    steps (slower on the H200), one step or four, fewer stages (the MMA warps then load step 1 themselves,
-    after step 0's MMAs) or other schedules; a launch passes the decision to the kernel."""
-    vup = gb.plan(32, 64, 256, 4, "swap", 512, H200_SMEM)
-    vup_rw8 = gb.plan(64, 128, 256, 8, "swap", 512, H200_SMEM, round_warps=8)
-    kup_two_steps = gb.plan(64, 128, 128, 8, "swap", 256, H200_SMEM)
-    kup_one_step = gb.plan(32, 128, 256, 8, "swap", 256, H200_SMEM)
-    vup_four_steps = gb.plan(64, 128, 128, 8, "swap", 512, H200_SMEM)
-    vup_one_stage = gb.plan(64, 64, 256, 4, "swap", 512, 60_000)
-    decode = gb.plan(64, 64, 256, 4, "decode", 512, H200_SMEM, ws=True)
-    assert (vup.stages, vup_rw8.stages, kup_two_steps.stages, vup_one_stage.stages) == (2, 2, 2, 1)
-    assert gb.defers_second_x_step(vup, 512) and gb.defers_second_x_step(vup_rw8, 512)
-    for p, K in ((kup_two_steps, 256), (kup_one_step, 256), (vup_four_steps, 512), (vup_one_stage, 512),
-                 (decode, 512)):  # fmt: skip
-        assert not gb.defers_second_x_step(p, K), p
-    assert gb.kernel_constants(vup, 512, True)["DEFER_X1"] and gb.kernel_constants(vup, 512, False)["DEFER_X1"]
-    assert not gb.kernel_constants(kup_two_steps, 256, True)["DEFER_X1"]
-
-
 @pytest.mark.parametrize(
     "tiles, K, act, per_sm, round_warps, scale_loads",
     [((32, 64, 256, 4), 512, True, 1, 4, 2 * 2 * 2), ((16, 128, 256, 8), 256, True, 1, 4, 1 * 2 * 2),
@@ -518,28 +497,6 @@ def test_two_programs_per_multiprocessor_on_gpu(name, per_sm, monkeypatch):
         tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=_GPU_CONFIGS[name])
         assert_close_to_reference(out, x, codes, scales, act_quant)
     assert shares == [per_sm, per_sm]
-
-
-@sm90_only
-@pytest.mark.parametrize(
-    "cfg", [tb.BmmConfig(32, 64, 256, 4, 1, 0, wgmma="swap"), tb.BmmConfig(64, 128, 256, 8, 1, 0, wgmma="swap",
-                                                                         round_warps=8)],
-    ids=["32x64x256", "64x128x256-rw8"],
-)  # fmt: skip
-@pytest.mark.parametrize("B, M, N", [(16, 64, 256), (16, 300, 256), (3, 65, 80)])
-def test_swap_with_the_second_x_step_deferred_matches_reference_on_gpu(B, M, N, cfg, monkeypatch):
-    """V-up's swap tiles (two 256-deep K steps, the second loaded by the worker warps once the first has
-    landed) on GLM's shape at 64 and 300 rows and a ragged one (M and N not multiples of the tiles), through the
-    runtime's strided view of the q rows."""
-    launched = _launches(monkeypatch)
-    codes, scales = weights(B, N, 512, seed=M + N)
-    x = activations(M, B, 512, seed=N, row=512)
-    for act_quant in ("mxfp4", "none"):
-        buf, out = poisoned_out(M, B, N)
-        tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=cfg)
-        assert torch.isnan(buf[..., N:]).all()
-        assert_close_to_reference(out, x, codes, scales, act_quant)
-    assert launched and all(gb.defers_second_x_step(p, 512) for p in launched)
 
 
 @sm90_only
