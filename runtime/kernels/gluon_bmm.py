@@ -32,7 +32,8 @@ fifth, for small M, swaps the operands:
   weight rows are the wgmma's M (one, two or four warpgroups), ``block_m`` = 16-64 rows of x its N, one tile a
   program. The MMA warps decode each K step of codes straight into the A-operand registers (wgmma RS: no
   shared-memory store, fence or barrier for the weights); the worker warps round each x tile (mxfp4) and store
-  it with K reordered (:func:`_swap_k_order`) so that a thread's A registers hold one run of consecutive k: its
+  it with K reordered (:func:`_swap_k_order`; in some one-step launches the MMA warps do it after decoding,
+  :func:`swap_workers`) so that a thread's A registers hold one run of consecutive k: its
   codes are one contiguous vector load, and the decoded values reach the A layout by renaming registers. With
   x tiles of 16-64 rows against up to 256 weight rows a head's x is rounded by fewer programs than with the
   decode schedule's tiles (each weight column's program rounds all the x it multiplies), which is where the
@@ -57,7 +58,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -462,10 +463,12 @@ if not IMPORT_ERROR and not _INTERPRETED:
 
     @gluon.jit
     def _swap_mma_loop(column, pid, M, N, x_desc, y_desc, x_bufs, y_buf, ready, rounded, m0, K: gl.constexpr,
-                       CODE_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, MMA_LAYOUT: gl.constexpr):  # fmt: skip
+                       CODE_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, MMA_LAYOUT: gl.constexpr,
+                       ROUND_LAYOUT: gl.constexpr, ACT_MXFP4: gl.constexpr, ROUND_HERE: gl.constexpr):  # fmt: skip
         """The swap schedule's MMA warps: load the column's codes (:func:`_load_column`), per K step decode them
-        straight into wgmma A registers, wait for the reordered x tile, ``acc[BN, BM] += w . x^T``, refill the
-        slot just read; then y = acc^T through shared memory and TMA."""
+        straight into wgmma A registers, wait for the reordered x tile (with ROUND_HERE: wait for its load, then
+        round and reorder it themselves, :func:`_round_in_place` in ROUND_LAYOUT), ``acc[BN, BM] += w . x^T``,
+        refill the slot just read; then y = acc^T through shared memory and TMA."""
         STAGES: gl.constexpr = x_bufs.type.shape[0]
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
@@ -475,8 +478,13 @@ if not IMPORT_ERROR and not _INTERPRETED:
         acc = gl.zeros([BN, BM], gl.float32, MMA_LAYOUT)
         for kk in gl.static_range(K // BK):
             a = gl.convert_layout(_swap_k_order(_e2m1_dequant_ptx(codes[kk], scales[kk])), A_LAYOUT)  # registers only
-            mbarrier.wait(rounded.index(kk % STAGES), (kk // STAGES) & 1)
             xs = x_bufs.index(kk % STAGES).reshape([BM, BK])
+            if ROUND_HERE:
+                mbarrier.wait(ready.index(kk % STAGES), (kk // STAGES) & 1)
+                _round_in_place(xs, ROUND_LAYOUT, ACT_MXFP4, True)
+                gl.thread_barrier()  # every warp's stores, before the MMA reads the tile
+            else:
+                mbarrier.wait(rounded.index(kk % STAGES), (kk // STAGES) & 1)
             acc = warpgroup_mma(a, xs.permute((1, 0)), acc, use_acc=kk > 0, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if kk + STAGES < K // BK:  # a split per M tile: flattened step kk + STAGES is this tile's
@@ -489,13 +497,13 @@ if not IMPORT_ERROR and not _INTERPRETED:
     @gluon.jit
     def _swap_kernel(x_desc, y_desc, c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, M, N,
                      K: gl.constexpr, ACT_MXFP4: gl.constexpr, ROUND_LAYOUT: gl.constexpr,
-                     CODE_LAYOUT: gl.constexpr, STAGES: gl.constexpr, WORKERS: gl.constexpr,
+                     CODE_LAYOUT: gl.constexpr, STAGES: gl.constexpr, WORKERS: gl.constexpr, WS: gl.constexpr,
                      num_warps: gl.constexpr):  # fmt: skip
         """The swap schedule. Grid ``(B * tiles_n * tiles_m,)``, one ``[BM, BN]`` y tile a program; descriptors
         over x ``[B, M, K]`` (block ``[1, BM, BK]``) and y ``[B, M, N]`` (``[1, BM, BN]``); codes / scales as
-        for ``decode``, in CODE_LAYOUT (:func:`swap_code_layout`). The WORKERS worker warps round
-        each x tile (with ACT_MXFP4) and store it in :func:`_swap_k_order`; the num_warps MMA warps (BN / 16)
-        decode and multiply."""
+        for ``decode``, in CODE_LAYOUT (:func:`swap_code_layout`). With WS the WORKERS worker warps round each
+        x tile (with ACT_MXFP4) and store it in :func:`_swap_k_order` while the num_warps MMA warps (BN / 16)
+        decode and multiply; without, the MMA warps do both (:func:`swap_workers`)."""
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
         BN: gl.constexpr = y_desc.block_type.shape[2]
@@ -515,11 +523,16 @@ if not IMPORT_ERROR and not _INTERPRETED:
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BM, 16]
         )
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-        gl.warp_specialize([
-            (_swap_mma_loop, ((c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0), pid, M, N, x_desc,
-                              y_desc, x_bufs, y_buf, ready, rounded, m0, K, CODE_LAYOUT, a_layout, mma_layout)),
-            (_round_loop, (x_bufs, ready, rounded, KSTEPS, ROUND_LAYOUT, ACT_MXFP4, True)),
-        ], [WORKERS], [_ROUND_REGS])  # fmt: skip
+        column = (c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0)
+        if WS:
+            gl.warp_specialize([
+                (_swap_mma_loop, (column, pid, M, N, x_desc, y_desc, x_bufs, y_buf, ready, rounded, m0, K,
+                                  CODE_LAYOUT, a_layout, mma_layout, ROUND_LAYOUT, ACT_MXFP4, False)),
+                (_round_loop, (x_bufs, ready, rounded, KSTEPS, ROUND_LAYOUT, ACT_MXFP4, True)),
+            ], [WORKERS], [_ROUND_REGS])  # fmt: skip
+        else:
+            _swap_mma_loop(column, pid, M, N, x_desc, y_desc, x_bufs, y_buf, ready, rounded, m0, K, CODE_LAYOUT,
+                           a_layout, mma_layout, ROUND_LAYOUT, ACT_MXFP4, True)  # fmt: skip
 
 
 SCHEDULES = ("stationary", "streaming", "decode", "swap", "xreg")
@@ -530,7 +543,8 @@ FROM_CODES = ("decode", "swap", "xreg")  # the schedules that read E2M1 codes an
 class Plan:
     """A launch: tile sizes, warps, schedule (one of :data:`SCHEDULES`), x-ring stages (shared memory
     permitting) and whether ``round_warps`` (4 or 8) more warps round mxfp4 activations (``ws``; ``swap``
-    always has them: they also reorder x's K; ``xreg`` never: its MMA warps round)."""
+    always has them: they also reorder x's K, except in the launches :func:`swap_workers` excludes; ``xreg``
+    never: its MMA warps round)."""
 
     block_m: int
     block_n: int
@@ -611,7 +625,7 @@ def plan(block_m: int, block_n: int, block_k: int, num_warps: int, schedule: str
     """The launch for tiles that pass :func:`tile_error` (``block_k`` dividing K) with the most x stages
     (<= ``max_stages``, >= 2; ``swap``, one tile a program: up to one per K step, >= 1) fitting ``smem`` bytes;
     None when none fits. ``ws``: round mxfp4 activations in ``round_warps`` more warps (warp specialisation;
-    always for ``swap``)."""
+    always for ``swap``, whose launches may still go without, :func:`swap_workers`)."""
     swap = schedule == "swap"
     for stages in range(min(max_stages, K // block_k) if swap else max_stages, 0 if swap else 1, -1):
         if smem_bytes(block_m, block_n, block_k, K, schedule, stages) <= smem:
@@ -681,6 +695,8 @@ def prepare(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: tor
     columns, sms = B * triton.cdiv(N, bn), sm_count(x.device)
     # swap: a program per tile; else each column's M tiles split over the SMs
     splits = triton.cdiv(M, bm) if p.schedule == "swap" else max(1, min(triton.cdiv(M, bm), sms // columns))
+    if p.schedule == "swap" and not swap_workers(K // bk, act_mxfp4, columns * splits, sms):
+        p = replace(p, ws=False)
     per_sm = programs_per_sm(p, K, columns * splits, sms, smem_limit(x.device))
     constants = kernel_constants(p, K, act_mxfp4, per_sm)
     ints = (*w.stride()[:2], *(w_scales if decode else w).stride()[:2], M, N)
@@ -741,6 +757,19 @@ def programs_per_sm(p: Plan, K: int, programs: int, sms: int, smem: int) -> int:
     return 2 if programs > sms and 2 * need <= smem + 1024 and warps <= MAX_SHARED_WARPS and regs_ok else 1
 
 
+def swap_workers(k_steps: int, act_mxfp4: bool, programs: int, sms: int) -> bool:
+    """Whether a ``swap`` launch of ``programs`` programs of ``k_steps`` K steps on ``sms`` multiprocessors
+    gives them worker warps that round (and reorder) x while the MMA warps decode and multiply. Yes with more
+    than one K step, where rounding step k + 1 overlaps the MMAs of step k. With one step there is nothing to
+    overlap, and the MMA warps can round the tile themselves after decoding: without the workers' warps,
+    registers and partition protocol a program is cheaper, and more fit on a multiprocessor. That is done
+    where x is only reordered (``act_quant="none"``), and where there are more than twice as many programs as
+    multiprocessors: with workers at most two share one (:func:`programs_per_sm`), so they would run in more
+    than one wave. With fewer programs the workers' rounding beside the decode was faster on the H200
+    (BENCHMARKS.md, session 24)."""
+    return k_steps > 1 or (act_mxfp4 and programs <= 2 * sms)
+
+
 def decode_first(p: Plan, ws: bool) -> bool:
     """Whether a ``decode`` program decodes its whole weight column before its first MMA rather than K step by
     K step during its first tile: with rounding warps (``ws``) and two MMA warpgroups (8 warps). One warpgroup
@@ -791,7 +820,7 @@ def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1)
     """The compile-time arguments of a launch of ``p`` (``num_warps`` and, with WS, ``maxnreg`` included: the
     registers of ``programs_per_sm`` programs' warps share a multiprocessor's 65536)."""
     swap, xreg = p.schedule == "swap", p.schedule == "xreg"
-    ws = (p.ws and act_mxfp4) or swap  # never for xreg: plan() makes its plans without rounding warps
+    ws = p.ws and (act_mxfp4 or swap)  # swap's workers also reorder x; never for xreg (plan() makes it without)
     rounding, decoding = _register_layouts(p.block_m, p.block_n, p.block_k, p.num_warps,
                                            p.round_warps if ws else p.num_warps)  # fmt: skip
     if xreg:
@@ -799,7 +828,7 @@ def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1)
     consts = dict(K=K, ACT_MXFP4=act_mxfp4, ROUND_LAYOUT=rounding, STAGES=p.stages, WORKERS=p.round_warps,
                   num_warps=p.num_warps)  # fmt: skip
     if swap:
-        consts.update(CODE_LAYOUT=swap_code_layout(p.block_n, p.block_k, p.num_warps))
+        consts.update(CODE_LAYOUT=swap_code_layout(p.block_n, p.block_k, p.num_warps), WS=ws)
     else:
         consts.update(BN=p.block_n, W_LAYOUT=_smem_layout((1, p.block_n, p.block_k)),
                       STATIONARY=p.schedule != "streaming", DECODE=p.schedule in FROM_CODES, WS=ws,

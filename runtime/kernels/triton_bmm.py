@@ -330,8 +330,9 @@ class BmmConfig:
     (``decode``, ``swap``) or ``tma`` / tiled (the others) with the same tiles.
     ``ws`` (with ``wgmma``): warp specialisation: with mxfp4 activations, :data:`gluon_bmm.ROUND_WARPS` more
     warps round the x tiles while the MMA warps only wait, issue MMAs and write y (``decode`` with 8 warps then
-    decodes the whole weight column before the first MMA, :func:`gluon_bmm.decode_first`); ``swap`` always
-    has them. ``round_warps``: how many, 4 or 8 (8 only with ``ws`` or ``swap``, at most
+    decodes the whole weight column before the first MMA, :func:`gluon_bmm.decode_first`); ``swap`` has them
+    except where :func:`gluon_bmm.swap_workers` finds the MMA warps round faster. ``round_warps``: how many, 4 or
+    8 (8 only with ``ws`` or ``swap``, at most
     :data:`gluon_bmm.MAX_WARPS` warps in all, and leaving the MMA warps registers for their accumulator:
     :func:`gluon_bmm.register_error`)."""
 

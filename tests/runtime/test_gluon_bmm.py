@@ -168,7 +168,7 @@ def test_ws_needs_the_wgmma_kernel():
 
 _COMPILE = textwrap.dedent(
     r"""
-    import json, os, re, subprocess, sys, tempfile
+    import dataclasses, json, os, re, subprocess, sys, tempfile
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -178,6 +178,8 @@ _COMPILE = textwrap.dedent(
 
     bm, bn, bk, warps, schedule, K, act, ws, per_sm, round_warps = json.loads(sys.argv[1])
     p = gb.plan(bm, bn, bk, warps, schedule, K, 232448, ws=ws, round_warps=round_warps)
+    if schedule == "swap" and not ws:  # a launch that swap_workers leaves without worker warps
+        p = dataclasses.replace(p, ws=False)
     decode, swap = schedule in gb.FROM_CODES, schedule == "swap"
     def desc(block):
         return f"tensordesc<bf16{block},{gb._smem_layout(tuple(block))!r}>"
@@ -296,11 +298,38 @@ def test_swap_kernel_compiles_for_sm90_with_its_weights_in_registers(tiles, K, a
     the y tile: moving the decoded weights to the MMA's register layout through shared memory (a 16-64 KiB
     scratch tile) would exceed it. The only byte loads are the scales' (hand counts: per K step, a thread's two
     rows r and r + 8 times the 32-blocks of its run of block_k / 4 k, at least one); codes come in vectors."""
-    got = _compile(tiles, "swap", K, act, False, per_sm, round_warps)
+    got = _compile(tiles, "swap", K, act, True, per_sm, round_warps)
     assert got["warps"] == tiles[3] + round_warps and got["setmaxnreg"] > 0 and got["stack"] == 0
     assert got["warps"] * 32 * got["maxnreg"] * per_sm <= 65536
     assert got["wgmma"] >= 1 and got["prmt"] > 0 and got["byte_loads"] == scale_loads
     assert got["shared"] <= got["estimate"] and got["stages"] == min(gb.MAX_STAGES, K // tiles[2])
+
+
+@pytest.mark.parametrize(
+    "tiles, act", [((32, 64, 256, 4), True), ((32, 64, 256, 4), False), ((32, 128, 256, 8), False),
+                   ((16, 128, 256, 8), True)],
+    ids=["kup256-32x64x256", "kup256-32x64x256-none", "kup256-32x128x256-none", "kup256-16x128x256-half-blocks"],
+)  # fmt: skip
+def test_one_step_swap_kernel_compiles_for_sm90_without_worker_warps(tiles, act):
+    """The swap kernel as launched where :func:`swap_workers` drops the worker warps (K-up 256's one 256-deep K
+    step), compiled for sm_90a here: only the MMA warps, which round or reorder x themselves (with 16 rows a
+    thread holds half a 32-block), no register rebalancing, no stack, and shared memory within the estimate."""
+    got = _compile(tiles, "swap", 256, act, False, 1)
+    assert got["warps"] == tiles[3] and got["maxnreg"] is None and got["setmaxnreg"] == 0 and got["stack"] == 0
+    assert got["wgmma"] >= 1 and got["prmt"] > 0 and got["stages"] == 1
+    assert got["shared"] <= got["estimate"]
+
+
+def test_swap_launches_drop_their_workers_only_for_one_k_step_and_more_programs_than_two_a_multiprocessor():
+    """Worker warps stay wherever a swap program has several K steps (their rounding of step k + 1 overlaps the
+    MMAs of step k); with one step they go for ``act_quant="none"`` (they would only reorder x) and where the
+    programs exceed two per multiprocessor (K-up 256 at 64 heads and 32 rows: 512 programs on the H200's 132;
+    at 32 heads, 256 programs, they stay: there the workers' rounding was faster)."""
+    sms = 132
+    assert gb.swap_workers(2, True, 2048, sms) and gb.swap_workers(3, False, 128, sms)
+    assert gb.swap_workers(1, True, 2 * sms, sms) and gb.swap_workers(1, True, 128, sms)
+    assert not gb.swap_workers(1, True, 2 * sms + 1, sms) and not gb.swap_workers(1, True, 512, sms)
+    assert not gb.swap_workers(1, False, 128, sms)
 
 
 @pytest.mark.parametrize(
@@ -497,6 +526,34 @@ def test_two_programs_per_multiprocessor_on_gpu(name, per_sm, monkeypatch):
         tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=_GPU_CONFIGS[name])
         assert_close_to_reference(out, x, codes, scales, act_quant)
     assert shares == [per_sm, per_sm]
+
+
+@sm90_only
+@pytest.mark.parametrize(
+    "cfg", [tb.BmmConfig(32, 64, 256, 4, 1, 0, wgmma="swap"), tb.BmmConfig(32, 128, 256, 8, 1, 0, wgmma="swap"),
+            tb.BmmConfig(16, 128, 256, 8, 1, 0, wgmma="swap")],
+    ids=["32x64x256", "32x128x256", "16x128x256"],
+)  # fmt: skip
+@pytest.mark.parametrize("B, M, N", [(64, 32, 512), (16, 64, 512), (50, 45, 200)])
+def test_one_step_swap_without_worker_warps_matches_reference_on_gpu(B, M, N, cfg, monkeypatch):
+    """K-up 256's one-step swap tiles where the MMA warps round x themselves (:func:`swap_workers`: with
+    ``act_quant="none"`` always, with mxfp4 where the programs exceed two per multiprocessor) and, for mxfp4
+    with fewer programs, with their worker warps: GLM's shape at 64 heads and 32 rows (256-512 programs), at 16
+    heads and 64 rows (256) and a ragged one (M and N not multiples of the tiles, 200-400), through the
+    runtime's strided view of the q rows."""
+    decisions = []
+    real = gb.swap_workers
+    monkeypatch.setattr(gb, "swap_workers", lambda *a: decisions.append((a, real(*a))) or decisions[-1][1])
+    codes, scales = weights(B, N, 256, seed=M + N)
+    x = activations(M, B, 256, seed=N, row=256)
+    for act_quant in ("mxfp4", "none"):
+        buf, out = poisoned_out(M, B, N)
+        tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=cfg)
+        assert torch.isnan(buf[..., N:]).all()
+        assert_close_to_reference(out, x, codes, scales, act_quant)
+    (mxfp4_args, mxfp4_workers), (none_args, none_workers) = decisions
+    assert mxfp4_args[:2] == (1, True) and mxfp4_workers == (mxfp4_args[2] <= 2 * mxfp4_args[3])
+    assert none_args[:2] == (1, False) and not none_workers
 
 
 @sm90_only
