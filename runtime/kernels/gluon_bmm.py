@@ -37,7 +37,9 @@ fifth, for small M, swaps the operands:
   codes are one contiguous vector load, and the decoded values reach the A layout by renaming registers. With
   x tiles of 16-64 rows against up to 256 weight rows a head's x is rounded by fewer programs than with the
   decode schedule's tiles (each weight column's program rounds all the x it multiplies), which is where the
-  time of small-M calls goes; the weights are decoded once per x tile instead.
+  time of small-M calls goes; the weights are decoded once per x tile instead. A program of one MMA warpgroup
+  alone on its multiprocessor has all its K steps' codes loaded before it decodes step 0
+  (:func:`swap_codes_first`).
 
 The x ring has as many stages as fit in shared memory, up to 4. The first ``stages`` steps are loaded up front
 (a program with that many K steps or fewer has all its x in flight at once); the TMA load for step
@@ -462,19 +464,33 @@ if not IMPORT_ERROR and not _INTERPRETED:
                       DECODE_LAYOUT)  # fmt: skip
 
     @gluon.jit
+    def _reading(t, others):
+        """``t`` unchanged (``prmt`` with selector 0x3210 gives its first operand's bytes) through PTX that also
+        reads every tensor of ``others`` (each like ``t``: a u8 tile with runs of 4 bytes a thread), so whatever
+        uses the result waits for their loads and ptxas issues those first."""
+        for i in gl.static_range(len(others)):
+            t = gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x3210;", "=r,r,r", [t, others[i]], dtype=t.dtype,
+                                          is_pure=True, pack=4)  # fmt: skip
+        return t
+
+    @gluon.jit
     def _swap_mma_loop(column, pid, M, N, x_desc, y_desc, x_bufs, y_buf, ready, rounded, m0, K: gl.constexpr,
                        CODE_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, MMA_LAYOUT: gl.constexpr,
-                       ROUND_LAYOUT: gl.constexpr, ACT_MXFP4: gl.constexpr, ROUND_HERE: gl.constexpr):  # fmt: skip
-        """The swap schedule's MMA warps: load the column's codes (:func:`_load_column`), per K step decode them
-        straight into wgmma A registers, wait for the reordered x tile (with ROUND_HERE: wait for its load, then
-        round and reorder it themselves, :func:`_round_in_place` in ROUND_LAYOUT), ``acc[BN, BM] += w . x^T``,
-        refill the slot just read; then y = acc^T through shared memory and TMA."""
+                       ROUND_LAYOUT: gl.constexpr, ACT_MXFP4: gl.constexpr, ROUND_HERE: gl.constexpr,
+                       CODES_FIRST: gl.constexpr):  # fmt: skip
+        """The swap schedule's MMA warps: load the column's codes (:func:`_load_column`; with CODES_FIRST step 0's
+        through :func:`_reading` every later step's, :func:`swap_codes_first`), per K step decode them straight
+        into wgmma A registers, wait for the reordered x tile (with ROUND_HERE: wait for its load, then round and
+        reorder it themselves, :func:`_round_in_place` in ROUND_LAYOUT), ``acc[BN, BM] += w . x^T``, refill the
+        slot just read; then y = acc^T through shared memory and TMA."""
         STAGES: gl.constexpr = x_bufs.type.shape[0]
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
         BN: gl.constexpr = y_desc.block_type.shape[2]
         _, _, _, _, _, _, b, n0 = column
         codes, scales = _load_column(column, N, BN, BK, K, CODE_LAYOUT.shape[2], CODE_LAYOUT)
+        if CODES_FIRST:
+            codes = (_reading(codes[0], codes[1:]),) + codes[1:]
         acc = gl.zeros([BN, BM], gl.float32, MMA_LAYOUT)
         for kk in gl.static_range(K // BK):
             a = gl.convert_layout(_swap_k_order(_e2m1_dequant_ptx(codes[kk], scales[kk])), A_LAYOUT)  # registers only
@@ -498,12 +514,13 @@ if not IMPORT_ERROR and not _INTERPRETED:
     def _swap_kernel(x_desc, y_desc, c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, M, N,
                      K: gl.constexpr, ACT_MXFP4: gl.constexpr, ROUND_LAYOUT: gl.constexpr,
                      CODE_LAYOUT: gl.constexpr, STAGES: gl.constexpr, WORKERS: gl.constexpr, WS: gl.constexpr,
-                     num_warps: gl.constexpr):  # fmt: skip
+                     CODES_FIRST: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
         """The swap schedule. Grid ``(B * tiles_n * tiles_m,)``, one ``[BM, BN]`` y tile a program; descriptors
         over x ``[B, M, K]`` (block ``[1, BM, BK]``) and y ``[B, M, N]`` (``[1, BM, BN]``); codes / scales as
         for ``decode``, in CODE_LAYOUT (:func:`swap_code_layout`). With WS the WORKERS worker warps round each
         x tile (with ACT_MXFP4) and store it in :func:`_swap_k_order` while the num_warps MMA warps (BN / 16)
-        decode and multiply; without, the MMA warps do both (:func:`swap_workers`)."""
+        decode and multiply; without, the MMA warps do both (:func:`swap_workers`). CODES_FIRST: see
+        :func:`swap_codes_first`."""
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
         BN: gl.constexpr = y_desc.block_type.shape[2]
@@ -527,12 +544,12 @@ if not IMPORT_ERROR and not _INTERPRETED:
         if WS:
             gl.warp_specialize([
                 (_swap_mma_loop, (column, pid, M, N, x_desc, y_desc, x_bufs, y_buf, ready, rounded, m0, K,
-                                  CODE_LAYOUT, a_layout, mma_layout, ROUND_LAYOUT, ACT_MXFP4, False)),
+                                  CODE_LAYOUT, a_layout, mma_layout, ROUND_LAYOUT, ACT_MXFP4, False, CODES_FIRST)),
                 (_round_loop, (x_bufs, ready, rounded, KSTEPS, ROUND_LAYOUT, ACT_MXFP4, True)),
             ], [WORKERS], [_ROUND_REGS])  # fmt: skip
         else:
             _swap_mma_loop(column, pid, M, N, x_desc, y_desc, x_bufs, y_buf, ready, rounded, m0, K, CODE_LAYOUT,
-                           a_layout, mma_layout, ROUND_LAYOUT, ACT_MXFP4, True)  # fmt: skip
+                           a_layout, mma_layout, ROUND_LAYOUT, ACT_MXFP4, True, CODES_FIRST)  # fmt: skip
 
 
 SCHEDULES = ("stationary", "streaming", "decode", "swap", "xreg")
@@ -770,6 +787,17 @@ def swap_workers(k_steps: int, act_mxfp4: bool, programs: int, sms: int) -> bool
     return k_steps > 1 or (act_mxfp4 and programs <= 2 * sms)
 
 
+def swap_codes_first(num_warps: int, k_steps: int, programs_per_sm: int) -> bool:
+    """Whether a ``swap`` program's decode of K step 0 waits for the code loads of every later step
+    (:func:`_reading`), so that all are issued at its start: for one MMA warpgroup (``num_warps`` = 4) with
+    several K steps, alone on its multiprocessor. Left to itself, ptxas issues the later steps' code loads after
+    step 0's decode, just before the first wait for x; with the weights coming from HBM their data then arrives
+    after step 0's MMAs, and step 1's decode waits for it. On the H200 issuing them first made V-up 16 heads T =
+    64 0.2 us faster with x from HBM and 0.5 us with x in L2; it was slower with two warpgroups or two programs
+    a multiprocessor, where their loads compete with x's (BENCHMARKS.md, session 25)."""
+    return num_warps == 4 and k_steps > 1 and programs_per_sm == 1
+
+
 def decode_first(p: Plan, ws: bool) -> bool:
     """Whether a ``decode`` program decodes its whole weight column before its first MMA rather than K step by
     K step during its first tile: with rounding warps (``ws``) and two MMA warpgroups (8 warps). One warpgroup
@@ -828,7 +856,8 @@ def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1)
     consts = dict(K=K, ACT_MXFP4=act_mxfp4, ROUND_LAYOUT=rounding, STAGES=p.stages, WORKERS=p.round_warps,
                   num_warps=p.num_warps)  # fmt: skip
     if swap:
-        consts.update(CODE_LAYOUT=swap_code_layout(p.block_n, p.block_k, p.num_warps), WS=ws)
+        consts.update(CODE_LAYOUT=swap_code_layout(p.block_n, p.block_k, p.num_warps), WS=ws,
+                      CODES_FIRST=swap_codes_first(p.num_warps, K // p.block_k, programs_per_sm))  # fmt: skip
     else:
         consts.update(BN=p.block_n, W_LAYOUT=_smem_layout((1, p.block_n, p.block_k)),
                       STATIONARY=p.schedule != "streaming", DECODE=p.schedule in FROM_CODES, WS=ws,

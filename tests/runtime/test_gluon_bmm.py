@@ -205,12 +205,18 @@ _COMPILE = textwrap.dedent(
         f.flush()
         cuobjdump = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
         usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+    ins = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+([^;]*);", sass, re.M)
+    code_loads = [i for i, t in enumerate(ins) if re.search(r"LDG\.E\.(64|128)\b", t)]  # the codes' vectors
     print(json.dumps({"stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "shared": k.metadata.shared,
                       "warps": k.metadata.num_warps, "stages": p.stages, "maxnreg": options.get("maxnreg"),
                       "setmaxnreg": ptx.count("setmaxnreg"),
                       "estimate": gb.smem_bytes(bm, bn, bk, K, schedule, p.stages),
                       "wgmma": ptx.count("wgmma.mma_async"), "prmt": ptx.count("prmt.b32"),
                       "byte_loads": ptx.count("ld.global.b8") + ptx.count("ld.global.u8"),
+                      "code_loads": len(code_loads), "identities": ptx.count("0x3210;"),
+                      "prmt_between_code_loads": sum("PRMT" in t for t in ins[code_loads[0]:code_loads[-1]])
+                      if code_loads else 0,
                       "cubin": len(k.asm["cubin"])}))
     """
 )
@@ -330,6 +336,37 @@ def test_swap_launches_drop_their_workers_only_for_one_k_step_and_more_programs_
     assert gb.swap_workers(1, True, 2 * sms, sms) and gb.swap_workers(1, True, 128, sms)
     assert not gb.swap_workers(1, True, 2 * sms + 1, sms) and not gb.swap_workers(1, True, 512, sms)
     assert not gb.swap_workers(1, False, 128, sms)
+
+
+@pytest.mark.parametrize(
+    "tiles, K, per_sm, round_warps, first",
+    [((32, 64, 256, 4), 512, 1, 4, True), ((32, 64, 64, 4), 192, 1, 4, True), ((64, 64, 256, 4), 512, 1, 8, True),
+     ((32, 64, 256, 4), 512, 2, 4, False), ((64, 128, 256, 8), 512, 1, 8, False)],
+    ids=["vup-32x64x256", "kup192-32x64x64", "vup-64x64x256-rw8", "vup-32x64x256-2-per-sm", "vup-64x128x256-w8"],
+)  # fmt: skip
+def test_swap_programs_of_one_warpgroup_alone_load_every_k_steps_codes_before_decoding(tiles, K, per_sm, round_warps,
+                                                                                        first):  # fmt: skip
+    """The SASS of the swap kernel compiled for sm_90a here: where :func:`swap_codes_first` says so (one MMA
+    warpgroup, several K steps, one program a multiprocessor) no decode instruction (``PRMT``) comes between
+    the column's first and last code loads, so every K step's codes are in flight before step 0 is decoded;
+    elsewhere ptxas puts step 0's decode before the later steps' loads, which is what the rule works around,
+    and the identity PTX is absent. Hand counts, per K step and thread: two rows, each a run of ``block_k / 8``
+    code bytes: that many over 16 loads of 16 bytes (one of 8 at 64-deep steps), and ``block_k / 32`` words
+    through the identity for each later step."""
+    bk = tiles[2]
+    steps = K // bk
+    assert gb.swap_codes_first(tiles[3], steps, per_sm) == first
+    got = _compile(tiles, "swap", K, True, True, per_sm, round_warps)
+    assert got["code_loads"] == steps * 2 * max(1, bk // 128) and got["stack"] == 0
+    assert got["identities"] == ((steps - 1) * 2 * bk // 32 if first else 0)
+    assert (got["prmt_between_code_loads"] == 0) == first
+
+
+def test_swap_codes_come_first_only_for_one_warpgroup_with_several_k_steps_alone_on_a_multiprocessor():
+    """The rule itself: 4 MMA warps, more than one K step, one program a multiprocessor."""
+    assert gb.swap_codes_first(4, 2, 1) and gb.swap_codes_first(4, 3, 1)
+    assert not gb.swap_codes_first(4, 1, 1) and not gb.swap_codes_first(4, 2, 2)
+    assert not gb.swap_codes_first(8, 2, 1) and not gb.swap_codes_first(16, 2, 1)
 
 
 @pytest.mark.parametrize(
@@ -554,6 +591,32 @@ def test_one_step_swap_without_worker_warps_matches_reference_on_gpu(B, M, N, cf
     (mxfp4_args, mxfp4_workers), (none_args, none_workers) = decisions
     assert mxfp4_args[:2] == (1, True) and mxfp4_workers == (mxfp4_args[2] <= 2 * mxfp4_args[3])
     assert none_args[:2] == (1, False) and not none_workers
+
+
+@sm90_only
+@pytest.mark.parametrize(
+    "cfg, K",
+    [(tb.BmmConfig(32, 64, 256, 4, 1, 0, wgmma="swap"), 512), (tb.BmmConfig(32, 64, 64, 4, 1, 0, wgmma="swap"), 192),
+     (tb.BmmConfig(64, 64, 256, 4, 1, 0, wgmma="swap", round_warps=8), 512)],
+    ids=["vup-32x64x256", "kup192-32x64x64", "vup-64x64x256-rw8"],
+)  # fmt: skip
+@pytest.mark.parametrize("B, M, N", [(8, 64, 256), (5, 45, 200)])
+def test_swap_programs_loading_their_codes_first_match_reference_on_gpu(B, M, N, cfg, K, monkeypatch):
+    """Swap tiles whose step 0 waits for every K step's code loads (:func:`swap_codes_first`; V-up's 16-head
+    64-row default, K-up 192's 32-row one, the few-heads V-up tile): V-up's shape at 8 heads (at most 64
+    programs, so one a multiprocessor on any sm_90 GPU) and a ragged one (M and N not multiples of the tiles),
+    mxfp4 and none, through the runtime's strided view of the rows."""
+    decisions = []
+    real = gb.swap_codes_first
+    monkeypatch.setattr(gb, "swap_codes_first", lambda *a: decisions.append(real(*a)) or decisions[-1])
+    codes, scales = weights(B, N, K, seed=M + K)
+    x = activations(M, B, K, seed=N, row=K)
+    for act_quant in ("mxfp4", "none"):
+        buf, out = poisoned_out(M, B, N)
+        tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=cfg)
+        assert torch.isnan(buf[..., N:]).all()
+        assert_close_to_reference(out, x, codes, scales, act_quant)
+    assert decisions == [True, True]
 
 
 @sm90_only
