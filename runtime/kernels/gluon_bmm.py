@@ -48,7 +48,9 @@ round step ``i`` while the MMAs of ``i - 1`` run. With ``ws`` (warp specialisati
 ``Plan.round_warps``) more warps round each x tile as soon as it lands and signal an mbarrier, so the MMA warps only
 wait, load and decode their weights, issue MMAs, refill the ring and write y; the registers are rebalanced between
 the two groups (``setmaxnreg``) within a cap that lets one program, or two where there are more programs than
-multiprocessors and shared memory holds two (:func:`programs_per_sm`), share a multiprocessor's 65536. The rounding
+multiprocessors and shared memory holds two (:func:`programs_per_sm`), share a multiprocessor's 65536; a ``decode``
+program of one MMA warpgroup alone on its multiprocessor has two partitions of rounding warps taking alternate x
+tiles (:func:`round_partitions`). The rounding
 runs in PTX (:func:`~glm_pack.runtime.kernels.mxfp4_jit.round_ptx`), which needs fewer registers: 256-deep K steps
 fit the rounding warps' 96.
 
@@ -390,13 +392,14 @@ if not IMPORT_ERROR and not _INTERPRETED:
 
     @gluon.jit
     def _round_loop(x_bufs, ready, rounded, steps, ROUND_LAYOUT: gl.constexpr, ROUND: gl.constexpr = True,
-                    SWAP: gl.constexpr = False):  # fmt: skip
+                    SWAP: gl.constexpr = False, PART: gl.constexpr = 0, PARTS: gl.constexpr = 1):  # fmt: skip
         """The worker warps' steps (WS): round each x tile to MXFP4 in place (:func:`_round_in_place`) once its
-        TMA load lands, then signal the MMA warps."""
+        TMA load lands, then signal the MMA warps; with PARTS partitions of workers, this one (PART) takes steps
+        PART, PART + PARTS, ..."""
         STAGES: gl.constexpr = x_bufs.type.shape[0]
         BM: gl.constexpr = x_bufs.type.shape[2]
         BK: gl.constexpr = x_bufs.type.shape[3]
-        for i in range(steps):
+        for i in range(PART, steps, PARTS):
             mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
             _round_in_place(x_bufs.index(i % STAGES).reshape([BM, BK]), ROUND_LAYOUT, ROUND, SWAP)
             gl.thread_barrier()  # every worker thread's stores, before one thread arrives
@@ -408,11 +411,12 @@ if not IMPORT_ERROR and not _INTERPRETED:
                     ACT_MXFP4: gl.constexpr, STATIONARY: gl.constexpr, DECODE: gl.constexpr, WS: gl.constexpr,
                     ROUND_LAYOUT: gl.constexpr, DECODE_LAYOUT: gl.constexpr, DECODE_FIRST: gl.constexpr,
                     STAGES: gl.constexpr, WORKERS: gl.constexpr, XREG: gl.constexpr, PAIRS: gl.constexpr,
-                    num_warps: gl.constexpr):  # fmt: skip
+                    PARTS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
         """Grid ``(columns * SPLITS,)``; descriptors over x ``[B, M, K]`` (block ``[1, BM, BK]``), y ``[B, M, N]``
         (``[1, BM, YN]``, :func:`y_columns`) and, unless DECODE, bf16 w ``[B, N, K]`` (``[1, BN, BK]``); with DECODE
         (stationary only) the weights come from codes ``c_ptr`` / scales ``s_ptr`` instead. WS: the x tiles are
-        rounded by WORKERS more warps (``ROUND_LAYOUT`` over those), else by the MMA warps; XREG (with DECODE):
+        rounded by WORKERS more warps (``ROUND_LAYOUT`` over those; PARTS partitions of them taking alternate steps,
+        :func:`round_partitions`), else by the MMA warps; XREG (with DECODE):
         the ``xreg`` schedule, ``ROUND_LAYOUT`` its x register layout and PAIRS its rounding's k pairs."""
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
@@ -451,6 +455,14 @@ if not IMPORT_ERROR and not _INTERPRETED:
         if XREG:
             _xreg_loop(acc, column, x_desc, y_desc, x_bufs, w_bufs, y_buf, ready, steps, pid, M, N, SPLITS, K, BN,
                        ACT_MXFP4, ROUND_LAYOUT, DECODE_LAYOUT, PAIRS)  # fmt: skip
+        elif WS and PARTS == 2:
+            gl.warp_specialize([
+                (_mma_loop, (acc, column, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
+                             steps, pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, DECODE_FIRST, WS,
+                             ROUND_LAYOUT, DECODE_LAYOUT)),
+                (_round_loop, (x_bufs, ready, rounded, steps, ROUND_LAYOUT, True, False, 0, 2)),
+                (_round_loop, (x_bufs, ready, rounded, steps, ROUND_LAYOUT, True, False, 1, 2)),
+            ], [WORKERS, WORKERS], [_ROUND_REGS, _ROUND_REGS])  # fmt: skip
         elif WS:
             gl.warp_specialize([
                 (_mma_loop, (acc, column, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
@@ -798,6 +810,17 @@ def swap_codes_first(num_warps: int, k_steps: int, programs_per_sm: int) -> bool
     return num_warps == 4 and k_steps > 1 and programs_per_sm == 1
 
 
+def round_partitions(p: Plan, K: int, ws: bool, programs_per_sm: int) -> int:
+    """Partitions of rounding warps (each of ``p.round_warps``, taking alternate x tiles) in a ``decode``
+    program: 2 for one MMA warpgroup with 4 rounding warps (``ws``), several K steps, alone on its
+    multiprocessor (``programs_per_sm`` = 1, which the 12 warps keep: two would leave the rounding warps too few
+    registers), so that K step i + 1 is rounded beside step i; else 1. On the H200 that made V-up 64 heads T =
+    256 4-5% faster and K-up 192 16 heads T = 64 up to 0.1 us; the swap kernel's tiles were slower with two
+    (BENCHMARKS.md, session 25)."""
+    alone = p.num_warps == 4 and p.round_warps == 4 and programs_per_sm == 1
+    return 2 if p.schedule == "decode" and ws and alone and K // p.block_k > 1 else 1
+
+
 def decode_first(p: Plan, ws: bool) -> bool:
     """Whether a ``decode`` program decodes its whole weight column before its first MMA rather than K step by
     K step during its first tile: with rounding warps (``ws``) and two MMA warpgroups (8 warps). One warpgroup
@@ -855,14 +878,16 @@ def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1)
         rounding = xreg_x_layout(p.block_m, p.block_k, p.num_warps)
     consts = dict(K=K, ACT_MXFP4=act_mxfp4, ROUND_LAYOUT=rounding, STAGES=p.stages, WORKERS=p.round_warps,
                   num_warps=p.num_warps)  # fmt: skip
+    parts = 1
     if swap:
         consts.update(CODE_LAYOUT=swap_code_layout(p.block_n, p.block_k, p.num_warps), WS=ws,
                       CODES_FIRST=swap_codes_first(p.num_warps, K // p.block_k, programs_per_sm))  # fmt: skip
     else:
+        parts = round_partitions(p, K, ws, programs_per_sm)
         consts.update(BN=p.block_n, W_LAYOUT=_smem_layout((1, p.block_n, p.block_k)),
                       STATIONARY=p.schedule != "streaming", DECODE=p.schedule in FROM_CODES, WS=ws,
                       DECODE_LAYOUT=decoding, DECODE_FIRST=decode_first(p, ws), XREG=xreg,
-                      PAIRS=min(16, p.block_k // 8))  # fmt: skip
+                      PAIRS=min(16, p.block_k // 8), PARTS=parts)  # fmt: skip
     if ws:  # the registers of all warps together: at most 65536 per multiprocessor
-        consts["maxnreg"] = register_cap(p.num_warps + p.round_warps, programs_per_sm)
+        consts["maxnreg"] = register_cap(p.num_warps + parts * p.round_warps, programs_per_sm)
     return consts

@@ -256,13 +256,15 @@ def test_256_deep_k_steps_compile_without_spilling_in_the_rounding_warps():
 def test_kernel_compiles_for_sm90_within_shared_memory(tiles, schedule, K, act, ws, per_sm):
     """The real kernel, compiled for sm_90a by Triton's bundled ptxas on this machine (no GPU needed): it
     builds with the warps asked for (plus :data:`ROUND_WARPS` rounding warps with ``ws`` and mxfp4
-    activations, their registers rebalanced within the 65536 of a multiprocessor), the wgmma instructions (and
+    activations, two partitions of them where :func:`round_partitions` says so, their registers rebalanced
+    within the 65536 of a multiprocessor), the wgmma instructions (and
     for ``decode`` the byte-table lookups) are there, and its shared memory is within the H200's limit and the
     planner's estimate."""
     got = _compile(tiles, schedule, K, act, ws, per_sm)
     assert got["wgmma"] >= 1 and got["cubin"] > 0
     if act and ws:
-        assert got["warps"] == tiles[3] + gb.ROUND_WARPS and got["setmaxnreg"] > 0
+        parts = gb.round_partitions(gb.plan(*tiles, schedule, K, H200_SMEM, ws=True), K, True, per_sm)
+        assert got["warps"] == tiles[3] + parts * gb.ROUND_WARPS and got["setmaxnreg"] > 0
         assert got["warps"] * 32 * got["maxnreg"] * per_sm <= 65536
     else:
         assert got["warps"] == tiles[3] and got["maxnreg"] is None and got["setmaxnreg"] == 0
@@ -270,6 +272,28 @@ def test_kernel_compiles_for_sm90_within_shared_memory(tiles, schedule, K, act, 
     assert got["shared"] <= got["estimate"] <= H200_SMEM
     assert (got["shared"] + 1024) * per_sm <= H200_SMEM + 1024
     assert got["stages"] == 4
+
+
+def test_two_rounding_partitions_only_for_one_warpgroup_decoding_alone_with_several_k_steps():
+    """:func:`round_partitions`: 2 for a ``decode`` program of 4 MMA warps with 4 rounding warps, more than one K
+    step and one program a multiprocessor (K-up 192's 64 x 64 x 64 tiles at 16 heads, V-up's 64 x 128 x 128 at
+    64); 1 with two programs a multiprocessor, 8 MMA or 8 rounding warps, one K step, no rounding warps, or
+    another schedule."""
+    def parts(tiles, K, ws=True, per_sm=1, schedule="decode", round_warps=4):
+        return gb.round_partitions(gb.plan(*tiles, schedule, K, H200_SMEM, ws=ws, round_warps=round_warps), K, ws,
+                                   per_sm)  # fmt: skip
+
+    assert parts((64, 64, 64, 4), 192) == 2 and parts((64, 128, 128, 4), 512) == 2
+    assert parts((64, 128, 64, 4), 192, per_sm=2) == 1 and parts((64, 128, 64, 8), 192) == 1
+    assert parts((64, 128, 64, 4), 192, round_warps=8) == 1 and parts((64, 64, 256, 4), 256) == 1
+    assert parts((64, 64, 64, 4), 192, ws=False) == 1 and parts((32, 64, 256, 4), 512, schedule="swap") == 1
+
+
+def test_decode_kernel_with_two_rounding_partitions_compiles_for_sm90():
+    """K-up 192's 16-head 64-row default (64 x 64 x 64, 4 MMA warps, three K steps) with two partitions of 4
+    rounding warps, compiled for sm_90a here: 12 warps under a cap of 65536 / 384 registers, no stack."""
+    got = _compile((64, 64, 64, 4), "decode", 192, True, True, 1)
+    assert got["warps"] == 12 and got["maxnreg"] == 168 and got["stack"] == 0 and got["setmaxnreg"] > 0
 
 
 def test_swap_plans_one_stage_per_k_step_at_most_and_always_rounding_warps():
@@ -617,6 +641,32 @@ def test_swap_programs_loading_their_codes_first_match_reference_on_gpu(B, M, N,
         assert torch.isnan(buf[..., N:]).all()
         assert_close_to_reference(out, x, codes, scales, act_quant)
     assert decisions == [True, True]
+
+
+@sm90_only
+@pytest.mark.parametrize(
+    "cfg, N, K",
+    [(tb.BmmConfig(64, 64, 64, 4, 3, 0, wgmma="decode", ws=True), 512, 192),
+     (tb.BmmConfig(64, 128, 128, 4, 3, 0, wgmma="decode", ws=True), 256, 512)],
+    ids=["kup192-64x64x64", "vup-64x128x128"],
+)  # fmt: skip
+@pytest.mark.parametrize("B, M", [(8, 300), (5, 45)])
+def test_decode_with_two_rounding_partitions_matches_reference_on_gpu(B, M, cfg, N, K, monkeypatch):
+    """``decode`` programs whose rounding warps come in two partitions taking alternate x tiles
+    (:func:`round_partitions`; the K-up 192 16-head 64-row and V-up 64-head 256-row defaults' tiles): several
+    M tiles a program (300 rows) and fewer rows than one tile (45), at most 80 programs (one a multiprocessor on
+    any sm_90 GPU), mxfp4 and none (no rounding warps, one partition), through the runtime's strided view."""
+    decisions = []
+    real = gb.round_partitions
+    monkeypatch.setattr(gb, "round_partitions", lambda *a: decisions.append(real(*a)) or decisions[-1])
+    codes, scales = weights(B, N, K, seed=M + K)
+    x = activations(M, B, K, seed=N, row=K)
+    for act_quant in ("mxfp4", "none"):
+        buf, out = poisoned_out(M, B, N)
+        tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=cfg)
+        assert torch.isnan(buf[..., N:]).all()
+        assert_close_to_reference(out, x, codes, scales, act_quant)
+    assert decisions == [2, 1]
 
 
 @sm90_only
