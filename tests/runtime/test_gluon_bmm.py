@@ -490,6 +490,23 @@ _GPU_CONFIGS = {
 }
 
 
+def _rule_on_gpu(monkeypatch, rule: str, cfg: tb.BmmConfig, B: int, M: int, N: int, K: int) -> list:
+    """Run ``cfg`` on fresh inputs through the runtime's strided view of the rows (mxfp4, then none; output
+    poisoned) and check it against the reference; returns ``(arguments, result)`` of each call of the launch
+    rule ``gluon_bmm.<rule>``."""
+    decisions = []
+    real = getattr(gb, rule)
+    monkeypatch.setattr(gb, rule, lambda *a: decisions.append((a, real(*a))) or decisions[-1][1])
+    codes, scales = weights(B, N, K, seed=M + N)
+    x = activations(M, B, K, seed=N, row=K)
+    for act_quant in ("mxfp4", "none"):
+        buf, out = poisoned_out(M, B, N)
+        tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=cfg)
+        assert torch.isnan(buf[..., N:]).all()
+        assert_close_to_reference(out, x, codes, scales, act_quant)
+    return decisions
+
+
 def _launches(monkeypatch) -> list:
     """Record the plan of every Gluon launch prepared (then prepare it for real)."""
     launched = []
@@ -602,16 +619,7 @@ def test_one_step_swap_without_worker_warps_matches_reference_on_gpu(B, M, N, cf
     with fewer programs, with their worker warps: GLM's shape at 64 heads and 32 rows (256-512 programs), at 16
     heads and 64 rows (256) and a ragged one (M and N not multiples of the tiles, 200-400), through the
     runtime's strided view of the q rows."""
-    decisions = []
-    real = gb.swap_workers
-    monkeypatch.setattr(gb, "swap_workers", lambda *a: decisions.append((a, real(*a))) or decisions[-1][1])
-    codes, scales = weights(B, N, 256, seed=M + N)
-    x = activations(M, B, 256, seed=N, row=256)
-    for act_quant in ("mxfp4", "none"):
-        buf, out = poisoned_out(M, B, N)
-        tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=cfg)
-        assert torch.isnan(buf[..., N:]).all()
-        assert_close_to_reference(out, x, codes, scales, act_quant)
+    decisions = _rule_on_gpu(monkeypatch, "swap_workers", cfg, B, M, N, 256)
     (mxfp4_args, mxfp4_workers), (none_args, none_workers) = decisions
     assert mxfp4_args[:2] == (1, True) and mxfp4_workers == (mxfp4_args[2] <= 2 * mxfp4_args[3])
     assert none_args[:2] == (1, False) and not none_workers
@@ -630,17 +638,7 @@ def test_swap_programs_loading_their_codes_first_match_reference_on_gpu(B, M, N,
     64-row default, K-up 192's 32-row one, the few-heads V-up tile): V-up's shape at 8 heads (at most 64
     programs, so one a multiprocessor on any sm_90 GPU) and a ragged one (M and N not multiples of the tiles),
     mxfp4 and none, through the runtime's strided view of the rows."""
-    decisions = []
-    real = gb.swap_codes_first
-    monkeypatch.setattr(gb, "swap_codes_first", lambda *a: decisions.append(real(*a)) or decisions[-1])
-    codes, scales = weights(B, N, K, seed=M + K)
-    x = activations(M, B, K, seed=N, row=K)
-    for act_quant in ("mxfp4", "none"):
-        buf, out = poisoned_out(M, B, N)
-        tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=cfg)
-        assert torch.isnan(buf[..., N:]).all()
-        assert_close_to_reference(out, x, codes, scales, act_quant)
-    assert decisions == [True, True]
+    assert [first for _, first in _rule_on_gpu(monkeypatch, "swap_codes_first", cfg, B, M, N, K)] == [True, True]
 
 
 @sm90_only
@@ -656,17 +654,7 @@ def test_decode_with_two_rounding_partitions_matches_reference_on_gpu(B, M, cfg,
     (:func:`round_partitions`; the K-up 192 16-head 64-row and V-up 64-head 256-row defaults' tiles): several
     M tiles a program (300 rows) and fewer rows than one tile (45), at most 80 programs (one a multiprocessor on
     any sm_90 GPU), mxfp4 and none (no rounding warps, one partition), through the runtime's strided view."""
-    decisions = []
-    real = gb.round_partitions
-    monkeypatch.setattr(gb, "round_partitions", lambda *a: decisions.append(real(*a)) or decisions[-1])
-    codes, scales = weights(B, N, K, seed=M + K)
-    x = activations(M, B, K, seed=N, row=K)
-    for act_quant in ("mxfp4", "none"):
-        buf, out = poisoned_out(M, B, N)
-        tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=cfg)
-        assert torch.isnan(buf[..., N:]).all()
-        assert_close_to_reference(out, x, codes, scales, act_quant)
-    assert decisions == [2, 1]
+    assert [parts for _, parts in _rule_on_gpu(monkeypatch, "round_partitions", cfg, B, M, N, K)] == [2, 1]
 
 
 @sm90_only
