@@ -491,14 +491,14 @@ _GPU_CONFIGS = {
 
 
 def _rule_on_gpu(monkeypatch, rule: str, cfg: tb.BmmConfig, B: int, M: int, N: int, K: int) -> list:
-    """Run ``cfg`` on fresh inputs through the runtime's strided view of the rows (mxfp4, then none; output
-    poisoned) and check it against the reference; returns ``(arguments, result)`` of each call of the launch
-    rule ``gluon_bmm.<rule>``."""
+    """Run ``cfg`` on fresh inputs through the runtime's strided view of GLM's q rows (256 wide for K-up, as
+    wide as K for V-up; mxfp4, then none; output poisoned) and check it against the reference; returns
+    ``(arguments, result)`` of each call of the launch rule ``gluon_bmm.<rule>``."""
     decisions = []
     real = getattr(gb, rule)
     monkeypatch.setattr(gb, rule, lambda *a: decisions.append((a, real(*a))) or decisions[-1][1])
     codes, scales = weights(B, N, K, seed=M + N)
-    x = activations(M, B, K, seed=N, row=K)
+    x = activations(M, B, K, seed=N, row=max(K, 256))
     for act_quant in ("mxfp4", "none"):
         buf, out = poisoned_out(M, B, N)
         tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=cfg)
@@ -593,17 +593,8 @@ def test_two_programs_per_multiprocessor_on_gpu(name, per_sm, monkeypatch):
     two of which fit in one's shared memory: the launch pairs them (with rounding warps, under a shared
     register cap) and the result is still exact; 4 MMA warps with 8 rounding warps run alone (two would leave
     too few registers to compile) and are exact too."""
-    shares = []
-    real = gb.programs_per_sm
-    monkeypatch.setattr(gb, "programs_per_sm", lambda *a: shares.append(real(*a)) or shares[-1])
-    B, M, N, K = 64, 64, 512, 192
-    codes, scales = weights(B, N, K, seed=7)
-    x = activations(M, B, K, seed=8, row=256)
-    for act_quant in ("mxfp4", "none"):
-        buf, out = poisoned_out(M, B, N)
-        tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=_GPU_CONFIGS[name])
-        assert_close_to_reference(out, x, codes, scales, act_quant)
-    assert shares == [per_sm, per_sm]
+    decisions = _rule_on_gpu(monkeypatch, "programs_per_sm", _GPU_CONFIGS[name], 64, 64, 512, 192)
+    assert [shares for _, shares in decisions] == [per_sm, per_sm]
 
 
 @sm90_only
