@@ -7,7 +7,8 @@ schedule) over enough input sets that the weights come from HBM, checks the last
 reference, and prints for each event the median and 90th percentile over programs in ns after the program's
 start (SM clock at its maximum, ``--clock-mhz``). Events: the first weight step decoded (``decode`` only: the
 swap kernel's decode has no memory operation to order a stamp behind), x step i landed (rounding warps), x
-step i rounded, the MMA warps seeing it, the MMA loop's end, y stored; only the first 4 K steps are stamped.
+step i rounded, the MMA warps seeing it, the MMA loop's end, y stored (by TMA: its store read; plain stores:
+issued); only the first 4 K steps are stamped.
 
     python benchmarks/timeline_gluon_bmm.py kup192,16,64 vup,16,64 [--clock-mhz 1980]
 
@@ -59,8 +60,8 @@ _E2M1 = "    _E2M1_BF16_PTX = gl.constexpr(_e2m1_bf16_ptx())\n"
 _START = "        pid = gl.program_id(0)\n        tiles_m = gl.cdiv(M, BM)\n        per = "
 _SWAP_START = "        b, m0, n0 = _tile(0, pid, M, N, gl.cdiv(M, BM), BM, BN)  # a split per M tile"
 _SWAP_SEEN = "            mbarrier.wait(rounded.index(kk % STAGES), (kk // STAGES) & 1)\n"
-_SWAP_END = "        y_buf.reshape([BM, BN]).store(acc.to(gl.bfloat16).permute((1, 0)))\n"
-_SWAP_STORED = "        tma.async_copy_shared_to_global(y_desc, [b, m0, n0], y_buf)\n        tma.store_wait(0)\n"
+_SWAP_STORE = ("        _store_y_part(acc.to(gl.bfloat16).permute((1, 0)), y_desc, y_buf, y_plain, b, m0, n0, "
+               "PLAIN_Y)\n        tma.store_wait(0)\n")
 # (text, its replacement): each text must occur once in the kernel source
 _EDITS = [
     (_E2M1, _E2M1 + _STAMP),
@@ -74,8 +75,7 @@ _EDITS = [
     (_START, _START.replace("(0)\n", "(0)\n        _stamp(0)\n", 1)),
     (_SWAP_START, "        _stamp(0)\n" + _SWAP_START),
     (_SWAP_SEEN, _SWAP_SEEN + "            if kk < 4:\n                _stamp(2 + kk)\n"),
-    (_SWAP_END, "        _stamp(6)\n" + _SWAP_END),
-    (_SWAP_STORED, _SWAP_STORED + "        _stamp(7)\n"),
+    (_SWAP_STORE, "        _stamp(6)\n" + _SWAP_STORE + "        _stamp(7)\n"),
 ]  # fmt: skip
 ORDER = [1, 8, 12, 2, 9, 13, 3, 10, 14, 4, 11, 15, 5, 6, 7]  # events as a step's hand-offs follow each other
 

@@ -10,7 +10,8 @@ x tile is rounded to MXFP4 in shared memory, in place, by the shared
 
 ``[block_m, block_n]`` output tiles (64 or 128 rows: one or two warpgroups along M, any other warps along N),
 ``block_k`` K steps, both operands from shared memory (wgmma SS), fp32 accumulators in registers; y leaves
-through one buffer (:func:`y_columns`). A program owns one ``(b, n0)`` column of weights and a contiguous run
+through one buffer (:func:`y_columns`) by TMA, or by plain stores where each program has one tile of at most 64
+rows and all fit at once (:func:`plain_y`). A program owns one ``(b, n0)`` column of weights and a contiguous run
 of its M tiles (each column's tiles split over the multiprocessors left over). Four schedules work this way; a
 fifth, for small M, swaps the operands:
 
@@ -254,30 +255,47 @@ if not IMPORT_ERROR and not _INTERPRETED:
         fence_async_shared()  # generic-proxy writes before the MMA's (async-proxy) reads
 
     @gluon.jit
-    def _store_y(acc, y_desc, y_buf, b, m0, n0):
-        """Write a finished ``[BM, BN]`` accumulator tile as bf16 y through ``y_buf`` (whole or in two halves)."""
+    def _store_y_part(v, y_desc, y_buf, y_plain, b, m0, n0, PLAIN: gl.constexpr):
+        """Write bf16 ``v`` ``[BM, YN]`` (the shape of ``y_buf``) to y at ``(b, m0, n0)``: through ``y_buf`` by
+        TMA (the caller waits for the store before its program ends), or with PLAIN by plain stores (:func:`plain_y`),
+        ``v`` moved to a layout of 16 bytes of a row per thread (through shared memory the compiler allocates),
+        masked to y's ``M`` rows and ``N`` columns (``y_plain`` = (y_ptr, stride_yb, stride_ym, M, N); unit
+        column stride)."""
+        BM: gl.constexpr = v.shape[0]
+        YN: gl.constexpr = v.shape[1]
+        if PLAIN:
+            y_ptr, stride_yb, stride_ym, M, N = y_plain
+            ALONG_N: gl.constexpr = min(32, YN // 8)
+            ROWS: gl.constexpr = gl.BlockedLayout([1, 8], [32 // ALONG_N, ALONG_N], [gl.num_warps(), 1], [1, 0])
+            out = gl.convert_layout(v, ROWS)
+            rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ROWS))
+            cols = n0 + gl.arange(0, YN, layout=gl.SliceLayout(0, ROWS))
+            ptrs = y_ptr + b.to(gl.int64) * stride_yb + rows.to(gl.int64)[:, None] * stride_ym + cols[None, :]
+            gl.store(ptrs, out, mask=(rows < M)[:, None] & (cols < N)[None, :])
+        else:
+            tma.store_wait(0)  # the previous store has read y_buf
+            y_buf.reshape([BM, YN]).store(v)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(y_desc, [b, m0, n0], y_buf)
+
+    @gluon.jit
+    def _store_y(acc, y_desc, y_buf, y_plain, b, m0, n0, PLAIN_Y: gl.constexpr):
+        """Write a finished ``[BM, BN]`` accumulator tile as bf16 y through ``y_buf`` (whole or in two halves),
+        by TMA or with PLAIN_Y by plain stores (:func:`_store_y_part`, :func:`plain_y`)."""
         BM: gl.constexpr = acc.shape[0]
         BN: gl.constexpr = acc.shape[1]
-        YN: gl.constexpr = y_desc.block_type.shape[2]
-        tma.store_wait(0)  # the previous store has read y_buf
+        YN: gl.constexpr = y_buf.type.shape[2]
         if YN == BN:
-            y_buf.reshape([BM, BN]).store(acc.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(y_desc, [b, m0, n0], y_buf)
+            _store_y_part(acc.to(gl.bfloat16), y_desc, y_buf, y_plain, b, m0, n0, PLAIN_Y)
         else:
             y0, y1 = acc.to(gl.bfloat16).reshape([BM, 2, YN]).permute((0, 2, 1)).split()
-            y_buf.reshape([BM, YN]).store(y0)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(y_desc, [b, m0, n0], y_buf)
-            tma.store_wait(0)
-            y_buf.reshape([BM, YN]).store(y1)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(y_desc, [b, m0, n0 + YN], y_buf)
+            _store_y_part(y0, y_desc, y_buf, y_plain, b, m0, n0, PLAIN_Y)
+            _store_y_part(y1, y_desc, y_buf, y_plain, b, m0, n0 + YN, PLAIN_Y)
 
     @gluon.jit
     def _step(i, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, steps, pid, M, N, SPLITS,
               K: gl.constexpr, BN: gl.constexpr, ACT_MXFP4: gl.constexpr, STATIONARY: gl.constexpr,
-              WS: gl.constexpr, ROUND_LAYOUT: gl.constexpr):  # fmt: skip
+              WS: gl.constexpr, ROUND_LAYOUT: gl.constexpr, y_plain, PLAIN_Y: gl.constexpr):  # fmt: skip
         """Flattened step i: wait for the x tile (rounded by the worker warps with WS, else rounded here, in
         place), issue its MMAs, refill the ring slot freed by step i - 1, and after a tile's last K step write its
         y. Returns the accumulator."""
@@ -303,14 +321,14 @@ if not IMPORT_ERROR and not _INTERPRETED:
         if i % KSTEPS == KSTEPS - 1:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             b, m0, n0 = _tile(i // KSTEPS, pid, M, N, SPLITS, BM, BN)
-            _store_y(acc, y_desc, y_buf, b, m0, n0)
+            _store_y(acc, y_desc, y_buf, y_plain, b, m0, n0, PLAIN_Y)
         return acc
 
     @gluon.jit
     def _mma_loop(acc, column, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
                   steps, pid, M, N, SPLITS, K: gl.constexpr, BN: gl.constexpr, ACT_MXFP4: gl.constexpr,
                   STATIONARY: gl.constexpr, DECODE: gl.constexpr, DECODE_FIRST: gl.constexpr, WS: gl.constexpr,
-                  ROUND_LAYOUT: gl.constexpr, DECODE_LAYOUT: gl.constexpr):  # fmt: skip
+                  ROUND_LAYOUT: gl.constexpr, DECODE_LAYOUT: gl.constexpr, y_plain, PLAIN_Y: gl.constexpr):  # fmt: skip
         """The program's steps, on the MMA warps. With DECODE the weight column (:func:`_load_column`) is decoded
         into shared memory: with DECODE_FIRST all of it before the first MMA, else K step by K step during the
         first tile, each step's slot just before its MMAs, overlapping those of the step before."""
@@ -329,13 +347,14 @@ if not IMPORT_ERROR and not _INTERPRETED:
                     w_bufs.index(kk).reshape([BN, BK]).store(_e2m1_dequant_ptx(codes[kk], scales[kk]))
                     fence_async_shared()
                     acc = _step(kk, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, steps, pid,
-                                M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, WS, ROUND_LAYOUT)  # fmt: skip
+                                M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, WS, ROUND_LAYOUT, y_plain,
+                                PLAIN_Y)  # fmt: skip
                 first = KSTEPS
         if STATIONARY and not DECODE:
             mbarrier.wait(w_ready.index(0), 0)  # also keeps a program without tiles alive until its loads land
         for i in range(first, steps):
             acc = _step(i, acc, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, steps, pid, M, N,
-                        SPLITS, K, BN, ACT_MXFP4, STATIONARY, WS, ROUND_LAYOUT)  # fmt: skip
+                        SPLITS, K, BN, ACT_MXFP4, STATIONARY, WS, ROUND_LAYOUT, y_plain, PLAIN_Y)  # fmt: skip
         tma.store_wait(0)
 
     @gluon.jit
@@ -362,7 +381,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
     @gluon.jit
     def _xreg_loop(acc, column, x_desc, y_desc, x_bufs, w_bufs, y_buf, ready, steps, pid, M, N, SPLITS,
                    K: gl.constexpr, BN: gl.constexpr, ACT_MXFP4: gl.constexpr, X_LAYOUT: gl.constexpr,
-                   DECODE_LAYOUT: gl.constexpr, PAIRS: gl.constexpr):  # fmt: skip
+                   DECODE_LAYOUT: gl.constexpr, PAIRS: gl.constexpr, y_plain, PLAIN_Y: gl.constexpr):  # fmt: skip
         """The ``xreg`` schedule's steps (no worker warps): decode the weight column into shared memory with K in
         :func:`_swap_k_order`, then per step take x from its slot into A registers (:func:`_x_operand`: rounded
         there, never stored back), refill the slot as soon as every warp has read it, and multiply; step i + 1's
@@ -386,7 +405,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
                 acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
                 if i % KSTEPS == KSTEPS - 1:
                     b, m0, n0 = _tile(i // KSTEPS, pid, M, N, SPLITS, BM, BN)
-                    _store_y(acc, y_desc, y_buf, b, m0, n0)
+                    _store_y(acc, y_desc, y_buf, y_plain, b, m0, n0, PLAIN_Y)
                 a = a_next
         tma.store_wait(0)
 
@@ -407,13 +426,15 @@ if not IMPORT_ERROR and not _INTERPRETED:
 
     @gluon.jit
     def _bmm_kernel(x_desc, w_desc, y_desc, c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn,
-                    M, N, SPLITS, K: gl.constexpr, BN: gl.constexpr, W_LAYOUT: gl.constexpr,
-                    ACT_MXFP4: gl.constexpr, STATIONARY: gl.constexpr, DECODE: gl.constexpr, WS: gl.constexpr,
+                    M, N, SPLITS, y_ptr, stride_yb, stride_ym, K: gl.constexpr, BN: gl.constexpr,
+                    W_LAYOUT: gl.constexpr, Y_LAYOUT: gl.constexpr, ACT_MXFP4: gl.constexpr,
+                    STATIONARY: gl.constexpr, DECODE: gl.constexpr, WS: gl.constexpr,
                     ROUND_LAYOUT: gl.constexpr, DECODE_LAYOUT: gl.constexpr, DECODE_FIRST: gl.constexpr,
                     STAGES: gl.constexpr, WORKERS: gl.constexpr, XREG: gl.constexpr, PAIRS: gl.constexpr,
-                    PARTS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                    PARTS: gl.constexpr, PLAIN_Y: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
         """Grid ``(columns * SPLITS,)``; descriptors over x ``[B, M, K]`` (block ``[1, BM, BK]``), y ``[B, M, N]``
-        (``[1, BM, YN]``, :func:`y_columns`) and, unless DECODE, bf16 w ``[B, N, K]`` (``[1, BN, BK]``); with DECODE
+        (``[1, BM, YN]``, :func:`y_columns`; its buffer in Y_LAYOUT; with PLAIN_Y y goes by pointer and strides
+        instead, unit last, :func:`plain_y`) and, unless DECODE, bf16 w ``[B, N, K]`` (``[1, BN, BK]``); with DECODE
         (stationary only) the weights come from codes ``c_ptr`` / scales ``s_ptr`` instead. WS: the x tiles are
         rounded by WORKERS more warps (``ROUND_LAYOUT`` over those; PARTS partitions of them taking alternate steps,
         :func:`round_partitions`), else by the MMA warps; XREG (with DECODE):
@@ -424,7 +445,8 @@ if not IMPORT_ERROR and not _INTERPRETED:
         W_SLOTS: gl.constexpr = KSTEPS if STATIONARY else STAGES
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
         w_bufs = gl.allocate_shared_memory(gl.bfloat16, [W_SLOTS, 1, BN, BK], W_LAYOUT)
-        y_buf = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
+        YN: gl.constexpr = BN // 2 if BM == 128 else BN  # y_columns
+        y_buf = gl.allocate_shared_memory(gl.bfloat16, [1, BM, YN], Y_LAYOUT)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         rounded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         w_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())  # the stationary column
@@ -448,18 +470,19 @@ if not IMPORT_ERROR and not _INTERPRETED:
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
         b, m0, n0 = _tile(0, pid, M, N, SPLITS, BM, BN)
         column = (c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0)  # with DECODE
+        y_plain = (y_ptr, stride_yb, stride_ym, M, N)  # with PLAIN_Y
         if STATIONARY and not DECODE:
             mbarrier.expect(w_ready.index(0), KSTEPS * w_desc.block_type.nbytes)
             for kk in gl.static_range(KSTEPS):
                 tma.async_copy_global_to_shared(w_desc, [b, n0, kk * BK], w_ready.index(0), w_bufs.index(kk))
         if XREG:
             _xreg_loop(acc, column, x_desc, y_desc, x_bufs, w_bufs, y_buf, ready, steps, pid, M, N, SPLITS, K, BN,
-                       ACT_MXFP4, ROUND_LAYOUT, DECODE_LAYOUT, PAIRS)  # fmt: skip
+                       ACT_MXFP4, ROUND_LAYOUT, DECODE_LAYOUT, PAIRS, y_plain, PLAIN_Y)  # fmt: skip
         elif WS and PARTS == 2:
             gl.warp_specialize([
                 (_mma_loop, (acc, column, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
                              steps, pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, DECODE_FIRST, WS,
-                             ROUND_LAYOUT, DECODE_LAYOUT)),
+                             ROUND_LAYOUT, DECODE_LAYOUT, y_plain, PLAIN_Y)),
                 (_round_loop, (x_bufs, ready, rounded, steps, ROUND_LAYOUT, True, False, 0, 2)),
                 (_round_loop, (x_bufs, ready, rounded, steps, ROUND_LAYOUT, True, False, 1, 2)),
             ], [WORKERS, WORKERS], [_ROUND_REGS, _ROUND_REGS])  # fmt: skip
@@ -467,13 +490,13 @@ if not IMPORT_ERROR and not _INTERPRETED:
             gl.warp_specialize([
                 (_mma_loop, (acc, column, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready,
                              steps, pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, DECODE_FIRST, WS,
-                             ROUND_LAYOUT, DECODE_LAYOUT)),
+                             ROUND_LAYOUT, DECODE_LAYOUT, y_plain, PLAIN_Y)),
                 (_round_loop, (x_bufs, ready, rounded, steps, ROUND_LAYOUT)),
             ], [WORKERS], [_ROUND_REGS])  # fmt: skip
         else:
             _mma_loop(acc, column, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_buf, ready, rounded, w_ready, steps,
                       pid, M, N, SPLITS, K, BN, ACT_MXFP4, STATIONARY, DECODE, DECODE_FIRST, WS, ROUND_LAYOUT,
-                      DECODE_LAYOUT)  # fmt: skip
+                      DECODE_LAYOUT, y_plain, PLAIN_Y)  # fmt: skip
 
     @gluon.jit
     def _reading(t, others):
@@ -486,19 +509,20 @@ if not IMPORT_ERROR and not _INTERPRETED:
         return t
 
     @gluon.jit
-    def _swap_mma_loop(column, pid, M, N, x_desc, y_desc, x_bufs, y_buf, ready, rounded, m0, K: gl.constexpr,
+    def _swap_mma_loop(column, pid, M, N, x_desc, y_desc, y_plain, x_bufs, y_buf, ready, rounded, m0,
+                       K: gl.constexpr,
                        CODE_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, MMA_LAYOUT: gl.constexpr,
                        ROUND_LAYOUT: gl.constexpr, ACT_MXFP4: gl.constexpr, ROUND_HERE: gl.constexpr,
-                       CODES_FIRST: gl.constexpr):  # fmt: skip
+                       CODES_FIRST: gl.constexpr, PLAIN_Y: gl.constexpr):  # fmt: skip
         """The swap schedule's MMA warps: load the column's codes (:func:`_load_column`; with CODES_FIRST step 0's
         through :func:`_reading` every later step's, :func:`swap_codes_first`), per K step decode them straight
         into wgmma A registers, wait for the reordered x tile (with ROUND_HERE: wait for its load, then round and
         reorder it themselves, :func:`_round_in_place` in ROUND_LAYOUT), ``acc[BN, BM] += w . x^T``, refill the
-        slot just read; then y = acc^T through shared memory and TMA."""
+        slot just read; then y = acc^T (:func:`_store_y_part`: by TMA, or with PLAIN_Y by plain stores)."""
         STAGES: gl.constexpr = x_bufs.type.shape[0]
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
-        BN: gl.constexpr = y_desc.block_type.shape[2]
+        BN: gl.constexpr = y_buf.type.shape[2]
         _, _, _, _, _, _, b, n0 = column
         codes, scales = _load_column(column, N, BN, BK, K, CODE_LAYOUT.shape[2], CODE_LAYOUT)
         if CODES_FIRST:
@@ -517,28 +541,28 @@ if not IMPORT_ERROR and not _INTERPRETED:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if kk + STAGES < K // BK:  # a split per M tile: flattened step kk + STAGES is this tile's
                 _load_step(x_desc, None, x_bufs, None, ready, kk + STAGES, pid, M, N, gl.cdiv(M, BM), K, BN, True)
-        y_buf.reshape([BM, BN]).store(acc.to(gl.bfloat16).permute((1, 0)))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(y_desc, [b, m0, n0], y_buf)
+        _store_y_part(acc.to(gl.bfloat16).permute((1, 0)), y_desc, y_buf, y_plain, b, m0, n0, PLAIN_Y)
         tma.store_wait(0)
 
     @gluon.jit
-    def _swap_kernel(x_desc, y_desc, c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, M, N,
-                     K: gl.constexpr, ACT_MXFP4: gl.constexpr, ROUND_LAYOUT: gl.constexpr,
-                     CODE_LAYOUT: gl.constexpr, STAGES: gl.constexpr, WORKERS: gl.constexpr, WS: gl.constexpr,
-                     CODES_FIRST: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    def _swap_kernel(x_desc, y_desc, c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, M, N, y_ptr,
+                     stride_yb, stride_ym, K: gl.constexpr, Y_LAYOUT: gl.constexpr, ACT_MXFP4: gl.constexpr,
+                     ROUND_LAYOUT: gl.constexpr, CODE_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
+                     WORKERS: gl.constexpr, WS: gl.constexpr, CODES_FIRST: gl.constexpr, PLAIN_Y: gl.constexpr,
+                     num_warps: gl.constexpr):  # fmt: skip
         """The swap schedule. Grid ``(B * tiles_n * tiles_m,)``, one ``[BM, BN]`` y tile a program; descriptors
-        over x ``[B, M, K]`` (block ``[1, BM, BK]``) and y ``[B, M, N]`` (``[1, BM, BN]``); codes / scales as
-        for ``decode``, in CODE_LAYOUT (:func:`swap_code_layout`). With WS the WORKERS worker warps round each
-        x tile (with ACT_MXFP4) and store it in :func:`_swap_k_order` while the num_warps MMA warps (BN / 16)
-        decode and multiply; without, the MMA warps do both (:func:`swap_workers`). CODES_FIRST: see
-        :func:`swap_codes_first`."""
+        over x ``[B, M, K]`` (block ``[1, BM, BK]``) and y ``[B, M, N]`` (``[1, BM, BN]``, its buffer in Y_LAYOUT;
+        with PLAIN_Y y goes by pointer and strides instead, unit last); codes / scales as for ``decode``, in
+        CODE_LAYOUT
+        (:func:`swap_code_layout`). With WS the WORKERS worker warps round each x tile (with ACT_MXFP4) and store
+        it in :func:`_swap_k_order` while the num_warps MMA warps (BN / 16) decode and multiply; without, the MMA
+        warps do both (:func:`swap_workers`). CODES_FIRST: see :func:`swap_codes_first`."""
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
-        BN: gl.constexpr = y_desc.block_type.shape[2]
+        BN: gl.constexpr = 16 * num_warps
         KSTEPS: gl.constexpr = K // BK
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-        y_buf = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
+        y_buf = gl.allocate_shared_memory(gl.bfloat16, [1, BM, BN], Y_LAYOUT)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         rounded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES):
@@ -553,15 +577,18 @@ if not IMPORT_ERROR and not _INTERPRETED:
         )
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
         column = (c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn, b, n0)
+        y_plain = (y_ptr, stride_yb, stride_ym, M, N)
         if WS:
             gl.warp_specialize([
-                (_swap_mma_loop, (column, pid, M, N, x_desc, y_desc, x_bufs, y_buf, ready, rounded, m0, K,
-                                  CODE_LAYOUT, a_layout, mma_layout, ROUND_LAYOUT, ACT_MXFP4, False, CODES_FIRST)),
+                (_swap_mma_loop, (column, pid, M, N, x_desc, y_desc, y_plain, x_bufs, y_buf, ready, rounded, m0,
+                                  K, CODE_LAYOUT, a_layout, mma_layout, ROUND_LAYOUT, ACT_MXFP4, False, CODES_FIRST,
+                                  PLAIN_Y)),
                 (_round_loop, (x_bufs, ready, rounded, KSTEPS, ROUND_LAYOUT, ACT_MXFP4, True)),
             ], [WORKERS], [_ROUND_REGS])  # fmt: skip
         else:
-            _swap_mma_loop(column, pid, M, N, x_desc, y_desc, x_bufs, y_buf, ready, rounded, m0, K, CODE_LAYOUT,
-                           a_layout, mma_layout, ROUND_LAYOUT, ACT_MXFP4, True, CODES_FIRST)  # fmt: skip
+            _swap_mma_loop(column, pid, M, N, x_desc, y_desc, y_plain, x_bufs, y_buf, ready, rounded, m0, K,
+                           CODE_LAYOUT, a_layout, mma_layout, ROUND_LAYOUT, ACT_MXFP4, True, CODES_FIRST,
+                           PLAIN_Y)  # fmt: skip
 
 
 SCHEDULES = ("stationary", "streaming", "decode", "swap", "xreg")
@@ -727,17 +754,21 @@ def prepare(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: tor
     if p.schedule == "swap" and not swap_workers(K // bk, act_mxfp4, columns * splits, sms):
         p = replace(p, ws=False)
     per_sm = programs_per_sm(p, K, columns * splits, sms, smem_limit(x.device))
-    constants = kernel_constants(p, K, act_mxfp4, per_sm)
+    plain = plain_y(triton.cdiv(triton.cdiv(M, bm), splits), bm, columns * splits, sms)
+    constants = kernel_constants(p, K, act_mxfp4, per_sm, plain)
     ints = (*w.stride()[:2], *(w_scales if decode else w).stride()[:2], M, N)
 
     def descriptor(t: torch.Tensor, which: str):
         return _CheckedDescriptor(t, t.shape, t.stride(), *blocks[which])
 
+    def y_desc(out):  # none where y leaves by plain stores: the kernel takes its pointer and strides
+        return None if plain else descriptor(out, "y")
+
     if p.schedule == "swap":
         kernel = KernelLaunch(_swap_kernel, (columns * splits,), constants)
 
         def launch(x, w, w_scales, out):
-            kernel(descriptor(x, "x"), descriptor(out, "y"), w, w_scales, *ints)
+            kernel(descriptor(x, "x"), y_desc(out), w, w_scales, *ints, out, *out.stride()[:2])
 
         return launch
     kernel = KernelLaunch(_bmm_kernel, (columns * splits,), constants)
@@ -745,12 +776,12 @@ def prepare(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: tor
     if decode:
 
         def launch(x, w, w_scales, out):
-            kernel(descriptor(x, "x"), None, descriptor(out, "y"), w, w_scales, *ints)
+            kernel(descriptor(x, "x"), None, y_desc(out), w, w_scales, *ints, out, *out.stride()[:2])
 
     else:
 
         def launch(x, w, w_scales, out):
-            kernel(descriptor(x, "x"), descriptor(w, "w"), descriptor(out, "y"), w, w, *ints)
+            kernel(descriptor(x, "x"), descriptor(w, "w"), y_desc(out), w, w, *ints, out, *out.stride()[:2])
 
     return launch
 
@@ -810,6 +841,16 @@ def swap_codes_first(num_warps: int, k_steps: int, programs_per_sm: int) -> bool
     return num_warps == 4 and k_steps > 1 and programs_per_sm == 1
 
 
+def plain_y(tiles_per_program: int, block_m: int, programs: int, sms: int) -> bool:
+    """Whether a launch writes y with plain stores rather than TMA (:func:`_store_y_part`): where each program
+    has one M tile of at most 64 rows and all ``programs`` run at once on the ``sms`` multiprocessors, so that
+    each program's store is its last work, waited for at the kernel's end. On the H200 that made the 16-head T =
+    32 / 64 ``swap`` and ``decode`` defaults 0.1-0.2 us faster (K-up 192 at T = 64: 4.20 -> 4.02 us); a program of
+    several tiles overlaps its TMA stores with its next tile, and plain stores were slower with 128-row tiles
+    (V-up 16 heads T = 1024) and with more programs than multiprocessors (BENCHMARKS.md, session 26)."""
+    return tiles_per_program == 1 and block_m <= 64 and programs <= sms
+
+
 def round_partitions(p: Plan, K: int, ws: bool, programs_per_sm: int) -> int:
     """Partitions of rounding warps (each of ``p.round_warps``, taking alternate x tiles) in a ``decode``
     program: 2 for one MMA warpgroup with 4 rounding warps (``ws``), several K steps, alone on its
@@ -867,17 +908,19 @@ def xreg_x_layout(block_m: int, block_k: int, num_warps: int):
     return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_m, block_k])
 
 
-def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1) -> dict:
+def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1, plain: bool = False) -> dict:
     """The compile-time arguments of a launch of ``p`` (``num_warps`` and, with WS, ``maxnreg`` included: the
-    registers of ``programs_per_sm`` programs' warps share a multiprocessor's 65536)."""
+    registers of ``programs_per_sm`` programs' warps share a multiprocessor's 65536; ``plain``: y written with
+    plain stores, :func:`plain_y`)."""
     swap, xreg = p.schedule == "swap", p.schedule == "xreg"
     ws = p.ws and (act_mxfp4 or swap)  # swap's workers also reorder x; never for xreg (plan() makes it without)
     rounding, decoding = _register_layouts(p.block_m, p.block_n, p.block_k, p.num_warps,
                                            p.round_warps if ws else p.num_warps)  # fmt: skip
     if xreg:
         rounding = xreg_x_layout(p.block_m, p.block_k, p.num_warps)
+    y_layout = _smem_layout((1, p.block_m, y_columns(p.block_m, p.block_n)))
     consts = dict(K=K, ACT_MXFP4=act_mxfp4, ROUND_LAYOUT=rounding, STAGES=p.stages, WORKERS=p.round_warps,
-                  num_warps=p.num_warps)  # fmt: skip
+                  Y_LAYOUT=y_layout, PLAIN_Y=plain, num_warps=p.num_warps)  # fmt: skip
     parts = 1
     if swap:
         consts.update(CODE_LAYOUT=swap_code_layout(p.block_n, p.block_k, p.num_warps), WS=ws,

@@ -176,26 +176,29 @@ _COMPILE = textwrap.dedent(
     from triton.experimental.gluon._runtime import GluonASTSource
     from glm_pack.runtime.kernels import gluon_bmm as gb
 
-    bm, bn, bk, warps, schedule, K, act, ws, per_sm, round_warps = json.loads(sys.argv[1])
+    bm, bn, bk, warps, schedule, K, act, ws, per_sm, round_warps, plain = json.loads(sys.argv[1])
     p = gb.plan(bm, bn, bk, warps, schedule, K, 232448, ws=ws, round_warps=round_warps)
     if schedule == "swap" and not ws:  # a launch that swap_workers leaves without worker warps
         p = dataclasses.replace(p, ws=False)
     decode, swap = schedule in gb.FROM_CODES, schedule == "swap"
     def desc(block):
         return f"tensordesc<bf16{block},{gb._smem_layout(tuple(block))!r}>"
-    sig = {"x_desc": desc([1, bm, bk]), "w_desc": "constexpr" if decode else desc([1, bn, bk]),
-           "y_desc": desc([1, bm, gb.y_columns(bm, bn)]), "c_ptr": "*u8" if decode else "*bf16",
-           "s_ptr": "*u8" if decode else "*bf16", "stride_cb": "i32", "stride_cn": "i32", "stride_sb": "i32",
-           "stride_sn": "i32", "M": "i32", "N": "i32", "SPLITS": "i32"}
-    consts = gb.kernel_constants(p, K, act, per_sm)  # what a launch passes
+    weights = {"c_ptr": "*u8" if decode else "*bf16", "s_ptr": "*u8" if decode else "*bf16", "stride_cb": "i32",
+               "stride_cn": "i32", "stride_sb": "i32", "stride_sn": "i32", "M": "i32", "N": "i32"}
+    y_desc = "constexpr" if plain else desc([1, bm, gb.y_columns(bm, bn)])
+    y = {"y_ptr": "*bf16", "stride_yb": "i32", "stride_ym": "i32"}
+    if swap:  # the parameters in each kernel's order
+        sig = {"x_desc": desc([1, bm, bk]), "y_desc": y_desc, **weights, **y}
+    else:
+        sig = {"x_desc": desc([1, bm, bk]), "w_desc": "constexpr" if decode else desc([1, bn, bk]),
+               "y_desc": y_desc, **weights, "SPLITS": "i32", **y}
+    consts = gb.kernel_constants(p, K, act, per_sm, plain)  # what a launch passes
     options = {"num_warps": consts["num_warps"], **({"maxnreg": consts.pop("maxnreg")} if "maxnreg" in consts else {})}
-    if swap:
-        del sig["w_desc"], sig["SPLITS"]
-    elif decode:
-        consts["w_desc"] = None
+    consts.update({n: None for n in ("w_desc", "y_desc") if sig.get(n) == "constexpr"})
     sig.update(dict.fromkeys(consts, "constexpr"))
-    # pointers and strides as a launch specializes them (multiples of 16): the codes load in 16-byte vectors
-    attrs = {(list(sig).index(n),): [["tt.divisibility", 16]] for n in ("c_ptr", "s_ptr", "stride_cb", "stride_cn")}
+    # pointers, strides and N as a launch specializes them (multiples of 16): codes and y in 16-byte vectors
+    aligned = ("c_ptr", "s_ptr", "stride_cb", "stride_cn", "N", "y_ptr", "stride_yb", "stride_ym")
+    attrs = {(list(sig).index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = GluonASTSource(fn=gb._swap_kernel if swap else gb._bmm_kernel, signature=sig, constexprs=consts,
                          attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
@@ -215,6 +218,8 @@ _COMPILE = textwrap.dedent(
                       "wgmma": ptx.count("wgmma.mma_async"), "prmt": ptx.count("prmt.b32"),
                       "byte_loads": ptx.count("ld.global.b8") + ptx.count("ld.global.u8"),
                       "code_loads": len(code_loads), "identities": ptx.count("0x3210;"),
+                      "y_tma_stores": ptx.count("cp.async.bulk.tensor.3d.global.shared"),
+                      "y_vector_stores": ptx.count("st.global.v4.b32"),
                       "prmt_between_code_loads": sum("PRMT" in t for t in ins[code_loads[0]:code_loads[-1]])
                       if code_loads else 0,
                       "cubin": len(k.asm["cubin"])}))
@@ -222,10 +227,10 @@ _COMPILE = textwrap.dedent(
 )
 
 
-def _compile(tiles, schedule, K, act, ws, per_sm, round_warps=4) -> dict:
+def _compile(tiles, schedule, K, act, ws, per_sm, round_warps=4, plain_y=False) -> dict:
     """The facts :data:`_COMPILE` prints about the real kernel compiled for sm_90a in a fresh process."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = json.dumps([*tiles, schedule, K, act, ws, per_sm, round_warps])
+    args = json.dumps([*tiles, schedule, K, act, ws, per_sm, round_warps, plain_y])
     run = subprocess.run([sys.executable, "-c", _COMPILE, args],
                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -328,11 +333,12 @@ def test_swap_kernel_compiles_for_sm90_with_its_weights_in_registers(tiles, K, a
     the y tile: moving the decoded weights to the MMA's register layout through shared memory (a 16-64 KiB
     scratch tile) would exceed it. The only byte loads are the scales' (hand counts: per K step, a thread's two
     rows r and r + 8 times the 32-blocks of its run of block_k / 4 k, at least one); codes come in vectors."""
-    got = _compile(tiles, "swap", K, act, True, per_sm, round_warps)
+    got = _compile(tiles, "swap", K, act, True, per_sm, round_warps, plain_y=True)
     assert got["warps"] == tiles[3] + round_warps and got["setmaxnreg"] > 0 and got["stack"] == 0
     assert got["warps"] * 32 * got["maxnreg"] * per_sm <= 65536
     assert got["wgmma"] >= 1 and got["prmt"] > 0 and got["byte_loads"] == scale_loads
     assert got["shared"] <= got["estimate"] and got["stages"] == min(gb.MAX_STAGES, K // tiles[2])
+    assert got["y_tma_stores"] == 0 and got["y_vector_stores"] == tiles[0] * tiles[1] // (8 * 32 * tiles[3])
 
 
 @pytest.mark.parametrize(
@@ -348,6 +354,35 @@ def test_one_step_swap_kernel_compiles_for_sm90_without_worker_warps(tiles, act)
     assert got["warps"] == tiles[3] and got["maxnreg"] is None and got["setmaxnreg"] == 0 and got["stack"] == 0
     assert got["wgmma"] >= 1 and got["prmt"] > 0 and got["stages"] == 1
     assert got["shared"] <= got["estimate"]
+    assert got["y_tma_stores"] == 1 and got["y_vector_stores"] == 0  # these launches' many programs: y by TMA
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["plain", "tma"])
+@pytest.mark.parametrize("tiles, sites", [((64, 64, 64, 4), 2), ((128, 256, 64, 8), 1)],
+                         ids=["64x64x64", "128x256x64-halves"])  # fmt: skip
+def test_decode_kernel_writes_y_plainly_or_by_tma(tiles, sites, plain):
+    """The ``decode`` kernel compiled for sm_90a here with y written by plain stores (:func:`plain_y`) or by
+    TMA: with plain stores no bulk tensor store is left, and y leaves in 16-byte vector stores, hand count: the
+    ``[BM, BN]`` tile over the MMA warps' threads, 8 values each (in two halves at 128 rows, :func:`y_columns`),
+    per call site (one warpgroup: the first tile's K steps, decoding as they go, are unrolled before the loop;
+    two decode the column first, :func:`decode_first`); with TMA one bulk store per half and site, no vector
+    stores. Neither uses a stack or more shared memory than the estimate (the plain path reuses the y buffer)."""
+    got = _compile(tiles, "decode", 192, True, True, 1, plain_y=plain)
+    halves = tiles[1] // gb.y_columns(tiles[0], tiles[1])
+    if plain:
+        assert got["y_tma_stores"] == 0
+        assert got["y_vector_stores"] == sites * tiles[0] * tiles[1] // (8 * 32 * tiles[3])
+    else:
+        assert got["y_tma_stores"] == sites * halves and got["y_vector_stores"] == 0
+    assert got["stack"] == 0 and got["shared"] <= got["estimate"]
+
+
+def test_y_is_stored_plainly_by_programs_of_one_small_tile_all_running_at_once():
+    """:func:`plain_y`: plain stores for programs of one tile of at most 64 rows where there are no more programs
+    than multiprocessors; TMA for programs of several tiles (their stores overlap the next tile), 128-row tiles,
+    or more programs than multiprocessors."""
+    assert gb.plain_y(1, 64, 128, 132) and gb.plain_y(1, 32, 132, 132) and gb.plain_y(1, 16, 1, 132)
+    assert not gb.plain_y(2, 64, 128, 132) and not gb.plain_y(1, 128, 128, 132) and not gb.plain_y(1, 64, 133, 132)
 
 
 def test_swap_launches_drop_their_workers_only_for_one_k_step_and_more_programs_than_two_a_multiprocessor():
@@ -646,6 +681,26 @@ def test_decode_with_two_rounding_partitions_matches_reference_on_gpu(B, M, cfg,
     M tiles a program (300 rows) and fewer rows than one tile (45), at most 80 programs (one a multiprocessor on
     any sm_90 GPU), mxfp4 and none (no rounding warps, one partition), through the runtime's strided view."""
     assert [parts for _, parts in _rule_on_gpu(monkeypatch, "round_partitions", cfg, B, M, N, K)] == [2, 1]
+
+
+@sm90_only
+@pytest.mark.parametrize(
+    "name, B, M, N, K, plain",
+    [("decode-64x64-ws", 8, 64, 512, 192, True), ("decode-64x64-ws", 5, 45, 200, 192, True),
+     ("decode-64x64-ws", 16, 300, 512, 192, False), ("decode-64x64-ws", 40, 64, 512, 192, False),
+     ("streaming-ws", 3, 1000, 80, 192, False), ("xreg-64x128", 2, 300, 200, 256, True),
+     ("swap-32x64", 8, 64, 256, 512, True), ("swap-32x64", 5, 45, 200, 192, True),
+     ("swap-32x64", 64, 32, 512, 256, False)],
+    ids=["decode-one-tile", "decode-ragged", "decode-five-tiles", "decode-320-programs", "streaming-128-rows",
+         "xreg-one-tile-ragged", "swap-64-programs", "swap-ragged", "swap-512-programs"],
+)  # fmt: skip
+def test_y_stored_plainly_or_by_tma_matches_reference_on_gpu(name, B, M, N, K, plain, monkeypatch):
+    """y written by plain stores (:func:`plain_y`: programs of one tile of at most 64 rows, at most 64 of them,
+    masked to M and N) or by TMA (several tiles a program, 128-row tiles, 320-512 programs: more than any sm_90
+    GPU's multiprocessors), in the ``decode``, ``streaming``, ``xreg`` and ``swap`` kernels: GLM's shapes and
+    ragged ones (M, N not multiples of the tiles; with N = 80 and 200 y's strides are no multiple of 16 elements,
+    so the kernel cannot assume 16-byte rows), mxfp4 and none; the padding past N stays NaN."""
+    assert [p for _, p in _rule_on_gpu(monkeypatch, "plain_y", _GPU_CONFIGS[name], B, M, N, K)] == [plain, plain]
 
 
 @sm90_only
