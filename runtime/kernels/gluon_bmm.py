@@ -753,6 +753,8 @@ def prepare(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: tor
     splits = triton.cdiv(M, bm) if p.schedule == "swap" else max(1, min(triton.cdiv(M, bm), sms // columns))
     if p.schedule == "swap" and not swap_workers(K // bk, act_mxfp4, columns * splits, sms):
         p = replace(p, ws=False)
+    if p.schedule == "swap":
+        p = replace(p, round_warps=swap_round_warps(p.round_warps, columns * splits, sms))
     per_sm = programs_per_sm(p, K, columns * splits, sms, smem_limit(x.device))
     plain = plain_y(triton.cdiv(triton.cdiv(M, bm), splits), bm, columns * splits, sms)
     constants = kernel_constants(p, K, act_mxfp4, per_sm, plain)
@@ -828,6 +830,16 @@ def swap_workers(k_steps: int, act_mxfp4: bool, programs: int, sms: int) -> bool
     than one wave. With fewer programs the workers' rounding beside the decode was faster on the H200
     (BENCHMARKS.md, session 24)."""
     return k_steps > 1 or (act_mxfp4 and programs <= 2 * sms)
+
+
+def swap_round_warps(round_warps: int, programs: int, sms: int) -> int:
+    """Rounding warps of a ``swap`` launch of ``programs`` programs on ``sms`` multiprocessors asked for
+    ``round_warps``: 8 only where the programs all run at once, one a multiprocessor, else 4. A program of 4 or 8
+    MMA warps with 8 rounding warps runs alone on a multiprocessor (:func:`programs_per_sm`), so more programs than
+    multiprocessors would take two waves; with 4 two programs can share one. On the H200 8 made V-up 16 heads T =
+    32 / 64 (64 / 128 programs) faster, and the same tile at 24 heads T = 64 (192 programs) took 12.3 us instead of
+    5.9 (BENCHMARKS.md, session 26)."""
+    return round_warps if programs <= sms else ROUND_WARPS
 
 
 def swap_codes_first(num_warps: int, k_steps: int, programs_per_sm: int) -> bool:

@@ -332,7 +332,8 @@ class BmmConfig:
     warps round the x tiles while the MMA warps only wait, issue MMAs and write y (``decode`` with 8 warps then
     decodes the whole weight column before the first MMA, :func:`gluon_bmm.decode_first`); ``swap`` has them
     except where :func:`gluon_bmm.swap_workers` finds the MMA warps round faster. ``round_warps``: how many, 4 or
-    8 (8 only with ``ws`` or ``swap``, at most
+    8 (8 only with ``ws`` or ``swap``; a ``swap`` launch of more programs than multiprocessors takes 4,
+    :func:`gluon_bmm.swap_round_warps`; at most
     :data:`gluon_bmm.MAX_WARPS` warps in all, and leaving the MMA warps registers for their accumulator:
     :func:`gluon_bmm.register_error`)."""
 
@@ -375,7 +376,7 @@ _TUNED = {
     (512, 256, "narrow", 32): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
     (512, 256, "wide", 32): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
     (256, 512, "few", 32): _C(16, 32, 512, 4, 1, 0),
-    (256, 512, "narrow", 32): _C(16, 64, 512, 4, 1, 0),
+    (256, 512, "narrow", 32): _C(32, 64, 256, 4, 1, 0, wgmma="swap", round_warps=8),
     (256, 512, "wide", 32): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
     (512, 192, "few", 64): _C(32, 64, 64, 4, 1, 0, wgmma="swap"),
     (512, 192, "narrow", 64): _C(64, 64, 64, 4, 3, 0, wgmma="decode", ws=True),
@@ -384,7 +385,7 @@ _TUNED = {
     (512, 256, "narrow", 64): _C(32, 128, 256, 8, 1, 0, wgmma="swap"),
     (512, 256, "wide", 64): _C(64, 256, 128, 16, 1, 0, wgmma="swap"),
     (256, 512, "few", 64): _C(16, 64, 512, 4, 1, 0),
-    (256, 512, "narrow", 64): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),
+    (256, 512, "narrow", 64): _C(32, 64, 256, 4, 1, 0, wgmma="swap", round_warps=8),
     (256, 512, "wide", 64): _C(64, 128, 128, 8, 1, 0, wgmma="swap"),
     (512, 192, "few", 128): _C(32, 64, 64, 4, 1, 0, wgmma="swap"),
     (512, 256, "few", 128): _C(32, 64, 256, 4, 1, 0, wgmma="swap"),

@@ -397,6 +397,16 @@ def test_swap_launches_drop_their_workers_only_for_one_k_step_and_more_programs_
     assert not gb.swap_workers(1, False, 128, sms)
 
 
+def test_swap_launches_keep_eight_rounding_warps_only_where_their_programs_run_at_once():
+    """8 rounding warps leave a swap program alone on its multiprocessor, so a launch asking for them keeps them
+    only where its programs are no more than the multiprocessors (V-up 16 heads T = 64: 128 programs on the
+    H200's 132) and takes 4 beyond (24 heads: 192), where two programs can share one; 4 stay 4."""
+    sms = 132
+    assert gb.swap_round_warps(8, 128, sms) == 8 and gb.swap_round_warps(8, sms, sms) == 8
+    assert gb.swap_round_warps(8, sms + 1, sms) == 4 and gb.swap_round_warps(8, 192, sms) == 4
+    assert gb.swap_round_warps(4, 64, sms) == gb.swap_round_warps(4, 512, sms) == 4
+
+
 @pytest.mark.parametrize(
     "tiles, K, per_sm, round_warps, first",
     [((32, 64, 256, 4), 512, 1, 4, True), ((32, 64, 64, 4), 192, 1, 4, True), ((64, 64, 256, 4), 512, 1, 8, True),
@@ -701,6 +711,16 @@ def test_y_stored_plainly_or_by_tma_matches_reference_on_gpu(name, B, M, N, K, p
     ragged ones (M, N not multiples of the tiles; with N = 80 and 200 y's strides are no multiple of 16 elements,
     so the kernel cannot assume 16-byte rows), mxfp4 and none; the padding past N stays NaN."""
     assert [p for _, p in _rule_on_gpu(monkeypatch, "plain_y", _GPU_CONFIGS[name], B, M, N, K)] == [plain, plain]
+
+
+@sm90_only
+@pytest.mark.parametrize("B, M, N, warps", [(8, 64, 256, 8), (5, 45, 200, 8), (64, 64, 256, 4)])
+def test_swap_rounding_warps_by_programs_match_reference_on_gpu(B, M, N, warps, monkeypatch):
+    """A swap tile asking for 8 rounding warps (V-up's 16-head T = 32 / 64 default) keeps them with at most 64
+    programs (V-up's shape at 8 heads, a ragged one) and takes 4 with 512 (64 heads: more than any sm_90 GPU's
+    multiprocessors); exact either way, mxfp4 and none, through the runtime's strided view."""
+    cfg = tb.BmmConfig(32, 64, 256, 4, 1, 0, wgmma="swap", round_warps=8)
+    assert [w for _, w in _rule_on_gpu(monkeypatch, "swap_round_warps", cfg, B, M, N, 512)] == [warps, warps]
 
 
 @sm90_only
