@@ -510,8 +510,7 @@ if not IMPORT_ERROR and not _INTERPRETED:
 
     @gluon.jit
     def _swap_mma_loop(column, pid, M, N, x_desc, y_desc, y_plain, x_bufs, y_buf, ready, rounded, m0,
-                       K: gl.constexpr,
-                       CODE_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, MMA_LAYOUT: gl.constexpr,
+                       K: gl.constexpr, CODE_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, MMA_LAYOUT: gl.constexpr,
                        ROUND_LAYOUT: gl.constexpr, ACT_MXFP4: gl.constexpr, ROUND_HERE: gl.constexpr,
                        CODES_FIRST: gl.constexpr, PLAIN_Y: gl.constexpr):  # fmt: skip
         """The swap schedule's MMA warps: load the column's codes (:func:`_load_column`; with CODES_FIRST step 0's
@@ -553,10 +552,10 @@ if not IMPORT_ERROR and not _INTERPRETED:
         """The swap schedule. Grid ``(B * tiles_n * tiles_m,)``, one ``[BM, BN]`` y tile a program; descriptors
         over x ``[B, M, K]`` (block ``[1, BM, BK]``) and y ``[B, M, N]`` (``[1, BM, BN]``, its buffer in Y_LAYOUT;
         with PLAIN_Y y goes by pointer and strides instead, unit last); codes / scales as for ``decode``, in
-        CODE_LAYOUT
-        (:func:`swap_code_layout`). With WS the WORKERS worker warps round each x tile (with ACT_MXFP4) and store
-        it in :func:`_swap_k_order` while the num_warps MMA warps (BN / 16) decode and multiply; without, the MMA
-        warps do both (:func:`swap_workers`). CODES_FIRST: see :func:`swap_codes_first`."""
+        CODE_LAYOUT (:func:`swap_code_layout`). With WS the WORKERS worker warps round each x tile (with
+        ACT_MXFP4) and store it in :func:`_swap_k_order` while the num_warps MMA warps (BN / 16) decode and
+        multiply; without, the MMA warps do both (:func:`swap_workers`). CODES_FIRST: see
+        :func:`swap_codes_first`."""
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
         BN: gl.constexpr = 16 * num_warps
@@ -857,7 +856,7 @@ def plain_y(tiles_per_program: int, block_m: int, programs: int, sms: int) -> bo
     """Whether a launch writes y with plain stores rather than TMA (:func:`_store_y_part`): where each program
     has one M tile of at most 64 rows and all ``programs`` run at once on the ``sms`` multiprocessors, so that
     each program's store is its last work, waited for at the kernel's end. On the H200 that made the 16-head T =
-    32 / 64 ``swap`` and ``decode`` defaults 0.1-0.2 us faster (K-up 192 at T = 64: 4.20 -> 4.02 us); a program of
+    32 / 64 ``swap`` and ``decode`` defaults 0.1-0.2 us faster (K-up 192 at T = 64: 4.23 -> 4.06 us); a program of
     several tiles overlaps its TMA stores with its next tile, and plain stores were slower with 128-row tiles
     (V-up 16 heads T = 1024) and with more programs than multiprocessors (BENCHMARKS.md, session 26)."""
     return tiles_per_program == 1 and block_m <= 64 and programs <= sms
