@@ -427,13 +427,13 @@ if not IMPORT_ERROR and not _INTERPRETED:
     @gluon.jit
     def _bmm_kernel(x_desc, w_desc, y_desc, c_ptr, s_ptr, stride_cb, stride_cn, stride_sb, stride_sn,
                     M, N, SPLITS, y_ptr, stride_yb, stride_ym, K: gl.constexpr, BN: gl.constexpr,
-                    W_LAYOUT: gl.constexpr, Y_LAYOUT: gl.constexpr, ACT_MXFP4: gl.constexpr,
+                    W_LAYOUT: gl.constexpr, YN: gl.constexpr, Y_LAYOUT: gl.constexpr, ACT_MXFP4: gl.constexpr,
                     STATIONARY: gl.constexpr, DECODE: gl.constexpr, WS: gl.constexpr,
                     ROUND_LAYOUT: gl.constexpr, DECODE_LAYOUT: gl.constexpr, DECODE_FIRST: gl.constexpr,
                     STAGES: gl.constexpr, WORKERS: gl.constexpr, XREG: gl.constexpr, PAIRS: gl.constexpr,
                     PARTS: gl.constexpr, PLAIN_Y: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
         """Grid ``(columns * SPLITS,)``; descriptors over x ``[B, M, K]`` (block ``[1, BM, BK]``), y ``[B, M, N]``
-        (``[1, BM, YN]``, :func:`y_columns`; its buffer in Y_LAYOUT; with PLAIN_Y y goes by pointer and strides
+        (``[1, BM, YN]``, YN = :func:`y_columns`; its buffer in Y_LAYOUT; with PLAIN_Y y goes by pointer and strides
         instead, unit last, :func:`plain_y`) and, unless DECODE, bf16 w ``[B, N, K]`` (``[1, BN, BK]``); with DECODE
         (stationary only) the weights come from codes ``c_ptr`` / scales ``s_ptr`` instead. WS: the x tiles are
         rounded by WORKERS more warps (``ROUND_LAYOUT`` over those; PARTS partitions of them taking alternate steps,
@@ -445,7 +445,6 @@ if not IMPORT_ERROR and not _INTERPRETED:
         W_SLOTS: gl.constexpr = KSTEPS if STATIONARY else STAGES
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
         w_bufs = gl.allocate_shared_memory(gl.bfloat16, [W_SLOTS, 1, BN, BK], W_LAYOUT)
-        YN: gl.constexpr = BN // 2 if BM == 128 else BN  # y_columns
         y_buf = gl.allocate_shared_memory(gl.bfloat16, [1, BM, YN], Y_LAYOUT)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         rounded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -750,10 +749,9 @@ def prepare(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: tor
     columns, sms = B * triton.cdiv(N, bn), sm_count(x.device)
     # swap: a program per tile; else each column's M tiles split over the SMs
     splits = triton.cdiv(M, bm) if p.schedule == "swap" else max(1, min(triton.cdiv(M, bm), sms // columns))
-    if p.schedule == "swap" and not swap_workers(K // bk, act_mxfp4, columns * splits, sms):
-        p = replace(p, ws=False)
     if p.schedule == "swap":
-        p = replace(p, round_warps=swap_round_warps(p.round_warps, columns * splits, sms))
+        p = replace(p, ws=swap_workers(K // bk, act_mxfp4, columns * splits, sms) and p.ws,
+                    round_warps=swap_round_warps(p.round_warps, columns * splits, sms))  # fmt: skip
     per_sm = programs_per_sm(p, K, columns * splits, sms, smem_limit(x.device))
     plain = plain_y(triton.cdiv(triton.cdiv(M, bm), splits), bm, columns * splits, sms)
     constants = kernel_constants(p, K, act_mxfp4, per_sm, plain)
@@ -929,16 +927,16 @@ def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1,
                                            p.round_warps if ws else p.num_warps)  # fmt: skip
     if xreg:
         rounding = xreg_x_layout(p.block_m, p.block_k, p.num_warps)
-    y_layout = _smem_layout((1, p.block_m, y_columns(p.block_m, p.block_n)))
+    yn = y_columns(p.block_m, p.block_n)
     consts = dict(K=K, ACT_MXFP4=act_mxfp4, ROUND_LAYOUT=rounding, STAGES=p.stages, WORKERS=p.round_warps,
-                  Y_LAYOUT=y_layout, PLAIN_Y=plain, num_warps=p.num_warps)  # fmt: skip
+                  Y_LAYOUT=_smem_layout((1, p.block_m, yn)), PLAIN_Y=plain, num_warps=p.num_warps)  # fmt: skip
     parts = 1
     if swap:
         consts.update(CODE_LAYOUT=swap_code_layout(p.block_n, p.block_k, p.num_warps), WS=ws,
                       CODES_FIRST=swap_codes_first(p.num_warps, K // p.block_k, programs_per_sm))  # fmt: skip
     else:
         parts = round_partitions(p, K, ws, programs_per_sm)
-        consts.update(BN=p.block_n, W_LAYOUT=_smem_layout((1, p.block_n, p.block_k)),
+        consts.update(BN=p.block_n, YN=yn, W_LAYOUT=_smem_layout((1, p.block_n, p.block_k)),
                       STATIONARY=p.schedule != "streaming", DECODE=p.schedule in FROM_CODES, WS=ws,
                       DECODE_LAYOUT=decoding, DECODE_FIRST=decode_first(p, ws), XREG=xreg,
                       PAIRS=min(16, p.block_k // 8), PARTS=parts)  # fmt: skip

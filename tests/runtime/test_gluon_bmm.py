@@ -366,7 +366,8 @@ def test_decode_kernel_writes_y_plainly_or_by_tma(tiles, sites, plain):
     ``[BM, BN]`` tile over the MMA warps' threads, 8 values each (in two halves at 128 rows, :func:`y_columns`),
     per call site (one warpgroup: the first tile's K steps, decoding as they go, are unrolled before the loop;
     two decode the column first, :func:`decode_first`); with TMA one bulk store per half and site, no vector
-    stores. Neither uses a stack or more shared memory than the estimate (the plain path reuses the y buffer)."""
+    stores. Neither uses a stack or more shared memory than the estimate, which counts the y buffer (the plain
+    path moves the tile through shared memory the compiler allocates instead)."""
     got = _compile(tiles, "decode", 192, True, True, 1, plain_y=plain)
     halves = tiles[1] // gb.y_columns(tiles[0], tiles[1])
     if plain:
