@@ -26,12 +26,11 @@ from pathlib import Path
 from glm_pack.packing import manifest as mf
 from glm_pack.packing.errors import GlmPackError, PlanError
 from glm_pack.packing.experts import moe_layout_description
-from glm_pack.packing.layouts import stored_k
 
 from . import state
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from .items import Settings, plan_items, run_item, run_item_in_worker, worker_init
-from .plan import resolve_k_multiple
+from .plan import kernel_route, resolve_k_up
 from .writer import OutputError, fsync_dir, write_text
 
 FILE_MODES = ("link", "copy", "none")
@@ -268,10 +267,8 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
     out = Path(out)
     check_locations(None if hub else ckpt.root, out)
     geom = ckpt.geometry
-    k_multiple = resolve_k_multiple(options.k_pad, ckpt.card.default_k_pad(geom))
-    settings = Settings(
-        stored_k(geom.qk_nope_head_dim, k_multiple), options.quant_mode, options.mla_precision, options.max_rel_error
-    )
+    k_multiple, k_kc = resolve_k_up(ckpt.card, geom, options.k_pad, options.mla_precision)
+    settings = Settings(k_kc, options.quant_mode, options.mla_precision, options.max_rel_error)
     originals, stats = source_files(ckpt)
     run = {
         "tool": TOOL_VERSION,
@@ -343,7 +340,7 @@ def _experts_section(entries) -> dict:
 
 def build_manifest(ckpt: Checkpoint, options: ConvertOptions, k_multiple, settings: Settings, entries, stats) -> dict:
     geom = ckpt.geometry
-    route = "padded" if settings.k_kc != geom.qk_nope_head_dim else "unpadded"
+    route = kernel_route(settings.k_kc, geom.qk_nope_head_dim)
     source_tensors: dict[str, str] = {}
     tensors: dict[str, dict] = {}
     for entry in entries:

@@ -60,7 +60,7 @@ class Plan:
     mla_precision: str
     k_multiple: int | None
     k_stored: int
-    route: str  # kernel route: "padded" (K_stored > nope) or "unpadded"
+    route: str  # kernel route (:func:`kernel_route`): "padded" (K_stored > nope) or "unpadded"
     kernel_configs: dict
     files_mode: str
     jobs: list[MlaJob]
@@ -101,6 +101,31 @@ def resolve_k_multiple(k_pad, card_default: int | None) -> int | None:
     return value
 
 
+def kernel_route(k_stored: int, nope: int) -> str:
+    """The card's kernel-config route for w_kc stored with K = ``k_stored``: ``padded`` or ``unpadded``."""
+    return "padded" if k_stored != nope else "unpadded"
+
+
+def resolve_k_up(card, geom, k_pad, mla_precision: str) -> tuple[int | None, int]:
+    """(k_multiple, K stored) of w_kc for ``--k-pad k_pad``; PlanError when an MXFP4 w_kc's K is not a multiple
+    of every BLOCK_SIZE_K of its route's pinned K-up configs (aiter's ragged-K path is wrong in many versions)."""
+    nope = geom.qk_nope_head_dim
+    k_multiple = resolve_k_multiple(k_pad, card.default_k_pad(geom))
+    k_stored = stored_k(nope, k_multiple)
+    if mla_precision != "bf16":
+        configs = card.kernel_configs(kernel_route(k_stored, nope))
+        blocks = {cfg["BLOCK_SIZE_K"] for ops in configs.values() for cfg in ops.get("k_up", {}).values()}
+        ragged = sorted(b for b in blocks if k_stored % b)
+        if ragged:
+            fit = -(-nope // max(blocks)) * max(blocks)
+            raise PlanError(
+                f"--k-pad {k_pad} stores w_kc with K={k_stored}, which the pinned {'/'.join(sorted(configs))} K-up "
+                f"configs (BLOCK_SIZE_K {ragged}) would split raggedly, and aiter's ragged-K path is wrong in many "
+                f"versions; choose a --k-pad that makes K a multiple of {max(blocks)} (e.g. {fit}), or 'none'"
+            )
+    return k_multiple, k_stored
+
+
 def _projection(name: str, heads: int, n: int, k_logical: int, k_stored: int, precision: str) -> list[OutputTensor]:
     layout = bmm_nk_params(k_logical, k_stored)
     if precision == "bf16":
@@ -124,9 +149,8 @@ def make_plan(
     if files not in FILE_MODES:
         raise PlanError(f"files must be one of {', '.join(FILE_MODES)}, got {files!r}")
     geom = ckpt.geometry
-    k_multiple = resolve_k_multiple(k_pad, ckpt.card.default_k_pad(geom))
-    k_kc = stored_k(geom.qk_nope_head_dim, k_multiple)
-    route = "padded" if k_kc != geom.qk_nope_head_dim else "unpadded"
+    k_multiple, k_kc = resolve_k_up(ckpt.card, geom, k_pad, mla_precision)
+    route = kernel_route(k_kc, geom.qk_nope_head_dim)
     stored_precision = "mxfp4" if mla_precision == "auto" else mla_precision
     jobs = []
     for layer in ckpt.mla_layers():

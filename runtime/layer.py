@@ -63,20 +63,22 @@ class MlaLayer:
             self.backend.bmm_bf16(x, proj.weight, out)
 
     def k_input(self, q: torch.Tensor) -> torch.Tensor:
-        """The x the K-up kernel gets (K == k_stored): q itself when it already has that width (zero copy)."""
+        """The x the K-up kernel gets (K == k_stored): q itself when it already has that width (zero copy: the
+        full row against a w_kc padded to nope+rope, whose zero weights meet the rope part), else q_nope (a
+        view when w_kc is unpadded) zero-padded to k_stored."""
         g, kc = self.geometry, self.w_kc
+        P = g.qk_nope_head_dim
         self._check_act(q, "q")
         width = q.shape[-1]
         if width == kc.k_stored:
             return q
-        if width == g.qk_nope_head_dim + g.qk_rope_head_dim and kc.k_stored == g.qk_nope_head_dim:
-            return q[..., : g.qk_nope_head_dim]
-        if width == g.qk_nope_head_dim:
-            return torch.nn.functional.pad(q, (0, kc.k_stored - width))
-        raise BackendError(
-            f"layer {self.layer}: q must be [T, H, {g.qk_nope_head_dim}] (nope) or "
-            f"[T, H, {g.qk_nope_head_dim + g.qk_rope_head_dim}] (nope+rope), got width {width}"
-        )
+        if width not in (P, P + g.qk_rope_head_dim):
+            raise BackendError(
+                f"layer {self.layer}: q must be [T, H, {P}] (nope) or [T, H, {P + g.qk_rope_head_dim}] (nope+rope), "
+                f"got width {width}"
+            )
+        nope = q[..., :P]
+        return nope if kc.k_stored == P else torch.nn.functional.pad(nope, (0, kc.k_stored - P))
 
     def k_up(self, q: torch.Tensor, *, act_quant: str = "mxfp4") -> torch.Tensor:
         """q_nope (or the full q row) ``[T, H, P(+R)]`` -> latent ``[T, H, L]`` bf16."""

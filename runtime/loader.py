@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from glm_pack.packing import manifest as mf
-from glm_pack.packing.errors import GlmPackError, ManifestError, VerifyError
+from glm_pack.packing.errors import BackendError, GlmPackError, ManifestError, VerifyError
 from glm_pack.packing.mla import MlaGeometry
 
 from .backends import select_backend
@@ -219,6 +219,10 @@ def open_packed(
     if verify:
         _verify_files(root, manifest)
         _verify_source(root, manifest)
+    try:
+        device = torch.empty(0, device=device).device  # "cuda" without a GPU, a missing index, a typo
+    except Exception as err:
+        raise BackendError(f"device {device!r} cannot be used here: {err}") from err
     configs = (manifest.get("kernel_configs") or {}).get("configs", {})
-    chosen = select_backend(backend, torch.device(device), configs)
+    chosen = select_backend(backend, device, configs)
     return PackedModel(root, manifest, device, chosen, tp_rank, tp_size)

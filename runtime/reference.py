@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from glm_pack.packing.errors import BackendError
 from glm_pack.packing.mxfp4 import dequantize, quantize
 
 ACT_QUANT_MODES = ("mxfp4", "none")
@@ -55,15 +56,23 @@ def sparse_mla(
 
     q_latent ``[T, H, L]`` bf16 (L = kv_lora), q_rope ``[T, H, R]`` or None (rope-free), kv_cache bf16 with last
     dim ``L + R`` (any leading dims, flattened to global slots), kv_indptr ``[T+1]`` int32, kv_indices flat
-    int32 global slot ids (-1 = skip). Scores ``scale * (q_latent . c + q_rope . k_rope)``, softmax over the
-    token's valid rows, output ``sum p * c`` -> ``[T, H, L]`` bf16; lse ``[T, H]`` float32 natural log
-    (-inf and a zero output for a token with no valid row).
+    int32 global slot ids (-1 = skip; any other id outside the cache raises BackendError, which the Triton
+    kernel, without a host sync, cannot: it skips such ids). Scores ``scale * (q_latent . c + q_rope . k_rope)``,
+    softmax over the token's valid rows, output ``sum p * c`` -> ``[T, H, L]`` bf16; lse ``[T, H]`` float32
+    natural log (-inf and a zero output for a token with no valid row).
     """
     T, H, L = q_latent.shape
     rows = kv_cache.reshape(-1, kv_cache.shape[-1]).float()
     out = torch.zeros(T, H, L, dtype=torch.float32, device=q_latent.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q_latent.device)
     indptr = kv_indptr.tolist()
+    bad = ((kv_indices < -1) | (kv_indices >= rows.shape[0])).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise BackendError(
+            f"kv_indices[{i}] = {int(kv_indices[i])} is not a slot of the {rows.shape[0]}-slot cache (nor -1, skip)",
+            tensor="kv_indices",
+        )
     for t in range(T):
         idx = kv_indices[indptr[t] : indptr[t + 1]].long()
         idx = idx[idx >= 0]

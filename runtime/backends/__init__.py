@@ -15,7 +15,7 @@ BACKENDS = ("auto", "aiter", "triton", "torch")
 def _aiter(kernel_configs: dict, device) -> Backend:
     from .aiter_backend import AiterBackend, aiter_status
 
-    ok, why = aiter_status()
+    ok, why = aiter_status(device)
     if not ok:
         raise BackendError(why)
     fallback = _triton(device) if _triton_ok(device) else TorchBackend()

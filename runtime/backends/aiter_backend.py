@@ -20,7 +20,7 @@ import torch
 from glm_pack.packing.errors import BackendError
 from glm_pack.packing.manifest import AITER_BMM_CONFIG_KEYS
 
-from .base import Backend
+from .base import Backend, gpu_reason
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +82,10 @@ def load_aiter() -> AiterFunctions:
     return AiterFunctions(bmm, kind, fwd, "qk_rope_head_dim" in params, "has_invalid" in params)
 
 
-def aiter_status() -> tuple[bool, str]:
-    """(usable, reason) for backend selection: aiter importable and a gfx950 GPU present."""
+def aiter_status(device) -> tuple[bool, str]:
+    """(usable, reason) for backend selection: ``device`` a GPU, aiter importable and a gfx950 GPU present."""
+    if why := gpu_reason(device):
+        return False, f"aiter backend {why}"
     arch = detect_arch()
     if arch != TARGET_ARCH:
         return False, f"aiter backend needs a {TARGET_ARCH} GPU (found {arch or 'no ROCm GPU'})"

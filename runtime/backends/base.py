@@ -10,6 +10,16 @@ from __future__ import annotations
 import torch
 
 
+def gpu_reason(device) -> str:
+    """Why GPU kernels cannot run on ``device`` ("" when they can): it must be a CUDA (or ROCm) device and torch
+    must see a GPU."""
+    if torch.device(device).type != "cuda":
+        return f"needs a GPU device, got {device}"
+    if not torch.cuda.is_available():
+        return f"needs a GPU, but torch sees none (device {device})"
+    return ""
+
+
 class Backend:
     """Base class; subclasses override the three operations."""
 

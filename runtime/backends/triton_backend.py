@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from glm_pack.packing.errors import BackendError
 
-from .base import Backend
+from .base import Backend, gpu_reason
 
 
 def triton_status(device) -> tuple[bool, str]:
-    """(usable, reason): Triton importable and the device a GPU."""
-    if getattr(device, "type", str(device).split(":")[0]) != "cuda":
-        return False, f"triton backend needs a GPU device, got {device}"
+    """(usable, reason): Triton importable and the device a GPU torch sees."""
+    if why := gpu_reason(device):
+        return False, f"triton backend {why}"
     try:
         import triton  # noqa: F401
     except Exception as err:

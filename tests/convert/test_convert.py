@@ -166,6 +166,12 @@ def test_k_pad_none_keeps_192(synth_ckpt, tmp_path):
     assert {c["BLOCK_SIZE_K"] for c in m["kernel_configs"]["configs"]["gfx950"]["k_up"].values()} == {64}
 
 
+def test_ragged_k_pad_is_refused_before_any_output(synth_ckpt, tmp_path):
+    r = CliRunner().invoke(main, ["convert", str(synth_ckpt("glm-5", "bf16")), str(tmp_path / "out"), "--k-pad", "224"])
+    assert r.exit_code == 1 and "K=224" in r.output and "ragged" in r.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_refusals(synth_ckpt, tmp_path):
     src = synth_ckpt("glm-5", "bf16")
     runner = CliRunner()

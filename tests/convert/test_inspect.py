@@ -91,6 +91,22 @@ def test_plan_outputs_hand_computed(synth_ckpt):
             make_plan(ck, **bad)
 
 
+@pytest.mark.parametrize("k_pad, k_stored", [("64", 192), ("128", 256), ("512", 512)])
+def test_k_pad_kept_where_pinned_configs_split_k_evenly(synth_ckpt, k_pad, k_stored):
+    """GLM-5's nope is 192: the unpadded route's K-up configs take BLOCK_SIZE_K 64, the padded route's 256."""
+    plan = make_plan(open_checkpoint(synth_ckpt("glm-5", "bf16")), k_pad=k_pad)
+    assert plan.k_stored == k_stored
+    assert all(k_stored % c["BLOCK_SIZE_K"] == 0 for c in plan.kernel_configs["gfx950"]["k_up"].values())
+
+
+@pytest.mark.parametrize("k_pad, k_stored", [("224", 224), ("288", 288), ("160", 320)])
+def test_k_pad_refused_where_pinned_configs_would_split_k_raggedly(synth_ckpt, k_pad, k_stored):
+    ck = open_checkpoint(synth_ckpt("glm-5", "bf16"))
+    with pytest.raises(PlanError, match=rf"K={k_stored}.*BLOCK_SIZE_K \[256\].*multiple of 256 \(e\.g\. 256\)"):
+        make_plan(ck, k_pad=k_pad)
+    assert make_plan(ck, k_pad=k_pad, mla_precision="bf16").k_stored == k_stored  # no aiter GEMM for BF16
+
+
 def test_inspect_table_for_people(synth_ckpt):
     result = CliRunner().invoke(main, ["inspect", str(synth_ckpt("glm-5", "fp8-block"))], env={"COLUMNS": "120"})
     assert result.exit_code == 0, result.output

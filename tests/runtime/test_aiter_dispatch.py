@@ -114,6 +114,7 @@ def fake_aiter(monkeypatch):
         bmm = rec.a16wfp4 if kind == "a16wfp4" else rec.pre_quant
         fns = ab.AiterFunctions(bmm, kind, rec.sparse_mla_fwd if sparse else None, rope_free, True)
         monkeypatch.setattr(ab, "detect_arch", lambda: "gfx950")
+        monkeypatch.setattr(ab, "gpu_reason", lambda device: "")  # the recorder runs on CPU tensors
         monkeypatch.setattr(ab, "load_aiter", lambda: fns)
         return rec
 
@@ -126,6 +127,18 @@ def _inputs(geom, T, seed=0):
     cache = torch.randn(64, geom.cache_row, generator=g).bfloat16()
     indices = torch.randint(-1, 64, (T * 16,), generator=g, dtype=torch.int32)
     return q, cache, torch.arange(0, T * 16 + 1, 16, dtype=torch.int32), indices
+
+
+def test_aiter_is_not_chosen_for_a_cpu_device(packed_dirs, monkeypatch):
+    """On a gfx950 machine with aiter, ``device="cpu"`` still gets the torch backend (aiter's kernels take GPU
+    tensors only), and forcing aiter there says why."""
+    fns = ab.AiterFunctions(Recorder().a16wfp4, "a16wfp4", None, True, True)
+    monkeypatch.setattr(ab, "detect_arch", lambda: "gfx950")
+    monkeypatch.setattr(ab, "load_aiter", lambda: fns)
+    _, out = packed_dirs("glm-5")
+    assert runtime.open(out, device="cpu").backend.name == "torch"
+    with pytest.raises(BackendError, match="aiter backend needs a GPU device, got cpu"):
+        runtime.open(out, device="cpu", backend="aiter")
 
 
 @pytest.mark.parametrize("kind", ["a16wfp4", "pre_quant"])

@@ -102,7 +102,22 @@ def test_unpadded_route_slices_full_row(packed_dirs):
     layer = model.mla(model.layers[0])
     assert layer.w_kc.k_stored == 192
     q, *_ = inputs(model.local_geometry)
+    assert layer.k_input(q).data_ptr() == q.data_ptr() and layer.k_input(q).shape[-1] == 192  # a view
     assert torch.equal(layer.k_up(q), layer.k_up(q[..., :192].contiguous()))
+
+
+def test_k_padded_past_the_rope_part_takes_both_row_widths(packed_dirs):
+    """K stored 512 (``--k-pad 512``) is neither nope (192) nor nope+rope (256): both q widths become q_nope
+    zero-padded to 512, and K-up equals the unpadded overlay's (same weights; zero codes meet the padding)."""
+    _, out = packed_dirs("glm-5", k_pad="512")
+    layer = runtime.open(out, backend="torch").mla(0)
+    plain = runtime.open(packed_dirs("glm-5", k_pad="none")[1], backend="torch").mla(0)
+    assert layer.w_kc.k_stored == 512
+    q, *_ = inputs(layer.geometry)
+    x = layer.k_input(q)
+    assert x.shape[-1] == 512 and torch.equal(x[..., :192], q[..., :192]) and not x[..., 192:].any()
+    want = plain.k_up(q)
+    assert torch.equal(layer.k_up(q), want) and torch.equal(layer.k_up(q[..., :192]), want)
 
 
 def test_v_up_writes_into_out(packed_dirs):
@@ -167,10 +182,34 @@ def test_backend_selection_on_cpu(packed_dirs):
     assert runtime.open(out).backend.name == "torch"  # auto: no gfx950, no GPU
     with pytest.raises(BackendError, match="triton backend needs a GPU"):
         runtime.open(out, backend="triton")
-    with pytest.raises(BackendError, match="gfx950"):
+    with pytest.raises(BackendError, match="aiter backend needs a GPU device, got cpu"):
         runtime.open(out, backend="aiter")
     with pytest.raises(BackendError, match="unknown backend"):
         runtime.open(out, backend="cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+def test_a_gpu_device_without_a_gpu_is_refused_at_open(packed_dirs, backend):
+    _, out = packed_dirs("glm-5")
+    with pytest.raises(BackendError, match="device 'cuda' cannot be used here"):
+        runtime.open(out, device="cuda", backend=backend)
+    with pytest.raises(BackendError, match="device 'cpu:x' cannot be used here"):
+        runtime.open(out, device="cpu:x", backend=backend)
+
+
+def test_out_of_cache_slot_ids_are_named_by_the_torch_backend(packed_dirs):
+    _, out = packed_dirs("glm-5")
+    layer = runtime.open(out, backend="torch").mla(0)
+    q, cache, indptr, indices = inputs(layer.geometry, slots=96)
+    latent = layer.k_up(q)
+    for bad in (96, -2):
+        wrong = indices.clone()
+        wrong[5] = bad
+        with pytest.raises(BackendError, match=rf"kv_indices\[5\] = {bad} is not a slot of the 96-slot cache"):
+            layer.attend(latent, cache, indptr, wrong, 0.1, q_rope=q[..., 192:])
+    wrong[5] = 95  # the last slot is one
+    assert torch.isfinite(layer.attend(latent, cache, indptr, wrong, 0.1, q_rope=q[..., 192:]).float()).all()
 
 
 def test_attend_checks(packed_dirs):
