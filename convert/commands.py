@@ -92,7 +92,12 @@ def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> Conve
     show_default=True,
     help="Storage of w_kc/w_vc; auto keeps a tensor in BF16 when its MXFP4 error exceeds --max-rel-error.",
 )
-@click.option("--max-rel-error", type=float, default=None, help="Threshold for --mla-precision auto (e.g. 0.12).")
+@click.option(
+    "--max-rel-error",
+    type=float,
+    default=None,
+    help="Threshold for --mla-precision auto (e.g. 0.12): a finite relative error >= 0; only with auto.",
+)
 @click.option(
     "--files",
     type=click.Choice(FILE_MODES),
@@ -100,7 +105,7 @@ def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> Conve
     help="Original files: hard-link (copy across filesystems), copy, or leave out. Default: link for a local "
     "SRC, none for a Hub SRC (copy downloads the originals into the HF cache and hard-links them into OUT).",
 )
-@click.option("--overwrite", is_flag=True, help="Replace the contents of a non-empty OUT.")
+@click.option("--overwrite", is_flag=True, help="Replace the contents of a non-empty OUT (everything in it goes).")
 @click.option("--resume", is_flag=True, help="Finish an interrupted conversion (finished files are re-hashed, kept).")
 @click.option(
     "--workers",
@@ -179,7 +184,7 @@ def demo_command(workdir, layers):
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="glm-pack-demo-"))
     src, out = root / "glm-5-small", root / "glm-5-small-gfx950"
     console.print(f"[bold]1/4 synthesize[/bold] GLM-5 (true MLA geometry, small everything else) -> {src}")
-    synthesize(src, card="glm-5", layers=layers, experts=4, fmt="bf16", profile="small", seed=0)
+    synthesize(src, card="glm-5", layers=layers, experts=4, fmt="bf16", profile="small", seed=0, overwrite=True)
     console.print(f"[bold]2/4 convert[/bold] -> {out}")
     run_convert(src, out, ConvertOptions(overwrite=True))
     console.print("[bold]3/4 verify[/bold]")

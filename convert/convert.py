@@ -24,6 +24,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from glm_pack.packing import manifest as mf
+from glm_pack.packing.absorb import check_policy
 from glm_pack.packing.errors import GlmPackError, PlanError
 from glm_pack.packing.experts import moe_layout_description
 
@@ -31,7 +32,7 @@ from . import state
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from .items import Settings, plan_items, run_item, run_item_in_worker, worker_init
 from .plan import kernel_route, resolve_k_up
-from .writer import OutputError, fsync_dir, write_text
+from .writer import OutputError, clear_directory, fsync_dir, write_text
 
 FILE_MODES = ("link", "copy", "none")
 TOOL_VERSION = "0.1.0"
@@ -144,11 +145,10 @@ def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict)
     leftovers = [p for p in out.iterdir() if p.name != state.LOCK_NAME] if out.exists() else []
     if leftovers and not options.overwrite:
         raise PlanError(f"output {out} is not empty; pass --overwrite to replace its contents", file=out)
-    (overlay / mf.MANIFEST_NAME).unlink(missing_ok=True)  # first: never a manifest over partial files
-    if overlay.is_symlink():  # replace the link itself, never what it points to
-        overlay.unlink()
-    elif overlay.exists():
-        shutil.rmtree(overlay)
+    if not overlay.is_symlink():  # a link is replaced itself, never what it points to
+        (overlay / mf.MANIFEST_NAME).unlink(missing_ok=True)  # first: never a manifest over partial files
+    if leftovers:  # --overwrite: nothing of the old contents may stay beside the new output
+        clear_directory(out, keep={state.LOCK_NAME})
     overlay.mkdir(parents=True)
     state.write_run(overlay, run)
     return []
@@ -261,6 +261,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
     started = time.monotonic()
     if options.workers < 1:
         raise PlanError(f"--workers must be at least 1, got {options.workers}")
+    check_policy(options.mla_precision, options.max_rel_error)
     ckpt = open_checkpoint(src)
     hub = is_hub(ckpt)
     options = replace(options, files=files_mode(ckpt, options.files))

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm_pack.packing import mxfp4
+from glm_pack.packing import fp8, mxfp4
 from glm_pack.packing.errors import FormatError
 
 FORMATS = ("bf16", "fp16", "fp32", "fp8-block", "fp8-channel", "mxfp4")
@@ -175,13 +175,9 @@ def dequantize(fmt: WeightFormat, weight: torch.Tensor, scale: torch.Tensor | No
     if fmt.name in ("bf16", "fp16", "fp32"):
         return weight.to(torch.float32)
     if fmt.name == "fp8-block":
-        out, cols = weight.shape
-        blocks = _block_view(weight.to(torch.float32), fmt.block)
-        return (blocks * scale.to(torch.float32)[:, None, :, None]).reshape(blocks.shape[0] * blocks.shape[1], -1)[
-            :out, :cols
-        ]
+        return fp8.dequantize_block(weight, scale, fmt.block)
     if fmt.name == "fp8-channel":
-        return weight.to(torch.float32) * scale.to(torch.float32).reshape(-1, 1)
+        return fp8.dequantize_channel(weight, scale)
     if fmt.name == "mxfp4":
         return mxfp4.dequantize(weight, scale, axis=-1)
     raise FormatError(f"unknown format {fmt.name!r}", tensor=fmt.weight)
@@ -190,22 +186,10 @@ def dequantize(fmt: WeightFormat, weight: torch.Tensor, scale: torch.Tensor | No
 # ---- encoders (used by synthetic checkpoints) -------------------------------------------------------
 
 
-def _block_view(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """float32 ``[out, in]`` -> ``[ceil(out/bo), bo, ceil(in/bi), bi]`` (zero-padded copy only when ragged)."""
-    bo, bi = block
-    out, cols = x.shape
-    nb_o, nb_i = math.ceil(out / bo), math.ceil(cols / bi)
-    if (nb_o * bo, nb_i * bi) != (out, cols):
-        padded = torch.zeros(nb_o * bo, nb_i * bi, dtype=torch.float32)
-        padded[:out, :cols] = x
-        x = padded
-    return x.reshape(nb_o, bo, nb_i, bi)
-
-
 def encode_fp8_block(w: torch.Tensor, block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """float ``[out, in]`` -> (F8_E4M3 weight, F32 ``weight_scale_inv`` ``[ceil(out/bo), ceil(in/bi)]``)."""
     out, cols = w.shape
-    blocks = _block_view(w.to(torch.float32), block)
+    blocks = fp8.block_view(w.to(torch.float32), block)
     amax = blocks.abs().amax(dim=(1, 3))
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (blocks / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

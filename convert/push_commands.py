@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 
 import click
 from rich.console import Console
@@ -71,6 +72,12 @@ def _report_json(report: PushReport, repo_id: str) -> dict:
     }
 
 
+def _finite_positive(ctx, param, value: float) -> float:
+    if not 0 < value < math.inf:
+        raise click.BadParameter(f"must be a finite number > 0, got {value}")
+    return value
+
+
 @click.command("push")
 @click.argument("out", type=click.Path(file_okay=False, exists=True))
 @click.argument("repo_id")
@@ -87,7 +94,9 @@ def _report_json(report: PushReport, repo_id: str) -> dict:
     "--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT, else https://huggingface.co)."
 )
 @click.option("--base-model", default=None, help="Card base_model (source repo) for a local source.")
-@click.option("--max-commit-gib", type=float, default=8.0, show_default=True, help="Commit size bound.")
+@click.option(
+    "--max-commit-gib", type=float, default=8.0, show_default=True, callback=_finite_positive, help="Commit size bound."
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 def push_command(
     out,

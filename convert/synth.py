@@ -30,6 +30,7 @@ import json
 import os
 import re
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from glm_pack.packing.errors import PlanError
 from . import formats
 from .cards import Card, load_card
 from .safetensors_io import byte_size, encode_header
+from .writer import atomic_write, clear_directory, write_text
 
 FORMATS = ("bf16", "fp8-block", "mxfp4-quark", "mxfp4-attn", "fp8-channel")
 PROFILES = ("full", "small")
@@ -231,25 +233,26 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _write_shard(path: Path, entries: list[_Entry], seed: int, cache: dict) -> None:
-    header = encode_header([(e.name, e.dtype, e.shape) for e in entries], {"format": "pt"})
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(header)
-        for e in entries:
-            if e.fmt is None:
-                t = values(e.name, e.role, e.shape, seed).to(_TORCH_DTYPES[e.dtype])
-            else:
-                if cache.get("source") != e.source:
-                    w = values(e.source, e.role, _logical_shape(e), seed)
-                    cache.clear()
-                    cache.update(source=e.source, parts=formats.encode(e.fmt, w))
-                t = cache["parts"][e.part]
-                if e.part == "weight" and e.dtype in _TORCH_DTYPES:
-                    t = t.to(_TORCH_DTYPES[e.dtype])
-            if tuple(t.shape) != tuple(e.shape) or t.nbytes != byte_size(e.dtype, e.shape):
-                raise PlanError(f"synth produced {t.dtype} {tuple(t.shape)} for {e.dtype} {e.shape}", tensor=e.name)
-            f.write(_tensor_bytes(t))
-    os.replace(tmp, path)
+    atomic_write(path, _shard_chunks(entries, seed, cache))
+
+
+def _shard_chunks(entries: list[_Entry], seed: int, cache: dict) -> Iterator[bytes | memoryview]:
+    """A shard's bytes: its header, then each tensor's values (generated one at a time)."""
+    yield encode_header([(e.name, e.dtype, e.shape) for e in entries], {"format": "pt"})
+    for e in entries:
+        if e.fmt is None:
+            t = values(e.name, e.role, e.shape, seed).to(_TORCH_DTYPES[e.dtype])
+        else:
+            if cache.get("source") != e.source:
+                w = values(e.source, e.role, _logical_shape(e), seed)
+                cache.clear()
+                cache.update(source=e.source, parts=formats.encode(e.fmt, w))
+            t = cache["parts"][e.part]
+            if e.part == "weight" and e.dtype in _TORCH_DTYPES:
+                t = t.to(_TORCH_DTYPES[e.dtype])
+        if tuple(t.shape) != tuple(e.shape) or t.nbytes != byte_size(e.dtype, e.shape):
+            raise PlanError(f"synth produced {t.dtype} {tuple(t.shape)} for {e.dtype} {e.shape}", tensor=e.name)
+        yield _tensor_bytes(t)
 
 
 def _logical_shape(e: _Entry) -> tuple[int, ...]:
@@ -269,12 +272,19 @@ def synthesize(
     seed: int = 0,
     mtp: bool = True,
     shard_bytes: int | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write a synthetic checkpoint (config.json, index, shards) into ``out_dir``; returns its path."""
+    """Write a synthetic checkpoint (config.json, index, shards) into ``out_dir``; returns its path. A non-empty
+    ``out_dir`` is refused unless ``overwrite`` (then emptied first: files are replaced, never rewritten in
+    place, so outputs hard-linked to an earlier checkpoint there keep theirs)."""
     family = load_card(card)
     config = synth_config(family, layers=layers, experts=experts, fmt=fmt, profile=profile, mtp=mtp)
     entries = tensor_entries(family, config, fmt)
     out = Path(out_dir)
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise PlanError(f"output {out} is not empty; pass --overwrite to replace its contents", file=out)
+        clear_directory(out)
     out.mkdir(parents=True, exist_ok=True)
     shards = _shards(entries, shard_bytes or SHARD_BYTES[profile])
     weight_map, cache = {}, {}
@@ -284,8 +294,8 @@ def synthesize(
         weight_map.update({e.name: name for e in shard})
     total = sum(byte_size(e.dtype, e.shape) for e in entries)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
+    write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
     return out
 
 
@@ -304,7 +314,8 @@ def assumptions(card: str) -> dict[str, str]:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--mtp/--no-mtp", default=True, show_default=True, help="Write the MTP layer.")
 @click.option("--shard-mb", type=int, default=None, help="Target shard size in MiB (default: 48 small, 5120 full).")
-def synth_command(out, card_name, layers, experts, fmt, profile, seed, mtp, shard_mb):
+@click.option("--overwrite", is_flag=True, help="Replace the contents of a non-empty OUT (everything in it goes).")
+def synth_command(out, card_name, layers, experts, fmt, profile, seed, mtp, shard_mb, overwrite):
     """Write a synthetic checkpoint with the family's real names, dtypes, config and sharded index.
 
     Example: glm-pack synth /tmp/glm5-fp8 --card glm-5 --layers 4 --experts 8 --format fp8-block
@@ -319,6 +330,7 @@ def synth_command(out, card_name, layers, experts, fmt, profile, seed, mtp, shar
         seed=seed,
         mtp=mtp,
         shard_bytes=None if shard_mb is None else shard_mb << 20,
+        overwrite=overwrite,
     )
     shards = sorted(path.glob("model-*.safetensors"))
     size = sum(p.stat().st_size for p in shards)

@@ -11,7 +11,8 @@ import errno
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable
+import shutil
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,3 +167,18 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None
 
 def write_text(path: Path, text: str) -> None:
     atomic_write(path, [text.encode()])
+
+
+def clear_directory(path: Path, keep: Collection[str] = ()) -> None:
+    """Delete everything in folder ``path`` but the names in ``keep``: links and files are unlinked (a link is
+    never followed, so a hard- or soft-linked original elsewhere stays as it is), folders go with their contents."""
+    for entry in sorted(path.iterdir()):
+        if entry.name in keep:
+            continue
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        except OSError as err:
+            raise OutputError(f"cannot remove {entry}: {err.strerror or err}", file=entry) from err

@@ -11,6 +11,7 @@ logical K, against the float source split.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,17 @@ def _pad_k(t: torch.Tensor, k_stored: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, k_stored - t.shape[-1])) if k_stored > t.shape[-1] else t
 
 
+def check_policy(policy: str, max_rel_error: float | None) -> None:
+    """PlanError unless ``policy`` is known and ``max_rel_error`` (a relative error, finite, >= 0) is given
+    exactly when the policy is ``auto``, the one that reads it."""
+    if policy not in POLICIES:
+        raise PlanError(f"unknown MLA precision policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if (policy == "auto") != (max_rel_error is not None):
+        raise PlanError("--max-rel-error goes with --mla-precision auto, and auto needs it")
+    if max_rel_error is not None and not 0 <= max_rel_error < math.inf:
+        raise PlanError(f"--max-rel-error must be a finite number >= 0, got {max_rel_error}")
+
+
 def store_projection(
     w: torch.Tensor,
     *,
@@ -69,10 +81,7 @@ def store_projection(
     ``mxfp4_source``: the projection's codes/scales already grouped along K (from an MXFP4 checkpoint);
     they are kept byte for byte instead of quantizing again.
     """
-    if policy not in POLICIES:
-        raise PlanError(f"unknown MLA precision policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    if policy == "auto" and max_rel_error is None:
-        raise PlanError("--mla-precision auto needs --max-rel-error")
+    check_policy(policy, max_rel_error)
     k = w.shape[-1]
     if k_stored < k or k_stored % 32:
         raise FormatError(f"k_stored {k_stored} must be a multiple of 32 and >= K {k}")

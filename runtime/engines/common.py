@@ -13,6 +13,7 @@ kv_b_proj slice; ``fast`` = the same without hashing the tensor bytes.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +26,13 @@ from glm_pack.packing.mxfp4 import dequantize, dequantize_reference
 from glm_pack.runtime.layer import MlaLayer, ProjectionWeights
 from glm_pack.runtime.loader import PackedModel, file_sha256, open_packed, raw_tensor_sha256, tensor_files
 
+log = logging.getLogger("glm_pack.engines")
 ENV = "GLM_PACK_OVERLAY"
 ENV_CHECK = "GLM_PACK_OVERLAY_CHECK"
 CHECKS = ("full", "fast")
 _OFF = ("", "0", "false", "off", "no")
 _BESIDE = ("1", "true", "on", "yes", "auto")
-_FLOAT = (torch.bfloat16, torch.float16, torch.float32)
+FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def overlay_setting(environ=None) -> str | None:
@@ -118,15 +120,19 @@ class Overlay:
             )
         return self.model.mla(layer_id)
 
-    def apply(self, module, layer_id: int, engine_geometry: MlaGeometry, attributes) -> bool:
-        """Set the absorbed weights of one engine attention ``module`` (it holds ``kv_b_proj``) to
-        ``attributes(mla)`` after checking its loaded kv_b_proj slice against the overlay; False when the overlay
-        has no such layer (the engine then rebuilds it itself)."""
+    def apply(self, module, layer_id: int, engine_geometry: MlaGeometry, attributes, loaded_kv_b) -> bool:
+        """Set the absorbed weights of one engine attention ``module`` to ``attributes(mla)`` after checking the
+        engine's loaded kv_b_proj slice (``loaded_kv_b()``: float ``[out, in]``, or None where the engine holds
+        it in a form the adapter cannot read, which skips the check with a warning) against the overlay; False
+        when the overlay has no such layer (the engine then rebuilds it itself)."""
         mla = self.layer(layer_id, engine_geometry)
         if mla is None:
             return False
-        weight = getattr(module.kv_b_proj, "weight", None)
-        if weight is not None:
+        weight = loaded_kv_b()
+        if weight is None:
+            log.warning("glm-pack: layer %d: kv_b_proj is in a form glm-pack cannot read; its slice is not checked",
+                        layer_id)  # fmt: skip
+        else:
             check_slice(mla, weight, "kv_b_proj")
         for name, value in attributes(mla).items():
             setattr(module, name, value)
@@ -174,10 +180,8 @@ def check_slice(mla: MlaLayer, kv_b_local: torch.Tensor, what: str, *, rows: int
 
     Catches a wrong checkpoint, layer numbering or TP slice: on about ``rows`` evenly spaced output rows of
     each projection (every head, all of K) the relative error must stay near the one the converter recorded
-    (a mismatch gives about 1.4). Skipped when the engine's weight is not a float tensor.
+    (a mismatch gives about 1.4).
     """
-    if kv_b_local.dtype not in _FLOAT:
-        return
     g = mla.geometry
     per_head = kv_b_local.view(g.num_heads, g.qk_nope_head_dim + g.v_head_dim, g.kv_lora_rank)
     kc_step, vc_step = max(1, g.kv_lora_rank // rows), max(1, g.v_head_dim // rows)

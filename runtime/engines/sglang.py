@@ -36,6 +36,7 @@ import logging
 
 import torch
 
+from glm_pack.packing import fp8
 from glm_pack.packing.errors import BackendError
 from glm_pack.packing.mla import MlaGeometry
 from glm_pack.runtime.layer import MlaLayer
@@ -79,18 +80,45 @@ def absorbed_attributes(mla: MlaLayer, *, fp4_path: bool) -> dict:
     }
 
 
-def apply(self_attn, layer_id: int, overlay: common.Overlay, *, fp4_path: bool) -> bool:
-    """Set one attention module's absorbed weights; False when the overlay lacks the layer."""
+def fp8_block(quant_config) -> tuple[int, int] | None:
+    """The FP8 block size ``post_load_weights`` reads: ``linear_fp8_config.weight_block_size``, else
+    ``weight_block_size``; None (per-channel FP8) without either."""
+    linear = getattr(quant_config, "linear_fp8_config", None)
+    block = getattr(linear, "weight_block_size", None) or getattr(quant_config, "weight_block_size", None)
+    return tuple(block) if block else None
+
+
+def loaded_kv_b(linear, quant_config) -> torch.Tensor | None:
+    """kv_b_proj as float ``[out, in]`` as ``post_load_weights`` reads it (before the linear's quant method
+    processes it): a float weight as is; FP8 with ``weight_scale`` (else ``weight_scale_inv``) per block of
+    :func:`fp8_block`, or per output channel without one; None for any other form."""
+    weight = linear.weight
+    if weight.dtype in common.FLOAT:
+        return weight
+    scale = getattr(linear, "weight_scale", None)
+    if scale is None:
+        scale = getattr(linear, "weight_scale_inv", None)
+    if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) or scale is None:
+        return None
+    block = fp8_block(quant_config)
+    return fp8.dequantize_block(weight, scale, block) if block else fp8.dequantize_channel(weight, scale)
+
+
+def apply(self_attn, layer_id: int, overlay: common.Overlay, *, fp4_path: bool, quant_config=None) -> bool:
+    """Set one attention module's absorbed weights; False when the overlay lacks the layer. ``quant_config``:
+    the model's, which gives an FP8 kv_b_proj's block size."""
     build = functools.partial(absorbed_attributes, fp4_path=fp4_path)
-    return overlay.apply(self_attn, layer_id, engine_geometry(self_attn), build)
+    kv_b = functools.partial(loaded_kv_b, self_attn.kv_b_proj, quant_config)
+    return overlay.apply(self_attn, layer_id, engine_geometry(self_attn), build, kv_b)
 
 
 def apply_model(model, overlay: common.Overlay, is_nextn: bool, weight_names, *, fp4_path: bool):
     """Apply the overlay to the layers SGLang's ``post_load_weights`` would rebuild (same layer selection);
     returns the arguments for SGLang's own rebuild of what is left, or None when nothing is left."""
+    quant_config = getattr(model, "quant_config", None)
+    put = functools.partial(apply, overlay=overlay, fp4_path=fp4_path, quant_config=quant_config)
     if is_nextn:
-        layer_id = model.config.num_hidden_layers
-        return None if apply(model.model.decoder.self_attn, layer_id, overlay, fp4_path=fp4_path) else {}
+        return None if put(model.model.decoder.self_attn, model.config.num_hidden_layers) else {}
     if weight_names is None:
         layer_ids = range(model.model.start_layer, model.model.end_layer)
     else:
@@ -101,7 +129,7 @@ def apply_model(model, overlay: common.Overlay, is_nextn: bool, weight_names, *,
     left = []
     for layer_id in layer_ids:
         self_attn = model.model.layers[layer_id].self_attn
-        if not hasattr(self_attn, "kv_b_proj") or not apply(self_attn, layer_id, overlay, fp4_path=fp4_path):
+        if not hasattr(self_attn, "kv_b_proj") or not put(self_attn, layer_id):
             left.append(f"model.layers.{layer_id}.self_attn.kv_b_proj.weight")
     return {"weight_names": left} if left else None
 

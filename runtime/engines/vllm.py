@@ -3,7 +3,8 @@
 Written against vLLM main, ``vllm/model_executor/layers/attention/mla_attention.py`` at commit
 0014ca6b9929614f1b72c4bb11e5238de49cba89 (also ``vllm/model_executor/model_loader/utils.py``, which calls
 ``module.process_weights_after_loading(model_config.dtype)`` on every ``MLAAttention`` after the quant
-methods, and ``vllm/plugins/__init__.py``: ``vllm.general_plugins`` entry points run in every process).
+methods, ``vllm/plugins/__init__.py``: ``vllm.general_plugins`` entry points run in every process, and
+``vllm/model_executor/layers/quantization/utils/quant_utils.py``: ``get_and_maybe_dequant_weights``).
 
 vLLM's own rebuild (``MLAAttention.process_weights_after_loading``): dequantize kv_b_proj to
 ``[L, H*(P+V)]``, view ``[L, H, P+V]``, split into ``W_UK [L, H, P]`` / ``W_UV [L, H, V]``, then
@@ -85,11 +86,24 @@ def absorbed_attributes(mla: MlaLayer, *, fp4_path: bool, act_dtype: torch.dtype
     }
 
 
+def loaded_kv_b(layer) -> torch.Tensor:
+    """The layer's kv_b_proj as float ``[out, in]``, as vLLM's own rebuild gets it: a float weight as is, any
+    quantized one through vLLM's ``get_and_maybe_dequant_weights``, which knows the layout each quant method
+    left (FP8 block scales as stored, or DeepGEMM's requantized ones through an identity GEMM)."""
+    weight = layer.kv_b_proj.weight
+    if weight.dtype in common.FLOAT:
+        return weight
+    from vllm.model_executor.layers.quantization.utils.quant_utils import get_and_maybe_dequant_weights
+
+    return get_and_maybe_dequant_weights(layer.kv_b_proj, out_dtype=torch.float32)
+
+
 def apply(layer, overlay: common.Overlay, act_dtype: torch.dtype) -> bool:
     """Set one ``MLAAttention``'s absorbed weights from ``overlay``; False when the overlay lacks the layer."""
     fp4_path = bool(layer.is_aiter_triton_fp4_bmm_enabled)
     build = functools.partial(absorbed_attributes, fp4_path=fp4_path, act_dtype=act_dtype)
-    return overlay.apply(layer, layer_index(layer.layer_name), engine_geometry(layer), build)
+    kv_b = functools.partial(loaded_kv_b, layer)
+    return overlay.apply(layer, layer_index(layer.layer_name), engine_geometry(layer), build, kv_b)
 
 
 def _overlay_for(layer) -> common.Overlay | None:

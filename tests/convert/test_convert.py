@@ -166,6 +166,25 @@ def test_k_pad_none_keeps_192(synth_ckpt, tmp_path):
     assert {c["BLOCK_SIZE_K"] for c in m["kernel_configs"]["configs"]["gfx950"]["k_up"].values()} == {64}
 
 
+def test_overwrite_leaves_nothing_of_the_old_contents(synth_ckpt, tmp_path):
+    """--overwrite replaces OUT's contents: an earlier output of another checkpoint (its shards, config, card) and
+    files of the user's go; originals hard-linked from the earlier source stay intact there."""
+    old_src, src = synth_ckpt("glm-5", "bf16", layers=3), synth_ckpt("glm-5", "fp8-block")
+    out = tmp_path / "out"
+    convert(old_src, out, ConvertOptions(files="link"))
+    (out / "notes.txt").write_text("mine")
+    (out / "sub").mkdir()
+    (out / "sub" / "more.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in old_src.iterdir() if p.is_file()}
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--overwrite", "--quiet"])
+    assert r.exit_code == 0, r.output
+    placed = {p.name for p in out.iterdir()} - {"glm-pack", ".glm-pack.lock"}
+    assert placed == {p.name for p in src.iterdir()}  # the new source's files, nothing else
+    assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    assert {p.name: p.read_bytes() for p in old_src.iterdir() if p.is_file()} == before
+    assert verify(out).ok
+
+
 def test_ragged_k_pad_is_refused_before_any_output(synth_ckpt, tmp_path):
     r = CliRunner().invoke(main, ["convert", str(synth_ckpt("glm-5", "bf16")), str(tmp_path / "out"), "--k-pad", "224"])
     assert r.exit_code == 1 and "K=224" in r.output and "ragged" in r.output
@@ -182,9 +201,15 @@ def test_refusals(synth_ckpt, tmp_path):
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
     r = runner.invoke(main, ["convert", str(src), str(src / "sub")])
     assert r.exit_code == 1 and "outside the source" in r.output
-    r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o"), "--mla-precision", "auto"])
-    assert r.exit_code == 1 and "--max-rel-error" in r.output
-    assert not (tmp_path / "o" / "glm-pack" / "manifest.json").exists()
+    for options in (["--mla-precision", "auto"], ["--max-rel-error", "0.2"]):  # auto and the threshold go together
+        r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o"), *options])
+        assert r.exit_code == 1 and "--max-rel-error goes with --mla-precision auto" in r.output
+        assert not (tmp_path / "o").exists()
+    for bad in ("nan", "inf", "-0.1"):
+        auto = ["--mla-precision", "auto", "--max-rel-error", bad]
+        r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o"), *auto])
+        assert r.exit_code == 1 and "must be a finite number >= 0" in r.output, r.output
+        assert not (tmp_path / "o").exists()
     r = runner.invoke(main, ["convert", str(tmp_path / "nope"), str(tmp_path / "o2")])
     assert r.exit_code == 1 and "nope" in r.output
 

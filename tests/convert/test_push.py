@@ -282,3 +282,10 @@ def test_fake_hub_serves_byte_ranges(hub, out):
             assert resp.headers["Content-Range"] == f"bytes {first}-{first + len(want) - 1}/{len(data)}"
     with urlopen(Request(url, headers=auth)) as resp:
         assert resp.status == 200 and resp.read() == data
+
+
+@pytest.mark.parametrize("bound", ["nan", "inf", "0", "-1"])
+def test_commit_bound_must_be_finite_and_positive(hub, out, bound):
+    result = CliRunner().invoke(main, ["push", str(out), REPO, "--dry-run", "--max-commit-gib", bound])
+    assert result.exit_code == 2 and "must be a finite number > 0" in result.output, result.output
+    assert "Traceback" not in result.output and hub.requests == []  # refused before any call

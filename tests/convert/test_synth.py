@@ -13,12 +13,14 @@ from click.testing import CliRunner
 from glm_pack.convert import cards, synth
 from glm_pack.convert.checkpoint import open_checkpoint
 from glm_pack.convert.cli import main
+from glm_pack.convert.convert import ConvertOptions, convert
 from glm_pack.convert.safetensors_io import LocalFile, parse_header
+from glm_pack.convert.verify import verify
 from glm_pack.packing.errors import PlanError
 
 
 def _digest(path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir()) if p.is_file()}
 
 
 def test_same_arguments_same_bytes_other_seed_other_bytes(tmp_path):
@@ -29,6 +31,26 @@ def test_same_arguments_same_bytes_other_seed_other_bytes(tmp_path):
     assert _digest(a) == _digest(b)
     da, dc = _digest(a), _digest(c)
     assert da["config.json"] == dc["config.json"] and all(da[k] != dc[k] for k in da if k.endswith(".safetensors"))
+
+
+def test_a_non_empty_out_is_refused_and_overwrite_never_writes_through_hard_links(tmp_path):
+    """A converted OUT hard-links the checkpoint's files: synthesizing another checkpoint into the same folder
+    must replace those files, not rewrite them (which would change the converted output too)."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    synth.synthesize(src, card="glm-5", layers=1, experts=2, fmt="bf16", mtp=False)
+    convert(src, out, ConvertOptions(files="link"))
+    assert (out / "config.json").stat().st_ino == (src / "config.json").stat().st_ino  # linked, as by default
+    linked = _digest(out)
+    r = CliRunner().invoke(main, ["synth", str(src), "--card", "glm-5", "--layers", "2", "--experts", "2",
+                                  "--format", "fp8-block"])  # fmt: skip
+    assert r.exit_code == 1 and "not empty" in r.output and "--overwrite" in r.output
+    r = CliRunner().invoke(main, ["synth", str(src), "--card", "glm-5", "--layers", "2", "--experts", "2",
+                                  "--format", "fp8-block", "--overwrite"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert json.loads((src / "config.json").read_text())["num_hidden_layers"] == 2
+    assert _digest(out) == linked and verify(out).ok
+    fresh = synth.synthesize(tmp_path / "fresh", card="glm-5", layers=2, experts=2, fmt="fp8-block")
+    assert _digest(src) == _digest(fresh)  # no file of the first checkpoint is left
 
 
 def test_values_are_realistic(synth_ckpt):

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 from engine_standins import sglang_mla
-from engine_standins.overlay_fixture import GEOM, LAYERS, make_served
+from engine_standins.overlay_fixture import GEOM, LAYERS, kv_b_name, make_served, make_served_fp8
 
 from glm_pack.packing.errors import BackendError, VerifyError
 from glm_pack.runtime.engines import common, sglang
@@ -92,6 +92,47 @@ def test_wrong_slice_is_refused(tmp_path):
     attn = sglang_mla.SelfAttn(GEOM, weights["model.layers.0.self_attn.kv_b_proj.weight"], tp_rank=1, tp_size=2)
     with pytest.raises(VerifyError, match="tensor-parallel slice"):
         sglang.apply(attn, 0, overlay(tmp_path, tp_rank=0, tp_size=2), fp4_path=True)
+
+
+def fp8_model(weights, scales, block, *, tp_rank=0, tp_size=1, scale_factor=1.0):
+    """The stand-in model holding FP8 kv_b_proj weights with this rank's rows of their block scales."""
+    model = sglang_mla.Model(GEOM, weights, layers=LAYERS, tp_rank=tp_rank, tp_size=tp_size)
+    rows = GEOM.num_heads // tp_size * (P + V) // block[0]
+    for i in LAYERS:
+        linear = model.model.layers[i].self_attn.kv_b_proj
+        linear.weight_scale_inv = scales[kv_b_name(i)][tp_rank * rows : (tp_rank + 1) * rows] * scale_factor
+    return model
+
+
+@pytest.mark.parametrize("where", ["weight_block_size", "linear_fp8_config"])
+def test_fp8_kv_b_proj_slice_is_dequantized_and_checked(tmp_path, where):
+    """SGLang reads an FP8 kv_b_proj raw (weight + weight_scale_inv, block size from the quant config): the slice
+    check dequantizes it, so the right rank's slice passes and another rank's, or wrong scales, are refused."""
+    block = (32, 32)
+    weights, scales = make_served_fp8(tmp_path, block)
+    config = types.SimpleNamespace(weight_block_size=None, linear_fp8_config=None)
+    linear = types.SimpleNamespace(weight_block_size=block)
+    setattr(config, where, list(block) if where == "weight_block_size" else linear)
+    model = fp8_model(weights, scales, block, tp_rank=1, tp_size=2)
+    model.quant_config = config
+    assert sglang.apply_model(model, overlay(tmp_path, tp_rank=1, tp_size=2), False, None, fp4_path=False) is None
+    assert model.model.layers[0].self_attn.w_kc.dtype == torch.bfloat16
+    for wrong, rank in ((fp8_model(weights, scales, block, tp_rank=0, tp_size=2), 1),
+                        (fp8_model(weights, scales, block, scale_factor=4.0), 0)):  # fmt: skip
+        wrong.quant_config = config
+        common._OPEN.clear()
+        with pytest.raises(VerifyError, match="tensor-parallel slice"):
+            sglang.apply_model(wrong, overlay(tmp_path, tp_rank=rank, tp_size=2 if rank else 1), False, None,
+                               fp4_path=False)  # fmt: skip
+
+
+def test_kv_b_proj_in_an_unknown_form_skips_the_check_with_a_warning(tmp_path, caplog):
+    weights = make_served(tmp_path, policy="bf16")
+    attn = sglang_mla.SelfAttn(GEOM, weights[kv_b_name(0)])
+    attn.kv_b_proj.weight = attn.kv_b_proj.weight.view(torch.int16)  # neither float nor FP8
+    with caplog.at_level("WARNING", logger="glm_pack.engines"):
+        assert sglang.apply(attn, 0, overlay(tmp_path), fp4_path=False)
+    assert "layer 0: kv_b_proj is in a form glm-pack cannot read; its slice is not checked" in caplog.text
 
 
 def test_model_level_selection_hands_uncovered_layers_to_the_engine(tmp_path):

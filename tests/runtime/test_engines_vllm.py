@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 from engine_standins import vllm_mla
-from engine_standins.overlay_fixture import GEOM, kv_b_name, make_served
+from engine_standins.overlay_fixture import GEOM, kv_b_name, make_served, make_served_fp8
 
 from glm_pack.packing.errors import BackendError, VerifyError
 from glm_pack.runtime.engines import common, vllm
@@ -156,6 +156,7 @@ def fake_vllm(monkeypatch):
         "vllm": types.ModuleType("vllm"),
         "vllm.model_executor.layers.attention.mla_attention": types.SimpleNamespace(MLAAttention=MLAAttention),
         "vllm.model_executor.layers.attention.attention": vllm_mla,
+        "vllm.model_executor.layers.quantization.utils.quant_utils": vllm_mla,
         "vllm.distributed": types.SimpleNamespace(
             get_tensor_model_parallel_rank=lambda: 0, get_tensor_model_parallel_world_size=lambda: 1
         ),
@@ -191,3 +192,23 @@ def test_plugin_loads_overlay_layers_and_rebuilds_the_rest(tmp_path, fake_vllm, 
     assert all(layer.default_scales_set for layer in layers)
     ref, _ = engine_pair(weights, 1, fp4=True)
     assert torch.equal(layers[1].W_K, ref.W_K) and torch.equal(layers[1].W_V_scale, ref.W_V_scale)
+
+
+def test_fp8_kv_b_proj_is_dequantized_by_vllm_for_the_slice_check(tmp_path, fake_vllm):
+    """An FP8 block-scaled kv_b_proj (vLLM then takes its torch.bmm path: a BF16-policy overlay) is compared
+    through vLLM's own dequantization: the right rank's slice passes, another rank's is refused."""
+    block = (32, 32)
+    weights, scales = make_served_fp8(tmp_path, block)
+    name = kv_b_name(1)
+    for rank in (0, 1):
+        ref = fake_vllm(name.removesuffix(".kv_b_proj.weight") + ".attn", GEOM, weights[name], fp4=True,
+                        tp_rank=rank, tp_size=2, fp8=(scales[name], block))  # fmt: skip
+        layer = fake_vllm(ref.layer_name, GEOM, weights[name], fp4=True, tp_rank=rank, tp_size=2,
+                          fp8=(scales[name], block))  # fmt: skip
+        assert not layer.is_aiter_triton_fp4_bmm_enabled  # vLLM's FP4 path needs a BF16 kv_b_proj
+        ref.process_weights_after_loading(torch.bfloat16)
+        assert vllm.apply(layer, overlay(tmp_path, tp_rank=rank, tp_size=2), torch.bfloat16)
+        assert torch.equal(layer.W_UK_T, ref.W_UK_T) and torch.equal(layer.W_UV, ref.W_UV)
+        common._OPEN.clear()
+        with pytest.raises(VerifyError, match="tensor-parallel slice"):
+            vllm.apply(layer, overlay(tmp_path, tp_rank=1 - rank, tp_size=2), torch.bfloat16)

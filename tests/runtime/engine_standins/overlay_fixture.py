@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from glm_pack.convert.formats import encode_fp8_block
 from glm_pack.packing import manifest as mf
 from glm_pack.packing.absorb import absorb_layer
 from glm_pack.packing.mla import MlaGeometry
@@ -102,3 +103,22 @@ def make_served(root: Path, *, k_stored: int = GEOM.qk_nope_head_dim, policy: st
     write_checkpoint(root, weights)
     write_overlay(root, weights, k_stored=k_stored, policy=policy)
     return weights
+
+
+def fp8_block_dequant(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The engines' FP8 block dequantization (SGLang's ``block_quant_dequant``): scales repeated over their
+    blocks, times the FP8 values, in float32."""
+    s = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return weight.float() * s[: weight.shape[0], : weight.shape[1]]
+
+
+def make_served_fp8(root: Path, block: tuple[int, int], seed: int = 0):
+    """An FP8 (block-scaled) kv_b_proj per layer, as an engine loads it, and, beside a checkpoint of its values,
+    a BF16-policy overlay converted from them; returns ({name: F8_E4M3 weight}, {name: F32 scale})."""
+    weights, scales = {}, {}
+    for name, w in kv_b_weights(seed).items():
+        weights[name], scales[name] = encode_fp8_block(w.float(), block)
+    values = {n: fp8_block_dequant(weights[n], scales[n], block).bfloat16() for n in weights}
+    write_checkpoint(root, values)
+    write_overlay(root, values, k_stored=GEOM.qk_nope_head_dim, policy="bf16")
+    return weights, scales

@@ -1,5 +1,5 @@
 """Stand-in for vLLM's ``MLAAttention`` (mla_attention.py at 0014ca6b): the attributes the adapter reads and
-writes, ``process_weights_after_loading`` (the rebuild from kv_b_proj, unquantized kv_b_proj case), and the
+writes, ``process_weights_after_loading`` (the rebuild from kv_b_proj, unquantized or FP8 block-scaled), and the
 decode forward's K-up / V-up calls (``forward_impl`` MQA branch and ``_v_up_proj``)."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import torch
 
 from glm_pack.packing.mxfp4 import quantize
 from glm_pack.runtime.reference import bmm_a16wfp4
+
+from .overlay_fixture import fp8_block_dequant
 
 REBUILDS = []  # layer names whose engine rebuild ran
 
@@ -40,8 +42,18 @@ def quark_quantize_weight_to_mxfp4(w):
     return quantize(w, mode="even", axis=-1)
 
 
+def get_and_maybe_dequant_weights(layer, out_dtype=torch.float32):
+    """``quant_utils.get_and_maybe_dequant_weights``: an unquantized layer's weight, or an ``Fp8LinearMethod``
+    block-scaled one dequantized with its ``weight_scale_inv`` and ``weight_block_size``; ``[out, in]``."""
+    w = layer.weight
+    if w.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return w.to(out_dtype)
+    return fp8_block_dequant(w, layer.weight_scale_inv, layer.weight_block_size).to(out_dtype)
+
+
 class MLAAttention:
-    def __init__(self, layer_name, geom, kv_b_weight, *, fp4: bool, tp_rank=0, tp_size=1, model="."):
+    def __init__(self, layer_name, geom, kv_b_weight, *, fp4: bool, tp_rank=0, tp_size=1, model=".", fp8=None):
+        """``fp8``: (weight_scale_inv of the whole kv_b_weight, block) for an FP8 block-scaled kv_b_proj."""
         heads = geom.num_heads // tp_size
         rows = heads * (geom.qk_nope_head_dim + geom.v_head_dim)
         self.layer_name = layer_name
@@ -51,6 +63,10 @@ class MLAAttention:
         self.qk_rope_head_dim = geom.qk_rope_head_dim
         self.v_head_dim = geom.v_head_dim
         self.kv_b_proj = SimpleNamespace(weight=kv_b_weight[tp_rank * rows : (tp_rank + 1) * rows])
+        if fp8 is not None:
+            scale, block = fp8
+            self.kv_b_proj.weight_block_size = block
+            self.kv_b_proj.weight_scale_inv = scale[tp_rank * rows // block[0] : (tp_rank + 1) * rows // block[0]]
         self.quant_config = None
         self.is_aiter_triton_fp8_bmm_enabled = False
         self.is_aiter_triton_fp4_bmm_enabled = fp4 and self.kv_b_proj.weight.dtype == torch.bfloat16
@@ -59,7 +75,7 @@ class MLAAttention:
 
     def process_weights_after_loading(self, act_dtype):
         REBUILDS.append(self.layer_name)
-        kv_b = self.kv_b_proj.weight.to(act_dtype).T  # get_and_maybe_dequant_weights(...).T
+        kv_b = get_and_maybe_dequant_weights(self.kv_b_proj, out_dtype=act_dtype).T
         kv_b = kv_b.view(self.kv_lora_rank, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
         W_UK, W_UV = kv_b.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         if self.is_aiter_triton_fp4_bmm_enabled:
