@@ -17,12 +17,16 @@ Tensor scopes: ``global`` (absolute name, once), ``layer`` (every decoder and MT
 MTP included), ``expert`` (each routed expert ``{e}`` of a MoE layer), ``mtp``. Names of layer scopes are
 relative to :meth:`Card.layer_prefix`. Roles: ``attn``, ``indexer``, ``mlp``, ``expert`` (Linear weights a
 quantized export may store quantized), ``router``, ``embed``, ``head``, ``norm``, ``other``.
+
+Every config.json value is type-checked where it is read, by :func:`config_value`: a wrong type (a float or
+bool for an integer, a string for a list, ...) is a CheckpointError naming the key and the value.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import json
 import operator
 import re
 from dataclasses import dataclass
@@ -34,7 +38,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from glm_pack.packing.errors import CheckpointError, PlanError
+from glm_pack.packing.errors import CheckpointError, GlmPackError, PlanError
 from glm_pack.packing.manifest import AITER_BMM_CONFIG_KEYS
 from glm_pack.packing.mla import MlaGeometry
 
@@ -42,6 +46,8 @@ ROUTES = ("padded", "unpadded")
 LINEAR_ROLES = ("attn", "indexer", "mlp", "expert")
 SCOPES = ("global", "layer", "mla", "linear_attn", "indexer", "dense", "moe", "expert", "mtp")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+_KINDS = {int: "integer", str: "string", list: "list", dict: "object"}
+_REQUIRED = object()
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,42 @@ class LayerPlan:
         return tuple(range(self.num_layers)) + self.mtp
 
 
+def _fits(value, want: type, minimum: int | None) -> bool:
+    if want is int:
+        return isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+    return isinstance(value, want)
+
+
+def config_value(
+    value,
+    key: str,
+    want: type,
+    *,
+    item: type | None = None,
+    minimum: int | None = None,
+    default=_REQUIRED,
+    error: type[GlmPackError] = CheckpointError,
+):
+    """``value``, config.json's ``key`` (None when absent), if it is a ``want`` (an int: never a bool, at least
+    ``minimum``; with ``item``: a list or object whose every item is one); None gives ``default`` when one is
+    given. Otherwise ``error`` naming the key and the value, with ``file="config.json"``."""
+    if value is None and default is not _REQUIRED:
+        return default
+    if item is None:
+        ok = _fits(value, want, minimum)
+    else:
+        ok = _fits(value, want, None) and all(
+            _fits(v, item, minimum) for v in (value.values() if want is dict else value)
+        )
+    if ok:
+        return value
+    kind = f"{_KINDS[want]} of {_KINDS[item]}s" if item else _KINDS[want]
+    what = f"{'an' if kind[0] in 'aeio' else 'a'} {kind}" + (f" >= {minimum}" if minimum is not None else "")
+    got = "null (or missing)" if value is None else json.dumps(value)
+    got = got if len(got) <= 80 else got[:77] + "..."
+    raise error(f"{key} must be {what}, got {got}", file="config.json")
+
+
 def eval_expr(expr, values: dict, where: str) -> int:
     """Integer arithmetic (+ - * // and parentheses) over config keys; ints pass through."""
     if isinstance(expr, int):
@@ -84,10 +126,7 @@ def eval_expr(expr, values: dict, where: str) -> int:
         if isinstance(node, ast.Constant) and isinstance(node.value, int):
             return node.value
         if isinstance(node, ast.Name):
-            value = values.get(node.id)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise CheckpointError(f"{where}: config.json has no integer {node.id!r}", file="config.json")
-            return value
+            return config_value(values.get(node.id), node.id, int)
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.left), ev(node.right))
         raise PlanError(f"{where}: unsupported expression {expr!r}")
@@ -105,18 +144,19 @@ def select_layers(selectors: list[dict], cfg: dict, n: int, what: str) -> set[in
         if sel.get("all"):
             return set(range(n))
         if "list_key" in sel and sel["list_key"] in cfg:
-            return {int(i) for i in cfg[sel["list_key"]] if 0 <= int(i) < n}
+            return {i for i in config_value(cfg[sel["list_key"]], sel["list_key"], list, item=int) if 0 <= i < n}
         if "types_key" in sel and sel["types_key"] in cfg:
-            types = cfg[sel["types_key"]]
+            types = config_value(cfg[sel["types_key"]], sel["types_key"], list, item=str)
             if len(types) < n:
                 raise CheckpointError(
                     f"{sel['types_key']} has {len(types)} entries for {n} layers ({what})", file="config.json"
                 )
             return {i for i in range(n) if types[i] in sel["types"]}
         if "first_k_key" in sel and sel["first_k_key"] in cfg:
-            return set(range(min(int(cfg[sel["first_k_key"]]), n)))
+            return set(range(min(config_value(cfg[sel["first_k_key"]], sel["first_k_key"], int, minimum=0), n)))
         if "freq_key" in sel and sel["freq_key"] in cfg:
-            freq, offset = max(int(cfg[sel["freq_key"]]), 1), int(cfg.get(sel["offset_key"], 0))
+            freq = max(config_value(cfg[sel["freq_key"]], sel["freq_key"], int), 1)
+            offset = config_value(cfg.get(sel["offset_key"]), sel["offset_key"], int, default=0)
             return {i for i in range(n) if max(i - offset + 1, 0) % freq == 0}
         if "every" in sel:
             return {i for i in range(n) if i % sel["every"] == sel["offset"]}
@@ -153,13 +193,14 @@ class Card:
     # ---- recognition and geometry ---------------------------------------------------------------
     def text_config(self, config: dict) -> dict:
         key = self.data.get("config", {}).get("text_config", "")
-        return config.get(key) or config if key else config
+        return (config_value(config.get(key), key, dict, default=config) or config) if key else config
 
     def matches(self, config: dict) -> bool:
         text = self.text_config(config)
         rules = self.detect_rules
-        arch = set(config.get("architectures") or [])
-        if not (arch & set(rules.get("architectures", [])) or config.get("model_type") in rules.get("model_types", [])):
+        arch = set(config_value(config.get("architectures"), "architectures", list, item=str, default=[]))
+        model_type = config_value(config.get("model_type"), "model_type", str, default=None)
+        if not (arch & set(rules.get("architectures", [])) or model_type in rules.get("model_types", [])):
             return False
         keys = set(config) | set(text)
         if rules.get("with_any_keys") and not keys & set(rules["with_any_keys"]):
@@ -170,10 +211,7 @@ class Card:
         text = self.text_config(config)
         values = {}
         for field_name, key in self.geometry_keys.items():
-            value = text.get(key)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise CheckpointError(f"config.json lacks integer {key!r} (card {self.name})", file="config.json")
-            values[field_name] = value
+            values[field_name] = config_value(text.get(key), key, int)
         return MlaGeometry(**values)
 
     def default_k_pad(self, geometry: MlaGeometry) -> int | None:
@@ -185,10 +223,9 @@ class Card:
     def layer_plan(self, config: dict) -> LayerPlan:
         text = self.text_config(config)
         spec = self.layers_spec
-        n = int(text.get(spec["count_key"], 0))
-        if n <= 0:
-            raise CheckpointError(f"config.json lacks a positive {spec['count_key']!r}", file="config.json")
-        n_mtp = int(text.get(spec.get("mtp_count_key", ""), 0) or 0)
+        n = config_value(text.get(spec["count_key"]), spec["count_key"], int, minimum=1)
+        mtp_key = spec.get("mtp_count_key", "")
+        n_mtp = config_value(text.get(mtp_key), mtp_key, int, minimum=0, default=0)
         mtp = tuple(range(n, n + n_mtp))
         mla = select_layers(spec.get("mla", []), text, n, "MLA layers")
         mla = set(range(n)) if mla is None else mla
@@ -240,7 +277,7 @@ class Card:
         globals first, then layer by layer (experts expert-major within their layer)."""
         text = self.text_config(config)
         plan = self.layer_plan(config)
-        n_experts = int(text.get("n_routed_experts", 0) or 0)
+        n_experts = config_value(text.get("n_routed_experts"), "n_routed_experts", int, minimum=0, default=0)
         in_scope = {
             "layer": set(plan.all),
             "mla": set(plan.mla),

@@ -28,6 +28,8 @@ format, is a :class:`~glm_pack.packing.errors.FormatError`.
 from __future__ import annotations
 
 import fnmatch
+import functools
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -37,11 +39,16 @@ import torch
 from glm_pack.packing import fp8, mxfp4
 from glm_pack.packing.errors import FormatError
 
+from .cards import config_value
+
 FORMATS = ("bf16", "fp16", "fp32", "fp8-block", "fp8-channel", "mxfp4")
 FLOAT_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 FP8_MAX = 448.0
 DEFAULT_FP8_BLOCK = (128, 128)
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
+_QC = "quantization_config"
+
+_setting = functools.partial(config_value, error=FormatError)
 
 
 @dataclass(frozen=True)
@@ -74,9 +81,11 @@ def module_of(weight_name: str) -> str:
     return weight_name[: -len(".weight")]
 
 
-def _quark_spec_format(spec: dict | None) -> str | None:
-    weight = (spec or {}).get("weight") or {}
-    dtype, qscheme = weight.get("dtype"), weight.get("qscheme")
+def _quark_spec_format(spec: dict, where: str) -> str | None:
+    """The format a Quark spec (``global_quant_config`` or a ``layer_quant_config`` value) gives weights."""
+    weight = _setting(spec.get("weight"), f"{where}.weight", dict, default={})
+    dtype = _setting(weight.get("dtype"), f"{where}.weight.dtype", str, default=None)
+    qscheme = _setting(weight.get("qscheme"), f"{where}.weight.qscheme", str, default=None)
     if dtype == "fp4":
         return "mxfp4"
     if dtype == "fp8_e4m3":
@@ -84,18 +93,49 @@ def _quark_spec_format(spec: dict | None) -> str | None:
     return None
 
 
+def _exclude_regex(entry: str) -> re.Pattern:
+    try:
+        return re.compile(entry[3:])
+    except re.error as err:
+        raise FormatError(
+            f"{_QC}.exclude entry {json.dumps(entry)} is not a valid regex: {err}", file="config.json"
+        ) from err
+
+
+def _fp8_block(qc: dict) -> tuple[int, int]:
+    block = _setting(qc.get("weight_block_size"), f"{_QC}.weight_block_size", list, item=int, minimum=1, default=None)
+    if block is None:
+        return DEFAULT_FP8_BLOCK
+    if len(block) != 2:
+        raise FormatError(
+            f"{_QC}.weight_block_size must be two integers >= 1, got {json.dumps(block)}", file="config.json"
+        )
+    return block[0], block[1]
+
+
+def _quark_parts(qc: dict) -> tuple[list[str], dict[str, str | None], str | None]:
+    """Quark's ``exclude``, the format of each ``layer_quant_config`` pattern, that of ``global_quant_config``."""
+    exclude = _setting(qc.get("exclude"), f"{_QC}.exclude", list, item=str, default=[])
+    layers = _setting(qc.get("layer_quant_config"), f"{_QC}.layer_quant_config", dict, item=dict, default={})
+    glob = _setting(qc.get("global_quant_config"), f"{_QC}.global_quant_config", dict, default={})
+    by_pattern = {
+        p: _quark_spec_format(spec, f"{_QC}.layer_quant_config[{json.dumps(p)}]") for p, spec in layers.items()
+    }
+    return exclude, by_pattern, _quark_spec_format(glob, f"{_QC}.global_quant_config")
+
+
 class QuantConfig:
-    """The parts of config.json's ``quantization_config`` that matter for reading weights."""
+    """The parts of config.json's ``quantization_config`` that matter for reading weights, each type-checked
+    where read (a bad value is a FormatError naming the key, ``file="config.json"``)."""
 
     def __init__(self, qc: dict | None):
-        self.raw = qc
-        self.method = (qc or {}).get("quant_method")
-        block = (qc or {}).get("weight_block_size") or DEFAULT_FP8_BLOCK
-        if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
-            raise FormatError(f"quantization_config.weight_block_size must be two positive ints, got {block!r}")
-        self.fp8_block = (int(block[0]), int(block[1]))
-        self.exclude = list((qc or {}).get("exclude") or []) if self.method == "quark" else []
-        self._patterns = [re.compile(e[3:]) for e in self.exclude if e.startswith("re:")]
+        qc = _setting(qc, _QC, dict, default={})
+        self.method = _setting(qc.get("quant_method"), f"{_QC}.quant_method", str, default=None)
+        self.fp8_block = _fp8_block(qc)
+        self.exclude, self._layer_formats, self._global_format = (
+            _quark_parts(qc) if self.method == "quark" else ([], {}, None)
+        )
+        self._patterns = [_exclude_regex(e) for e in self.exclude if e.startswith("re:")]
         self._exact = {e for e in self.exclude if not e.startswith("re:")}
 
     def excluded(self, module: str) -> bool:
@@ -103,12 +143,12 @@ class QuantConfig:
 
     def expected_format(self, module: str) -> str | None:
         """Quark: the format its config assigns to ``module`` (None: not quantized or not Quark)."""
-        if self.method != "quark" or self.excluded(module):
+        if self.excluded(module):
             return None
-        for pattern, spec in (self.raw.get("layer_quant_config") or {}).items():
+        for pattern, fmt in self._layer_formats.items():
             if fnmatch.fnmatchcase(module, pattern):
-                return _quark_spec_format(spec)
-        return _quark_spec_format(self.raw.get("global_quant_config"))
+                return fmt
+        return self._global_format
 
 
 def detect(weight: StoredTensor, scales: dict[str, StoredTensor], quant: QuantConfig) -> WeightFormat:
