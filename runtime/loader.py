@@ -77,9 +77,10 @@ def _header(path: Path) -> dict:
 
 
 def config_geometry(config: dict) -> dict:
-    """The MLA fields of a HF config (top level, or ``text_config`` for multimodal wrappers)."""
-    for section in (config, config.get("text_config") or {}):
-        if all(k in section for k in _GEOMETRY_KEYS.values()):
+    """The MLA fields of a HF config (top level, or ``text_config`` for multimodal wrappers); {} where neither is
+    an object holding them all."""
+    for section in (config, config.get("text_config")):
+        if isinstance(section, dict) and all(k in section for k in _GEOMETRY_KEYS.values()):
             return {field: section[key] for field, key in _GEOMETRY_KEYS.items()}
     return {}
 
@@ -154,6 +155,8 @@ def _check_config(root: Path, manifest: dict, geometry: MlaGeometry) -> None:
         config = json.loads(config_path.read_text())
     except ValueError as err:
         raise ManifestError(f"config.json is not valid JSON ({err})", file=config_path) from err
+    if not isinstance(config, dict):
+        raise ManifestError("config.json is not a JSON object", file=config_path)
     found = config_geometry(config)
     expected = geometry.as_dict()
     wrong = {k: (found[k], expected[k]) for k in found if found[k] != expected[k]}

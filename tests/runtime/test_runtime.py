@@ -164,6 +164,12 @@ def test_open_refusals(packed_dirs, tmp_path):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ManifestError, match="kv_lora_rank: config 256 vs manifest 512"):
         runtime.open(bad)
+    (bad / "config.json").write_text(json.dumps({**config, "kv_lora_rank": 512, "text_config": "x"}))
+    runtime.open(bad)  # a text_config that is no object is not where the geometry is
+    for text in ("[1, 2]", "null"):
+        (bad / "config.json").write_text(text)
+        with pytest.raises(ManifestError, match="config.json is not a JSON object"):
+            runtime.open(bad)
     shutil.copy(out / "config.json", bad / "config.json")
     overlay = bad / "glm-pack" / "layer-000.safetensors"
     data = bytearray(overlay.read_bytes())
