@@ -52,7 +52,7 @@ def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> Conve
         TimeRemainingColumn(),
     )
     with Progress(*columns, console=console, disable=quiet, transient=False) as bar:
-        task = bar.add_task("overlay files", total=None, rate="")
+        task = bar.add_task("overlay files", total=None, rate="", visible=False)  # shown once work starts
         written = [0]
         elapsed = console.get_time
 
@@ -61,7 +61,7 @@ def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> Conve
         def progress(done: int, total: int, nbytes: int) -> None:
             written[0] += nbytes
             rate = written[0] / max(elapsed() - start, 1e-9) / 2**20
-            bar.update(task, completed=done, total=total, rate=f"{rate:.0f} MiB/s")
+            bar.update(task, completed=done, total=total, rate=f"{rate:.0f} MiB/s", visible=True)
 
         report = convert(src, out, options, progress=progress)
     if not quiet:
