@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from glm_pack.packing.errors import CheckpointError, FormatError, GlmPackError
+from glm_pack.packing.manifest import OVERLAY_DIR
 from glm_pack.packing.mla import MlaGeometry
 
 from . import formats
@@ -83,12 +84,33 @@ def _load_json(store: LocalStore, rel: str) -> dict:
     return data
 
 
+def _inside(store: LocalStore, rel) -> bool:
+    """Whether an index entry names a file inside the checkpoint that convert would place in OUT: a relative
+    path without empty, hidden, ``.`` or ``..`` parts, not under ``glm-pack/``, on local disk not reached
+    through a linked folder (the file itself may be a link, as in a Hugging Face cache snapshot)."""
+    parts = rel.split("/") if isinstance(rel, str) else []
+    if not parts or "\\" in rel or parts[0] == OVERLAY_DIR or any(not p or p.startswith(".") for p in parts):
+        return False
+    if isinstance(store, LocalStore):
+        return (store.root / rel).parent.resolve() == store.root.resolve().joinpath(*parts[:-1])
+    return True
+
+
 def _weight_map(store: LocalStore) -> tuple[dict[str, str], Path | None]:
     if store.exists(INDEX_NAME):
         index = _load_json(store, INDEX_NAME)
         wm = index.get("weight_map")
-        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        if not isinstance(wm, dict):
             raise CheckpointError("weight_map must map tensor names to file names", file=store.where(INDEX_NAME))
+        seen = set()
+        for tensor, rel in wm.items():
+            if not (isinstance(rel, str) and rel in seen or _inside(store, rel)):
+                raise CheckpointError(
+                    f"the index maps this tensor to {rel!r:.80}, not a file name inside the checkpoint",
+                    file=store.where(INDEX_NAME),
+                    tensor=tensor,
+                )
+            seen.add(rel)
         return dict(wm), store.root / INDEX_NAME
     names = [SINGLE_NAME] if store.exists(SINGLE_NAME) else store.safetensors_files()
     if not names:

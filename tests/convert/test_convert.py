@@ -282,3 +282,20 @@ def test_link_mode_hard_links_and_follows_symlinked_sources(synth_ckpt, tmp_path
     assert not shard.is_symlink() and shard.stat().st_ino == (src / shard.name).resolve().stat().st_ino
     assert verify(out).ok
     shutil.rmtree(out)
+
+
+def test_index_entry_outside_the_source_is_refused_before_any_output(synth_ckpt, ckpt_copy, tmp_path):
+    src = ckpt_copy(synth_ckpt("glm-5", "bf16"))
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / index["weight_map"][name]).symlink_to((src / index["weight_map"][name]).resolve())
+    index["weight_map"][name] = f"../other/{index['weight_map'][name]}"
+    index_path.unlink()
+    index_path.write_text(json.dumps(index))
+    out = tmp_path / "sub" / "o"
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "copy"])
+    assert r.exit_code == 1 and "not a file name inside the checkpoint" in r.output
+    assert f"file {index_path}, tensor {name}" in r.output
+    assert not (tmp_path / "sub").exists()

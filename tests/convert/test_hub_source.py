@@ -246,3 +246,15 @@ def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected
     if case == "cut":
         cut = [r for r in hub.requests if r.status == -2 and r.method == "GET"]
         assert len(cut) == 6 and len({(r.path, r.range) for r in cut}) == 1  # 1 try + 5 retries of one read
+
+
+def test_index_entry_outside_the_repo_is_refused(hub, src, tmp_path):
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    index["weight_map"][name] = f"../other/{index['weight_map'][name]}"
+    files = {p.name: p.read_bytes() for p in src.iterdir()}
+    hub.seed("org/escape", {**files, "model.safetensors.index.json": json.dumps(index).encode()})
+    result = run_cli("convert", "org/escape", tmp_path / "out")
+    assert result.exit_code == 1 and "not a file name inside the checkpoint" in result.output
+    assert "model.safetensors.index.json, tensor " + name in result.output
+    assert not (tmp_path / "out").exists()

@@ -362,3 +362,51 @@ def test_bad_checkpoints_fail_clearly(synth_ckpt, ckpt_copy, break_it):
     assert result.exit_code == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("glm-pack: error: ") and str(err.value) in lines[0]
+
+
+# ---- index entries must name files inside the checkpoint ---------------------------------------------
+
+
+def _point_kv_b_at(d: Path, value) -> str:
+    """Rewrite the index so layer 0's kv_b_proj maps to ``value``; returns the tensor name."""
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    index["weight_map"][name] = value
+    _replace(d / "model.safetensors.index.json", json.dumps(index).encode())
+    return name
+
+
+@pytest.mark.parametrize(
+    "where", ["parent", "absolute", "dotdot-inside", "linked-folder", "hidden", "overlay-dir", "empty-part", 5, None]
+)
+def test_index_entries_outside_the_checkpoint_are_refused(synth_ckpt, ckpt_copy, tmp_path, where):
+    d = ckpt_copy(synth_ckpt("glm-5", "bf16"))
+    shard = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][
+        "model.layers.0.self_attn.kv_b_proj.weight"
+    ]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / shard).symlink_to((d / shard).resolve())  # a real shard outside the checkpoint
+    (d / "linked").symlink_to(tmp_path / "other", target_is_directory=True)
+    value = {
+        "parent": f"../other/{shard}",
+        "absolute": str(tmp_path / "other" / shard),
+        "dotdot-inside": f"linked/../{shard}",
+        "linked-folder": f"linked/{shard}",
+        "hidden": f".{shard}",
+        "overlay-dir": f"glm-pack/{shard}",
+        "empty-part": f"linked//{shard}",
+    }.get(where, where)
+    name = _point_kv_b_at(d, value)
+    with pytest.raises(CheckpointError, match="not a file name inside the checkpoint") as err:
+        open_checkpoint(d)
+    assert err.value.file == str(d / "model.safetensors.index.json") and err.value.tensor == name
+
+
+def test_index_entry_in_a_real_subfolder_is_accepted(synth_ckpt, ckpt_copy):
+    d = ckpt_copy(synth_ckpt("glm-5", "bf16"))
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    shard = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][name]
+    (d / "shards").mkdir()
+    (d / "shards" / shard).symlink_to((d / shard).resolve())  # a linked file is fine, as in a HF cache snapshot
+    _point_kv_b_at(d, f"shards/{shard}")
+    assert open_checkpoint(d).info(name).file == f"shards/{shard}"
