@@ -1,9 +1,10 @@
 """``glm-pack verify``: re-check a converted output against its manifest and its source.
 
 Checks, each reported by name: manifest present and valid; every overlay file's size and sha256 (and, on a
-mismatch, which tensor changed); geometry against config.json; the original index untouched; every overlay
-tensor dequantized and compared with its source split (recomputed from the source when reachable) within
-the recorded error; source tensors unchanged (sha256 against the fingerprint).
+mismatch, which tensor changed); stored precisions allowed by the recorded ``mla_precision``; geometry against
+config.json; the original index untouched; source tensors unchanged (sha256 against the fingerprint); the
+MLA layers exactly those of the source; every overlay tensor re-derived from its source split and compared
+byte for byte, its error recomputed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from glm_pack.packing import manifest as mf
-from glm_pack.packing.absorb import rel_error, store_projection
+from glm_pack.packing.absorb import POLICIES, rel_error, store_projection
 from glm_pack.packing.errors import GlmPackError, HubError
 from glm_pack.packing.layouts import get_layout, unpack_bmm_nk
 from glm_pack.packing.mla import split_kv_b, split_kv_b_mxfp4_vc
@@ -139,6 +140,7 @@ def verify(out: str | Path) -> VerifyReport:
     layers = mf.parse_mla(manifest)
     geom = mf.parse_geometry(manifest)
     bad_files = _check_files(report, overlay, manifest, tensors)
+    _check_precisions(report, manifest["options"].get("mla_precision"), layers)
 
     src_root = _source_root(out, manifest)
     if src_root is None:
@@ -169,6 +171,7 @@ def verify(out: str | Path) -> VerifyReport:
         except GlmPackError as err:
             report.problems.append(f"source tensor {name} unreadable: {err}")
     report.checked.append(f"{len(manifest['source']['tensors'])} source tensors hashed")
+    _check_layer_set(report, ckpt, layers)
 
     for layer in layers:
         if any(tensors[t].file in bad_files for p in (layer.w_kc, layer.w_vc) for t in (p.weight, p.scale) if t):
@@ -184,6 +187,32 @@ def verify(out: str | Path) -> VerifyReport:
             f"{sum(len(g[2]) for g in groups)} repacked expert tensors unshuffled to the source bytes"
         )
     return report
+
+
+def _check_precisions(report: VerifyReport, policy, layers: list[mf.MlaLayer]) -> None:
+    """Every stored precision must be one the recorded ``--mla-precision`` allows (``auto``: either)."""
+    if policy not in POLICIES:
+        report.problems.append(f"options.mla_precision {policy!r} is not one of {', '.join(POLICIES)}")
+    elif policy != "auto":
+        for proj in (p for layer in layers for p in (layer.w_kc, layer.w_vc)):
+            if proj.precision != policy:
+                report.problems.append(f"{proj.weight}: stored {proj.precision}, but options.mla_precision is {policy}")
+
+
+def _check_layer_set(report: VerifyReport, ckpt, layers: list[mf.MlaLayer]) -> None:
+    """The manifest must hold exactly the MLA layers convert derives from this source, each from its own
+    kv_b_proj (the runtime serves a layer from the entry that names it)."""
+    recorded, planned = {layer.layer for layer in layers}, set(ckpt.mla_layers())
+    if recorded - planned:
+        report.problems.append(f"the manifest has MLA layers the source lacks: {sorted(recorded - planned)}")
+    if planned - recorded:
+        report.problems.append(f"the manifest lacks MLA layers of the source: {sorted(planned - recorded)}")
+    for layer in layers:
+        if layer.layer in planned and layer.source_tensor != ckpt.card.kv_b_proj(layer.layer):
+            report.problems.append(
+                f"MLA layer {layer.layer} is recorded as derived from {layer.source_tensor}, "
+                f"not from its own {ckpt.card.kv_b_proj(layer.layer)}"
+            )
 
 
 def _check_layer(report: VerifyReport, ckpt, layer: mf.MlaLayer, geom, overlay: Path, tensors) -> None:

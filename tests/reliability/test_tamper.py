@@ -10,12 +10,14 @@ import shutil
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from glm_pack import runtime
+from glm_pack.convert.cli import main
 from glm_pack.convert.verify import verify
 from glm_pack.packing import manifest as mf
-from glm_pack.packing.errors import ManifestError, VerifyError
+from glm_pack.packing.errors import GlmPackError, ManifestError, VerifyError
 
 
 @pytest.fixture
@@ -155,3 +157,48 @@ def test_a_source_tensor_rewritten_in_place_is_named(out):
     save_file(tensors, shard, metadata={"format": "pt"})
     problems = verify(out).problems
     assert any(kv_b in p and "differs" in p for p in problems), problems
+
+
+def test_an_mla_layer_dropped_from_every_section_is_caught(out):
+    """Layer 2's mla entry, tensors, file and source fingerprint removed and its file deleted: consistent in
+    itself, but the source has that layer and the runtime cannot serve it."""
+    m = manifest(out)
+    entry = next(e for e in m["mla"] if e["layer"] == 2)
+    m["mla"].remove(entry)
+    for name in [t for p in mf.PROJECTIONS for t in (entry[p]["weight"], entry[p]["scale"]) if t]:
+        file = m["tensors"].pop(name)["file"]
+    del m["files"][file]
+    module = entry["source"]["tensor"].removesuffix("weight")
+    m["source"]["tensors"] = {t: h for t, h in m["source"]["tensors"].items() if not t.startswith(module)}
+    (out / mf.OVERLAY_DIR / file).unlink()
+    write_manifest(out, m)
+    with pytest.raises(GlmPackError, match="layer 2 has no MLA overlay"):
+        runtime.open(out, backend="torch").mla(2)
+    r = CliRunner().invoke(main, ["verify", str(out)])
+    assert r.exit_code == 1 and "the manifest lacks MLA layers of the source: [2]" in r.output, r.output
+
+
+def test_mla_entries_swapped_between_layers_are_caught(out):
+    """Layers 0 and 1 trade their layer numbers: every entry still re-derives from the source tensor it names."""
+    m = manifest(out)
+    m["mla"][0]["layer"], m["mla"][1]["layer"] = m["mla"][1]["layer"], m["mla"][0]["layer"]
+    write_manifest(out, m)
+    problems = verify(out).problems
+    assert any(
+        p.startswith("MLA layer 0 is recorded as derived from model.layers.1.self_attn.kv_b_proj.weight")
+        for p in problems
+    ), problems
+
+
+@pytest.mark.parametrize(
+    "policy, says",
+    [("bf16", "stored mxfp4, but options.mla_precision is bf16"), ("fp4", "options.mla_precision 'fp4' is not one of")],
+)
+def test_stored_precisions_must_match_the_recorded_option(out, policy, says):
+    m = manifest(out)
+    m["options"]["mla_precision"] = policy
+    write_manifest(out, m)
+    problems = verify(out).problems
+    assert any(says in p for p in problems), problems
+    if policy == "bf16":
+        assert sum(says in p for p in problems) == 2 * len(m["mla"]) and _kc(m)["weight"] in problems[0]
