@@ -1,10 +1,11 @@
 """``glm-pack verify``: re-check a converted output against its manifest and its source.
 
 Checks, each reported by name: manifest present and valid; every overlay file's size and sha256 (and, on a
-mismatch, which tensor changed); stored precisions allowed by the recorded ``mla_precision``; geometry against
-config.json; the original index untouched; source tensors unchanged (sha256 against the fingerprint); the
-MLA layers exactly those of the source; every overlay tensor re-derived from its source split and compared
-byte for byte, its error recomputed.
+mismatch, which tensor changed); stored precisions allowed by the recorded ``mla_precision``; OUT's config.json
+and index (when present, and always when the originals were placed) those the overlay was made from;
+geometry against config.json; the source's config and index untouched; source tensors unchanged (sha256
+against the fingerprint); the MLA layers exactly those of the source; every overlay tensor re-derived from
+its source split and compared byte for byte, its error recomputed.
 """
 
 from __future__ import annotations
@@ -114,6 +115,19 @@ def _changed_tensors(overlay: Path, file: str, tensors) -> list[str]:
     return changed
 
 
+def _check_out_metadata(report: VerifyReport, out: Path, manifest: dict) -> None:
+    """OUT's own config.json and index, which the runtime and engines read whatever ``--files`` was, must be those
+    the overlay was made from; with the originals placed in OUT they must be there."""
+    placed = manifest["options"].get("files") != "none"
+    for name, key in (("config.json", "config_sha256"), (INDEX_NAME, "index_sha256")):
+        path, recorded = out / name, manifest["source"].get(key)
+        if path.is_file():
+            if file_sha256(path) != recorded:
+                report.problems.append(f"{path} differs from the {name} the overlay was made from")
+        elif placed and recorded:
+            report.problems.append(f"{path} is missing although the originals were placed in OUT")
+
+
 def _source_root(out: Path, manifest: dict) -> Path | str | None:
     """Where the source tensors can be read: OUT itself when originals were placed, else the recorded path
     (or the recorded Hub commit, ``hf://org/name@sha``)."""
@@ -141,6 +155,7 @@ def verify(out: str | Path) -> VerifyReport:
     geom = mf.parse_geometry(manifest)
     bad_files = _check_files(report, overlay, manifest, tensors)
     _check_precisions(report, manifest["options"].get("mla_precision"), layers)
+    _check_out_metadata(report, out, manifest)
 
     src_root = _source_root(out, manifest)
     if src_root is None:
@@ -159,11 +174,12 @@ def verify(out: str | Path) -> VerifyReport:
     config = ckpt.store.where("config.json")
     if ckpt.geometry != geom:
         report.problems.append(f"geometry in the manifest {geom} contradicts {config} ({ckpt.geometry})")
-    if store_sha256(ckpt.store, "config.json") != manifest["source"]["config_sha256"]:
-        report.problems.append(f"{config} differs from the config the overlay was made from")
-    index_sha = manifest["source"].get("index_sha256")
-    if index_sha and (ckpt.index_path is None or store_sha256(ckpt.store, INDEX_NAME) != index_sha):
-        report.problems.append(f"the original index in {src_root} was changed or removed")
+    if src_root != out:  # OUT's own were checked above
+        if store_sha256(ckpt.store, "config.json") != manifest["source"]["config_sha256"]:
+            report.problems.append(f"{config} differs from the config the overlay was made from")
+        index_sha = manifest["source"].get("index_sha256")
+        if index_sha and (ckpt.index_path is None or store_sha256(ckpt.store, INDEX_NAME) != index_sha):
+            report.problems.append(f"the original index in {src_root} was changed or removed")
     for name, sha in sorted(manifest["source"]["tensors"].items()):
         try:
             if ckpt.raw_sha256(name) != sha:

@@ -12,9 +12,11 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from glm_pack import runtime
 from glm_pack.convert.cli import main
 from glm_pack.convert.convert import ConvertOptions, convert
 from glm_pack.convert.verify import verify
+from glm_pack.packing.errors import GlmPackError
 from glm_pack.packing.mxfp4 import dequantize, quantize
 
 
@@ -299,3 +301,26 @@ def test_index_entry_outside_the_source_is_refused_before_any_output(synth_ckpt,
     assert r.exit_code == 1 and "not a file name inside the checkpoint" in r.output
     assert f"file {index_path}, tensor {name}" in r.output
     assert not (tmp_path / "sub").exists()
+
+
+def test_verify_checks_outs_own_config_and_index_with_files_none(synth_ckpt, tmp_path):
+    """OUT overwritten by an overlay-only conversion of another model keeps that model's config and index: the
+    runtime reads OUT's config.json, so verify must compare them with the manifest even though --files none."""
+    src, out = synth_ckpt("glm-5", "bf16"), tmp_path / "out"
+    convert(synth_ckpt("deepseek-v3", "fp8-block"), out, ConvertOptions(files="copy"))
+    convert(src, out, ConvertOptions(files="none", overwrite=True))
+    with pytest.raises(GlmPackError, match="geometry contradicts config.json"):
+        runtime.open(out, backend="torch")
+    r = CliRunner().invoke(main, ["verify", str(out)])
+    assert r.exit_code == 1
+    for name in ("config.json", "model.safetensors.index.json"):
+        assert f"{out / name} differs from the {name} the overlay was made from" in r.output, r.output
+    for name in ("config.json", "model.safetensors.index.json"):  # the source's own files: all is well
+        shutil.copyfile(src / name, out / name)
+    assert verify(out).ok
+
+
+def test_verify_names_a_placed_index_that_was_removed(converted):
+    (converted / "model.safetensors.index.json").unlink()
+    problems = verify(converted).problems
+    assert any(f"{converted / 'model.safetensors.index.json'} is missing" in p for p in problems), problems
