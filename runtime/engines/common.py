@@ -183,7 +183,7 @@ def check_slice(mla: MlaLayer, kv_b_local: torch.Tensor, what: str, *, rows: int
     (a mismatch gives about 1.4).
     """
     g = mla.geometry
-    per_head = kv_b_local.view(g.num_heads, g.qk_nope_head_dim + g.v_head_dim, g.kv_lora_rank)
+    per_head = kv_b_local.reshape(g.num_heads, g.qk_nope_head_dim + g.v_head_dim, g.kv_lora_rank)  # any strides
     kc_step, vc_step = max(1, g.kv_lora_rank // rows), max(1, g.v_head_dim // rows)
     refs = {
         "w_kc": per_head[:, : g.qk_nope_head_dim, ::kc_step].transpose(1, 2),  # [H, L/step, P]

@@ -43,12 +43,14 @@ def quark_quantize_weight_to_mxfp4(w):
 
 
 def get_and_maybe_dequant_weights(layer, out_dtype=torch.float32):
-    """``quant_utils.get_and_maybe_dequant_weights``: an unquantized layer's weight, or an ``Fp8LinearMethod``
-    block-scaled one dequantized with its ``weight_scale_inv`` and ``weight_block_size``; ``[out, in]``."""
+    """``quant_utils.get_and_maybe_dequant_weights``: an unquantized layer's weight; a block-scaled FP8 one (its
+    ``weight_scale_inv`` and ``weight_block_size``) as vLLM's identity-GEMM branch returns it (DeepGEMM and
+    Marlin layouts): the quant method applied to an identity matrix, transposed, so a strided ``[out, in]`` view."""
     w = layer.weight
     if w.dtype in (torch.bfloat16, torch.float16, torch.float32):
         return w.to(out_dtype)
-    return fp8_block_dequant(w, layer.weight_scale_inv, layer.weight_block_size).to(out_dtype)
+    eye = torch.eye(w.shape[1], dtype=out_dtype)
+    return (eye @ fp8_block_dequant(w, layer.weight_scale_inv, layer.weight_block_size).to(out_dtype).T).T
 
 
 class MLAAttention:
