@@ -154,7 +154,7 @@ def verify(out: str | Path) -> VerifyReport:
     layers = mf.parse_mla(manifest)
     geom = mf.parse_geometry(manifest)
     bad_files = _check_files(report, overlay, manifest, tensors)
-    _check_precisions(report, manifest["options"].get("mla_precision"), layers)
+    _check_precisions(report, manifest["options"], layers)
     _check_out_metadata(report, out, manifest)
 
     src_root = _source_root(out, manifest)
@@ -205,14 +205,23 @@ def verify(out: str | Path) -> VerifyReport:
     return report
 
 
-def _check_precisions(report: VerifyReport, policy, layers: list[mf.MlaLayer]) -> None:
-    """Every stored precision must be one the recorded ``--mla-precision`` allows (``auto``: either)."""
+def _check_precisions(report: VerifyReport, options: dict, layers: list[mf.MlaLayer]) -> None:
+    """Every stored precision must be the one the recorded ``--mla-precision`` gives (``auto``: MXFP4 exactly
+    where its recorded error is within ``max_rel_error``; the errors themselves are recomputed later)."""
+    policy, threshold = options.get("mla_precision"), options.get("max_rel_error")
     if policy not in POLICIES:
         report.problems.append(f"options.mla_precision {policy!r} is not one of {', '.join(POLICIES)}")
-    elif policy != "auto":
-        for proj in (p for layer in layers for p in (layer.w_kc, layer.w_vc)):
-            if proj.precision != policy:
-                report.problems.append(f"{proj.weight}: stored {proj.precision}, but options.mla_precision is {policy}")
+        return
+    if policy == "auto" and not isinstance(threshold, (int, float)):
+        report.problems.append(f"options.max_rel_error {threshold!r} is not the number auto needs")
+        return
+    for proj in (p for layer in layers for p in (layer.w_kc, layer.w_vc)):
+        want = policy if policy != "auto" else ("mxfp4" if proj.mxfp4_rel_error <= threshold else "bf16")
+        if proj.precision != want:
+            rule = f" with max_rel_error {threshold} (MXFP4 error {proj.mxfp4_rel_error:.4g})" if threshold else ""
+            report.problems.append(
+                f"{proj.weight}: stored {proj.precision}, but options.mla_precision {policy}{rule} gives {want}"
+            )
 
 
 def _check_layer_set(report: VerifyReport, ckpt, layers: list[mf.MlaLayer]) -> None:

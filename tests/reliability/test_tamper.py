@@ -191,14 +191,26 @@ def test_mla_entries_swapped_between_layers_are_caught(out):
 
 
 @pytest.mark.parametrize(
-    "policy, says",
-    [("bf16", "stored mxfp4, but options.mla_precision is bf16"), ("fp4", "options.mla_precision 'fp4' is not one of")],
+    "policy, threshold, says",
+    [
+        ("bf16", None, "stored mxfp4, but options.mla_precision bf16 gives bf16"),
+        ("fp4", None, "options.mla_precision 'fp4' is not one of"),
+        ("auto", 0.05, "stored mxfp4, but options.mla_precision auto with max_rel_error 0.05 (MXFP4 error 0.1"),
+        ("auto", None, "options.max_rel_error None is not the number auto needs"),
+    ],
 )
-def test_stored_precisions_must_match_the_recorded_option(out, policy, says):
-    m = manifest(out)
-    m["options"]["mla_precision"] = policy
+def test_stored_precisions_must_match_the_recorded_option(out, policy, threshold, says):
+    m = manifest(out)  # converted with mla_precision mxfp4: every MXFP4 error is about 0.11
+    m["options"].update(mla_precision=policy, max_rel_error=threshold)
     write_manifest(out, m)
     problems = verify(out).problems
     assert any(says in p for p in problems), problems
-    if policy == "bf16":
+    if policy in ("bf16", "auto") and threshold:
         assert sum(says in p for p in problems) == 2 * len(m["mla"]) and _kc(m)["weight"] in problems[0]
+
+
+def test_auto_decisions_within_the_recorded_threshold_pass(out):
+    m = manifest(out)
+    m["options"].update(mla_precision="auto", max_rel_error=0.5)  # every MXFP4 error is below it: all mxfp4
+    write_manifest(out, m)
+    assert verify(out).ok
