@@ -304,11 +304,12 @@ def test_index_entry_outside_the_source_is_refused_before_any_output(synth_ckpt,
 
 
 def test_verify_checks_outs_own_config_and_index_with_files_none(synth_ckpt, tmp_path):
-    """OUT overwritten by an overlay-only conversion of another model keeps that model's config and index: the
+    """Another model's config and index placed in an overlay-only OUT (by hand: --overwrite empties OUT): the
     runtime reads OUT's config.json, so verify must compare them with the manifest even though --files none."""
-    src, out = synth_ckpt("glm-5", "bf16"), tmp_path / "out"
-    convert(synth_ckpt("deepseek-v3", "fp8-block"), out, ConvertOptions(files="copy"))
-    convert(src, out, ConvertOptions(files="none", overwrite=True))
+    src, out, other = synth_ckpt("glm-5", "bf16"), tmp_path / "out", synth_ckpt("deepseek-v3", "fp8-block")
+    convert(src, out, ConvertOptions(files="none"))
+    for name in ("config.json", "model.safetensors.index.json"):
+        shutil.copyfile(other / name, out / name)
     with pytest.raises(GlmPackError, match="geometry contradicts config.json"):
         runtime.open(out, backend="torch")
     r = CliRunner().invoke(main, ["verify", str(out)])
