@@ -117,15 +117,19 @@ def _changed_tensors(overlay: Path, file: str, tensors) -> list[str]:
 
 def _check_out_metadata(report: VerifyReport, out: Path, manifest: dict) -> None:
     """OUT's own config.json and index, which the runtime and engines read whatever ``--files`` was, must be those
-    the overlay was made from; with the originals placed in OUT they must be there."""
-    placed = manifest["options"].get("files") != "none"
+    the overlay was made from; with the originals placed in OUT every one of them must be there, of its size."""
     for name, key in (("config.json", "config_sha256"), (INDEX_NAME, "index_sha256")):
         path, recorded = out / name, manifest["source"].get(key)
-        if path.is_file():
-            if file_sha256(path) != recorded:
-                report.problems.append(f"{path} differs from the {name} the overlay was made from")
-        elif placed and recorded:
+        if path.is_file() and file_sha256(path) != recorded:
+            report.problems.append(f"{path} differs from the {name} the overlay was made from")
+    if manifest["options"].get("files") == "none":
+        return
+    for name, info in sorted(manifest["source"].get("files", {}).items()):
+        path = out / name
+        if not path.is_file():
             report.problems.append(f"{path} is missing although the originals were placed in OUT")
+        elif path.stat().st_size != info.get("size"):
+            report.problems.append(f"{path} has {path.stat().st_size} bytes, the original {info.get('size')}")
 
 
 def _source_root(out: Path, manifest: dict) -> Path | str | None:

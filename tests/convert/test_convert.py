@@ -321,7 +321,14 @@ def test_verify_checks_outs_own_config_and_index_with_files_none(synth_ckpt, tmp
     assert verify(out).ok
 
 
-def test_verify_names_a_placed_index_that_was_removed(converted):
+def test_verify_names_placed_originals_that_were_removed_or_resized(converted):
+    shards = sorted(converted.glob("model-*.safetensors"))
     (converted / "model.safetensors.index.json").unlink()
+    shards[-1].unlink()
+    size = shards[0].stat().st_size
+    with open(shards[0], "ab") as f:
+        f.write(b"x")
     problems = verify(converted).problems
-    assert any(f"{converted / 'model.safetensors.index.json'} is missing" in p for p in problems), problems
+    for gone in (converted / "model.safetensors.index.json", shards[-1]):
+        assert f"{gone} is missing although the originals were placed in OUT" in problems, problems
+    assert f"{shards[0]} has {size + 1} bytes, the original {size}" in problems, problems
