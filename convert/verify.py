@@ -26,6 +26,7 @@ from glm_pack.packing.mxfp4 import MODES, dequantize
 
 from .checkpoint import INDEX_NAME
 from .convert import file_sha256, store_sha256
+from .modelcard import SOURCE_README
 from .writer import sha256_tensor
 
 # Recomputed errors may differ from the recorded ones only by float32 summation order (thread count).
@@ -117,7 +118,8 @@ def _changed_tensors(overlay: Path, file: str, tensors) -> list[str]:
 
 def _check_out_metadata(report: VerifyReport, out: Path, manifest: dict) -> None:
     """OUT's own config.json and index, which the runtime and engines read whatever ``--files`` was, must be those
-    the overlay was made from; with the originals placed in OUT every one of them must be there, of its size."""
+    the overlay was made from; with the originals placed in OUT every one of them must be there, of its size
+    (the source's README.md as README.source.md once a glm-pack card took its place)."""
     for name, key in (("config.json", "config_sha256"), (INDEX_NAME, "index_sha256")):
         path, recorded = out / name, manifest["source"].get(key)
         if path.is_file() and file_sha256(path) != recorded:
@@ -126,6 +128,8 @@ def _check_out_metadata(report: VerifyReport, out: Path, manifest: dict) -> None
         return
     for name, info in sorted(manifest["source"].get("files", {}).items()):
         path = out / name
+        if name == "README.md" and (out / SOURCE_README).is_file():
+            path = out / SOURCE_README  # `card` / `push` moved the source's card aside for glm-pack's own
         if not path.is_file():
             report.problems.append(f"{path} is missing although the originals were placed in OUT")
         elif path.stat().st_size != info.get("size"):

@@ -2,7 +2,9 @@
 
 ``triton`` / ``tl`` are None when Triton cannot be imported (then ``IMPORT_ERROR`` says why); importing this
 module never fails. Triton picks interpreter or compiler when a kernel is *defined*, so each kernel module
-reads :func:`interpreted` at its own import.
+reads :func:`interpreted` at its own import. :func:`dot_fp32` and :func:`to_bf16` (defined only when Triton
+imports) are the fp32-accumulating dot and the bf16 rounding both kernel modules use, exact under the interpreter
+too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,32 @@ try:
 except Exception as exc:  # any import failure means "unavailable"
     triton = tl = CompiledKernel = None
     IMPORT_ERROR = f"triton cannot be imported: {exc}"
+
+
+if not IMPORT_ERROR:
+
+    @triton.jit
+    def dot_fp32(a, b, acc, INTERPRET: tl.constexpr):
+        """``acc + a @ b`` in fp32 for operands holding bf16-exact values (bf16 x bf16 products are exact in
+        fp32): bf16 operands when compiled; under the 3.6 interpreter, which multiplies bf16 bit patterns as
+        integers and whose bf16 -> fp32 cast loses subnormals, fp32 operands widened through their bits."""
+        if INTERPRET:
+            if a.dtype == tl.bfloat16:
+                a = (a.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            if b.dtype == tl.bfloat16:
+                b = (b.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            return tl.dot(a, b, acc=acc, input_precision="ieee")
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc=acc)
+
+    @triton.jit
+    def to_bf16(v, INTERPRET: tl.constexpr):
+        """float32 -> bf16 rounding to nearest even, subnormals included (the 3.6 interpreter's own cast
+        truncates and flushes them: there through the bits)."""
+        if INTERPRET:
+            bits = v.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return v.to(tl.bfloat16)
 
 
 def interpreted() -> bool:

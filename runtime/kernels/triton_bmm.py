@@ -53,10 +53,12 @@ from glm_pack.runtime.kernels._triton import IMPORT_ERROR as _TRITON_ERROR
 from glm_pack.runtime.kernels._triton import (
     KernelLaunch,
     availability,
+    dot_fp32,
     interpreted,
     sm_count,
     tl,
     tma_strides_ok,
+    to_bf16,
     triton,
 )
 from glm_pack.runtime.kernels.mxfp4_jit import mxfp4_even_round_trip, pow2
@@ -86,23 +88,6 @@ if not _TRITON_ERROR:
         scale = tl.where(s == 255, float("nan"), pow2(s - 127))
         w = tl.reshape(h.to(tl.float32) * 16384.0, (BLOCK_N, BLOCK_K // 32, 32)) * scale[:, :, None]
         return tl.reshape(w, (BLOCK_N, BLOCK_K))
-
-    @triton.jit
-    def _dot(a, b, acc, INTERPRET: tl.constexpr):
-        """``acc + a @ b`` in fp32 for operands holding bf16-exact values: bf16 operands when compiled; fp32 under
-        the 3.6 interpreter, which multiplies bf16 bit patterns as integers."""
-        if INTERPRET:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision="ieee")
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc=acc)
-
-    @triton.jit
-    def _to_bf16(v, INTERPRET: tl.constexpr):
-        """float32 -> bf16 rounding to nearest even (the 3.6 interpreter's own cast truncates)."""
-        if INTERPRET:
-            bits = v.to(tl.int32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-        return v.to(tl.bfloat16)
 
     @triton.jit(do_not_specialize=["M"])
     def _bmm_tiled_kernel(
@@ -159,14 +144,14 @@ if not _TRITON_ERROR:
             if ACT_MXFP4:
                 x = mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K, INTERPRET)
             if W_BF16:
-                acc = _dot(x, tl.trans(w), acc, INTERPRET)
+                acc = dot_fp32(x, tl.trans(w), acc, INTERPRET)
             elif DOT_SCALED:  # fast_math: no NaN select for scale byte 255 (NaN scales give inf/NaN instead)
                 acc = tl.dot_scaled(x, None, "bf16", tl.trans(codes), scales, "e2m1", acc, fast_math=True)
             else:  # the interpreter's branch (3.6 has no dot_scaled there): decode the weights here
-                acc = _dot(x, tl.trans(_e2m1_dequant(codes, scales, BLOCK_N, BLOCK_K)), acc, INTERPRET)
+                acc = dot_fp32(x, tl.trans(_e2m1_dequant(codes, scales, BLOCK_N, BLOCK_K)), acc, INTERPRET)
             x_ptrs += BLOCK_K * stride_xk
         y_ptrs = y_ptr + b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-        tl.store(y_ptrs, _to_bf16(acc, INTERPRET), mask=m_in & (offs_n[None, :] < N))
+        tl.store(y_ptrs, to_bf16(acc, INTERPRET), mask=m_in & (offs_n[None, :] < N))
 
     @triton.jit
     def _tma_tile(x_desc, w_desc, y_desc, tile, tiles_m, tiles_n, K, ACT_MXFP4, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K):
@@ -180,8 +165,8 @@ if not _TRITON_ERROR:
             w = w_desc.load([b, n0, k]).reshape(BLOCK_N, BLOCK_K)
             if ACT_MXFP4:
                 x = mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K, INTERPRET)
-            acc = _dot(x, w.T, acc, INTERPRET)
-        y_desc.store([b, m0, n0], _to_bf16(acc, INTERPRET).reshape(1, BLOCK_M, BLOCK_N))
+            acc = dot_fp32(x, w.T, acc, INTERPRET)
+        y_desc.store([b, m0, n0], to_bf16(acc, INTERPRET).reshape(1, BLOCK_M, BLOCK_N))
 
     @triton.jit(do_not_specialize=["M"])
     def _bmm_tma_kernel(
@@ -230,9 +215,10 @@ if not _TRITON_ERROR:
         stride_on,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        INTERPRET: tl.constexpr,
     ):
         """Grid ``(cdiv(N, BLOCK_N), K / BLOCK_K, B)``: codes + scales -> bf16 weights ``o [B, N, K]`` (k unit
-        stride); every value is exact in bf16."""
+        stride); every value is exact in bf16 (subnormals included: :func:`to_bf16`)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         b = tl.program_id(2).to(tl.int64)
@@ -242,7 +228,7 @@ if not _TRITON_ERROR:
         codes = tl.load(w_ptr + b * stride_wb + offs_n[:, None] * stride_wn + cols * stride_wk, mask=n_in, other=0)
         blocks = pid_k * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)[None, :]
         scales = tl.load(s_ptr + b * stride_sb + offs_n[:, None] * stride_sn + blocks * stride_sk, mask=n_in, other=127)
-        w = _e2m1_dequant(codes, scales, BLOCK_N, BLOCK_K).to(tl.bfloat16)
+        w = to_bf16(_e2m1_dequant(codes, scales, BLOCK_N, BLOCK_K), INTERPRET)
         o_ptrs = o_ptr + b * stride_ob + offs_n[:, None] * stride_on + pid_k * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
         tl.store(o_ptrs, w, mask=n_in)
 
@@ -301,8 +287,8 @@ if not _TRITON_ERROR:
                 x = tl.load(x_base + offs_m[:, None] * stride_xm + kk * BLOCK_K * stride_xk, mask=m_in, other=0.0)
                 if ACT_MXFP4:
                     x = mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K, INTERPRET)
-                acc = _dot(x, w_t[kk], acc, INTERPRET)
-            tl.store(y_base + offs_m[:, None] * stride_ym, _to_bf16(acc, INTERPRET), mask=m_in & (offs_n[None, :] < N))
+                acc = dot_fp32(x, w_t[kk], acc, INTERPRET)
+            tl.store(y_base + offs_m[:, None] * stride_ym, to_bf16(acc, INTERPRET), mask=m_in & (offs_n[None, :] < N))
 
 
 def available() -> tuple[bool, str]:
@@ -653,7 +639,8 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
     if not cfg.predecode:
         return main
     bk = _block_k(K, 128)
-    decode = KernelLaunch(_decode_kernel, (triton.cdiv(N, 32), K // bk, B), dict(BLOCK_N=32, BLOCK_K=bk))
+    decode_grid = (triton.cdiv(N, 32), K // bk, B)
+    decode = KernelLaunch(_decode_kernel, decode_grid, dict(BLOCK_N=32, BLOCK_K=bk, INTERPRET=_INTERPRETED))
     decode_ints = (N, *w_codes.stride(), *w_scales.stride(), *w.stride()[:2])
 
     def predecode_then_main(x, w_codes, w_scales, out):

@@ -29,14 +29,7 @@ _LOG2E = 1.4426950408889634
 _INTERPRETED = interpreted()  # read at import: Triton picks interpreter or compiler when a kernel is defined
 
 if not _TRITON_ERROR:
-
-    @triton.jit
-    def _dot(a, b, acc, UPCAST: tl.constexpr):
-        """``acc + a @ b`` in fp32. The 3.6 interpreter multiplies bf16 bit patterns as integers, so there
-        (UPCAST) the exact bf16 values go in as fp32; bf16 x bf16 products are exact in fp32 either way."""
-        if UPCAST:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision="ieee")
-        return tl.dot(a, b, acc=acc)
+    from glm_pack.runtime.kernels._triton import dot_fp32, to_bf16
 
     @triton.jit
     def _tile(
@@ -64,18 +57,18 @@ if not _TRITON_ERROR:
         row = tl.where(valid, idx, 0).to(tl.int64) * s_kv
         offs_l = tl.arange(0, L)
         c = tl.load(kv_ptr + row[:, None] + offs_l[None, :], mask=valid[:, None], other=0.0)
-        s = _dot(q, tl.trans(c), tl.zeros([q.shape[0], BLOCK_N], tl.float32), INTERPRET)
+        s = dot_fp32(q, tl.trans(c), tl.zeros([q.shape[0], BLOCK_N], tl.float32), INTERPRET)
         if R > 0:
             offs_r = tl.arange(0, R)
             kr = tl.load(kv_ptr + row[:, None] + L + offs_r[None, :], mask=valid[:, None], other=0.0)
-            s = _dot(qr, tl.trans(kr), s, INTERPRET)
+            s = dot_fp32(qr, tl.trans(kr), s, INTERPRET)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # log2 units
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _dot(p.to(c.dtype), c, acc * alpha[:, None], INTERPRET)
+        acc = dot_fp32(to_bf16(p, INTERPRET), c, acc * alpha[:, None], INTERPRET)
         return m_new, l_i, acc
 
     @triton.jit(do_not_specialize=["n_slots", "n_idx", "num_splits"])
@@ -94,7 +87,7 @@ if not _TRITON_ERROR:
         split = rest % num_splits
         t = (rest // num_splits).to(tl.int64)
 
-        start = tl.load(indptr_ptr + t)
+        start = tl.maximum(tl.load(indptr_ptr + t), 0)  # a range reaching outside kv_indices is cut to it
         end = tl.minimum(tl.load(indptr_ptr + t + 1), n_idx)
         n = tl.maximum(end - start, 0)
         chunk = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
@@ -138,7 +131,7 @@ if not _TRITON_ERROR:
             o = acc / l_safe[:, None]
             tl.store(
                 out_ptr + t * s_ot + offs_h[:, None] * s_oh + offs_l[None, :] * s_od,
-                o.to(out_ptr.dtype.element_ty),
+                to_bf16(o, INTERPRET),
                 mask=hmask[:, None],
             )
             if RETURN_LSE:
@@ -150,6 +143,7 @@ if not _TRITON_ERROR:
         part_ptr, pm_ptr, pl_ptr, out_ptr, lse_ptr,
         H, num_splits, s_ot, s_oh, s_od,
         L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr, RETURN_LSE: tl.constexpr,
+        INTERPRET: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)  # t * H + h
         t = (pid // H).to(tl.int64)
@@ -168,7 +162,7 @@ if not _TRITON_ERROR:
         offs_l = lb * BLOCK_L + tl.arange(0, BLOCK_L)
         part = tl.load(part_ptr + rows[:, None] * L + offs_l[None, :], mask=smask[:, None], other=0.0)
         o = tl.sum(part * w[:, None], 0) / d_safe
-        tl.store(out_ptr + t * s_ot + h * s_oh + offs_l * s_od, o.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + t * s_ot + h * s_oh + offs_l * s_od, to_bf16(o, INTERPRET))
         if RETURN_LSE:
             if lb == 0:
                 lse = tl.where(denom > 0, (m_max + tl.log2(d_safe)) / 1.4426950408889634, float("-inf"))
@@ -318,7 +312,8 @@ def sparse_mla(
     q_latent ``[T, H, L]`` bf16 (any strides), q_rope ``[T, H, R]`` bf16 or None (rope-free), kv_cache bf16
     ``[slots, L+R]``, ``[blocks, block, L+R]`` or ``[slots, 1, 1, L+R]`` (flattened to global slots),
     kv_indptr ``[T+1]`` int32, kv_indices flat int32 global slot ids: -1 (and any id outside the cache,
-    which the kernel cannot report without a host sync) is skipped; a repeated id counts each time.
+    which the kernel cannot report without a host sync) is skipped; a repeated id counts each time; a token's
+    range is cut to ``[0, len(kv_indices)]`` (a falling kv_indptr gives it no rows).
     Returns ``out [T, H, L]`` bf16 (written into ``out`` when given) and, with ``return_lse``, the natural-log
     LSE ``[T, H]`` float32 (-inf, with a zero output row, for a token with no valid row). ``config`` overrides
     :func:`default_config`.
@@ -372,5 +367,5 @@ def _launch(q_latent, qr, R, rows, kv_indptr, kv_indices, softmax_scale, out, ls
         _combine[(T * H, L // block_l)](
             part, pm, pl, out, lse_arg, H, cfg.num_splits, *out.stride(),
             L=L, BLOCK_S=triton.next_power_of_2(cfg.num_splits), BLOCK_L=block_l, RETURN_LSE=lse is not None,
-            num_warps=4,
+            INTERPRET=_INTERPRETED, num_warps=4,
         )  # fmt: skip

@@ -67,7 +67,7 @@ def test_matches_reference_on_strided_views(B, M, N, K, row, act_quant):
     assert_close_to_reference(out, x, codes, scales, act_quant)
 
 
-@pytest.mark.parametrize(
+KERNELS = pytest.mark.parametrize(
     "config",
     [
         tb.BmmConfig(16, 32, 32, 4, 1, 3),
@@ -77,6 +77,9 @@ def test_matches_reference_on_strided_views(B, M, N, K, row, act_quant):
     ],
     ids=["weights-stationary", "tiled", "predecode", "predecode-tma"],
 )
+
+
+@KERNELS
 def test_every_kernel_shape_matches_reference(config):
     B, M, N, K = 2, 37, 80, 192
     codes, scales = weights(B, N, K, seed=7)
@@ -152,6 +155,27 @@ def test_nan_activation_gives_a_nan_output_row(M):
     rows = [m for m in range(M) if m != M // 2]
     assert_close_to_reference(y[:1], x[:1], codes[:1], scales[:1], "mxfp4")
     assert_close_to_reference(y[1:, rows], x[1:, rows], codes[1:], scales[1:], "mxfp4")
+
+
+@KERNELS
+@pytest.mark.parametrize("act_quant", ["mxfp4", "none"])
+def test_subnormals_are_exact_in_every_kernel(config, act_quant):
+    """bf16 subnormals pass through exactly: every positive and negative subnormal activation against identity
+    weights gives ``act(x)``; weights at scale bytes 0 and 1 (values down to 2**-128) against ``2**100 * I``
+    give ``2**100 * W^T`` (the Triton interpreter's own bf16 -> fp32 cast would flush or misread them)."""
+    B, K = 2, 64
+    bits = torch.arange(1, 0x80, dtype=torch.int16)
+    sub = torch.cat([bits, bits | -0x8000, torch.tensor([0x0080, 0], dtype=torch.int16)]).view(torch.bfloat16)
+    x = sub.reshape(1, 4, K).expand(B, 4, K).to(DEV)  # 127 + 127 subnormals, the smallest normal, zero
+    codes, scales = identity_weights(B, K)
+    y = tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, config=config)
+    assert torch.equal(y, reference.activation_as_float(x, act_quant).to(torch.bfloat16))
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 256, (B, K, K // 2), generator=g, dtype=torch.uint8).to(DEV)
+    scales = torch.randint(0, 2, (B, K, K // 32), generator=g, dtype=torch.uint8).to(DEV)  # 2**-127, 2**-126
+    big = (torch.eye(K) * 2.0**100).to(torch.bfloat16).expand(B, K, K).to(DEV)
+    y = tb.bmm_a16wfp4(big, codes, scales, act_quant=act_quant, config=config)
+    assert torch.equal(y.transpose(1, 2), (dequantize(codes, scales).double() * 2.0**100).to(torch.bfloat16))
 
 
 def test_weight_decode_is_bit_exact():

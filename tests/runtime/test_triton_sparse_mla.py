@@ -119,6 +119,30 @@ def test_out_of_range_ids_are_skipped_like_minus_one():
     check((q_lat, q_rope, cache, indptr, skipped), out, lse)
 
 
+def test_token_ranges_are_cut_to_kv_indices():
+    """A kv_indptr reaching before or past kv_indices reads nothing outside it: each range is cut to
+    ``[0, len]`` (the reference refuses such an indptr, so the cut ranges are its expectation)."""
+    q_lat, q_rope, cache, indptr, idx = make_case(3, 16, True, seed=4)
+    n = idx.numel()
+    wild = torch.tensor([-5, 10, 30, n + 7], dtype=torch.int32, device=DEV)
+    for config in (None, tsm.SparseMlaConfig(16, 16, 1), tsm.SparseMlaConfig(16, 16, 4)):
+        out, lse = tsm.sparse_mla(q_lat, q_rope, cache, wild, idx, SCALE, return_lse=True, config=config)
+        check((q_lat, q_rope, cache, wild.clamp(0, n), idx), out, lse)
+    with pytest.raises(BackendError, match="kv_indptr must rise monotonically within"):
+        reference.sparse_mla(q_lat, q_rope, cache, wild, idx, SCALE)
+
+
+def test_subnormal_cache_values_are_exact():
+    """Latent rows all equal to one bf16 subnormal average to it exactly (the Triton interpreter's own bf16 ->
+    fp32 cast would flush or misread it)."""
+    q_lat, q_rope, cache, indptr, idx = make_case(2, 16, True, seed=6)
+    tiny = torch.tensor([3], dtype=torch.int16).view(torch.bfloat16).to(DEV)  # 3 * 2**-133
+    cache = cache.clone()
+    cache[:, :L] = tiny
+    out = tsm.sparse_mla(q_lat, q_rope, cache, indptr, idx, SCALE)[0]
+    assert torch.equal(out, tiny.expand_as(out))
+
+
 def test_default_config_splits_only_when_tokens_are_few():
     dev = torch.device("cuda") if DEV == "cuda" else torch.device("cpu")
     few = tsm.default_config(1, 16, 2048, dev)
