@@ -56,7 +56,10 @@ def _normalize_axis(axis: int, ndim: int) -> int:
 
 
 def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
-    """Raise :class:`NonFiniteError` with the count and the first index of NaN/Inf elements in ``x``."""
+    """Raise :class:`NonFiniteError` with the count and the first index of NaN/Inf elements in ``x`` (any float
+    dtype: fp8, which torch cannot sum or test, is widened first)."""
+    if x.dtype.itemsize == 1:
+        x = x.float()
     if bool(torch.isfinite(x.sum())):  # fast path (one reduction): any NaN/Inf makes the sum NaN/Inf
         return
     bad = ~torch.isfinite(x)  # the sum may also have overflowed on finite values: count exactly

@@ -159,3 +159,10 @@ def test_manifest_loads_limits():
         mf.loads("{")
     with pytest.raises(ManifestError, match="not a JSON object"):
         mf.loads("[]")
+
+
+@pytest.mark.parametrize("scale", [1e-30, 3e-23, 1.0, 1e17, 1e19, 1e30])
+def test_rel_error_holds_at_every_float32_magnitude(scale):
+    """Squares of float32 values neither overflow nor underflow: a 10% perturbation reads 0.1 at any scale."""
+    w = torch.randn(8, 512, generator=torch.Generator().manual_seed(0)) * scale
+    assert rel_error(w * 1.1, w) == pytest.approx(0.1, rel=1e-5)

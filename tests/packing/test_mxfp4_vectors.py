@@ -234,6 +234,17 @@ def test_nonfinite_raises_with_count_and_first_index(path, bad):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_fp8_input_is_quantized_and_its_nan_named(path):
+    """fp8 (e4m3, whose only non-finite value is NaN) is widened to float32: finite input quantizes like its
+    float32 values, a NaN byte raises NonFiniteError with its index."""
+    x = (torch.arange(64, dtype=torch.float32).reshape(2, 32) / 8 - 3).to(torch.float8_e4m3fn)
+    assert all(torch.equal(a, b) for a, b in zip(run(path, quantize, x), quantize(x.float()), strict=True))
+    x.view(torch.uint8)[1, 3] = 0x7F  # e4m3 NaN
+    with pytest.raises(NonFiniteError, match=r"1 non-finite value\(s\) \(1 NaN, 0 Inf\); first at index \(1, 3\)"):
+        run(path, quantize, x)
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_nonfinite_message_counts_nan_and_inf(path):
     x = torch.zeros(64)
     x[[3, 40, 41]] = torch.tensor([math.inf, math.nan, -math.inf])
