@@ -39,8 +39,13 @@ class StoredProjection:
 
 
 def _sum_squares(t: torch.Tensor) -> float:
-    """Sum of squares in float64 (every float32 square fits, none underflows)."""
-    return float(t.double().square().sum())
+    """Sum of squares of float32 ``t``: float32 norms along the last axis (fast), summed in float64; in float64
+    throughout where a row's amax lies outside [2**-60, 2**60], whose float32 squares could under- or overflow."""
+    amax = t.abs().amax(dim=-1)
+    amax = amax[amax > 0]
+    wide = bool(((amax < 2.0**-60) | (amax > 2.0**60)).any())
+    norms = torch.linalg.vector_norm(t, dim=-1, dtype=torch.float64 if wide else None)
+    return float(norms.double().square().sum())
 
 
 def rel_error(approx: torch.Tensor, ref: torch.Tensor) -> float:
