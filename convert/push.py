@@ -5,7 +5,9 @@ compared with what the target revision already holds (``get_paths_info``) and on
 files are uploaded, in commits of bounded size (``create_commit``; the client picks the regular or LFS
 path per file as the Hub's preupload answer says). The manifest and the model card go in the last
 commit, so a remote overlay without its manifest is visibly unfinished, and a re-run after an
-interruption uploads only what is left. An unchanged OUT re-pushed uploads nothing.
+interruption uploads only what is left. A remote manifest that differs from the local one is deleted in
+the first commit when files go up before the new one, so no commit leaves an old manifest over new files.
+An unchanged OUT re-pushed uploads and deletes nothing.
 
 The token comes from ``HF_TOKEN`` or the login cache (huggingface_hub's own lookup); it is passed to
 the client only and never printed or written. Every failure becomes one :class:`HubError` line.
@@ -28,6 +30,7 @@ from .modelcard import SOURCE_README, write_card
 
 MAX_COMMIT_BYTES = 8 << 30  # per commit: a failed commit loses at most this much upload work
 MAX_COMMIT_FILES = 64
+MANIFEST_PATH = f"{mf.OVERLAY_DIR}/{mf.MANIFEST_NAME}"
 PATHS_INFO_CHUNK = 100  # paths per get_paths_info request
 
 
@@ -65,6 +68,7 @@ class PushPlan:
     uploads: list[Upload] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     commits: list[list[Upload]] = field(default_factory=list)
+    deletes: list[str] = field(default_factory=list)  # remote paths deleted in the first commit
 
     @property
     def upload_bytes(self) -> int:
@@ -109,7 +113,7 @@ def local_files(out: Path, overlay_only: bool) -> list[LocalFile]:
 def _last(path: str) -> bool:
     """Files that go in the final commit: the manifest (marks the overlay complete) and the cards."""
     return path in (
-        f"{mf.OVERLAY_DIR}/{mf.MANIFEST_NAME}",
+        MANIFEST_PATH,
         "README.md",
         SOURCE_README,
         f"{mf.OVERLAY_DIR}/README.md",
@@ -169,7 +173,15 @@ def plan_push(
         else:
             plan.uploads.append(Upload(f, "changed"))
     plan.commits = group_commits(plan.uploads, options.max_commit_bytes, options.max_commit_files)
+    plan.deletes = stale_manifest(plan)
     return plan
+
+
+def stale_manifest(plan: PushPlan) -> list[str]:
+    """``[manifest path]`` when the remote manifest differs from the local one and other commits precede the
+    new one (it goes last): deleting it in the first commit keeps an interrupted push visibly unfinished."""
+    changed = any(u.file.path_in_repo == MANIFEST_PATH and u.reason == "changed" for u in plan.uploads)
+    return [MANIFEST_PATH] if changed and len(plan.commits) > 1 else []
 
 
 def _token() -> str | None:
@@ -255,7 +267,7 @@ def push(
             return report
         total = len(plan.uploads)
         for i, commit in enumerate(plan.commits):
-            ops = [_operation(u.file) for u in commit]
+            ops = _deletions(plan.deletes if i == 0 else []) + [_operation(u.file) for u in commit]
             suffix = f" ({i + 1}/{len(plan.commits)})" if len(plan.commits) > 1 else ""
             info = api.create_commit(repo_id, ops, commit_message=message + suffix, revision=options.revision)
             report.commit_urls.append(info.commit_url)
@@ -277,6 +289,12 @@ def _operation(f: LocalFile):
     if f.sha256 is not None:  # known from the verified manifest: spare the client a second read
         op.upload_info.sha256 = bytes.fromhex(f.sha256)
     return op
+
+
+def _deletions(paths: list[str]) -> list:
+    from huggingface_hub import CommitOperationDelete
+
+    return [CommitOperationDelete(path_in_repo=p) for p in paths]
 
 
 def _interrupted(report: PushReport, why: str) -> str:

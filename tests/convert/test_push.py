@@ -17,7 +17,7 @@ from fake_hub import FakeHub
 from huggingface_hub import CommitOperationAdd, HfApi, constants
 
 from glm_pack.convert.cli import main
-from glm_pack.convert.push import LocalFile, Upload, group_commits
+from glm_pack.convert.push import LocalFile, PushPlan, Upload, group_commits, stale_manifest
 
 REPO = "tester/glm-5-small-gfx950"
 LFS_THRESHOLD = 64 * 1024  # the text files (json, md) stay regular, every safetensors file goes through LFS
@@ -38,6 +38,16 @@ def converted_fixture(tmp_path_factory) -> Path:
     (src / "README.md").write_bytes(SOURCE_README)
     convert(src, root / "out", ConvertOptions())
     return root / "out"
+
+
+@pytest.fixture(scope="session", name="converted_k_none")
+def converted_k_none_fixture(converted) -> Path:
+    """The same source converted with ``k_pad="none"``: another layer file and manifest, the same originals."""
+    from glm_pack.convert.convert import ConvertOptions, convert
+
+    out = converted.parent / "out-k-none"
+    convert(converted.parent / "src", out, ConvertOptions(k_pad="none"))
+    return out
 
 
 @pytest.fixture(name="out")
@@ -188,6 +198,29 @@ def test_interrupted_push_resumes_and_uploads_only_the_rest(hub, out):
     assert put <= sum(len(expected[p]) for p in resumed if p.endswith(".safetensors"))
 
 
+@pytest.mark.parametrize("overlay_only", [True, False], ids=["overlay-only", "full"])
+def test_interrupted_push_of_a_changed_out_leaves_no_old_manifest(hub, out, converted_k_none, tmp_path, overlay_only):
+    flags = ["--overlay-only"] if overlay_only else []
+    assert run_cli("push", out, REPO, *flags).exit_code == 0
+    new = tmp_path / "new"
+    shutil.copytree(converted_k_none, new, copy_function=os.link)
+    layer, manifest = "glm-pack/layer-000.safetensors", "glm-pack/manifest.json"
+    local = published(new)
+    assert local[layer] != hub.files(REPO)[layer] and local[manifest] != hub.files(REPO)[manifest]
+    pushed = len(hub.repos[REPO].commits)
+    hub.fail("commit", drop=True, after_files=hub.committed_files + 1)  # the first commit lands, the next is dropped
+    result = run_cli("push", new, REPO, *flags)
+    assert result.exit_code == 1 and "interrupted" in result.output, result.output
+    remote = hub.files(REPO)
+    assert remote[layer] == local[layer]
+    assert manifest not in remote  # the old manifest went in the first commit: visibly unfinished
+    assert hub.repos[REPO].commits[pushed]["files"] == [manifest, layer]
+    hub.clear_faults()
+    result = run_cli("push", new, REPO, *flags)
+    assert result.exit_code == 0, result.output
+    assert hub.files(REPO) == published(new, overlay_only)  # the card was written by the first try
+
+
 def test_dry_run_lists_and_uploads_nothing(hub, out):
     result = run_cli("push", out, REPO, "--dry-run")
     assert result.exit_code == 0, result.output
@@ -244,8 +277,8 @@ def test_errors_give_one_clear_line(hub, out, monkeypatch, case):
     assert_no_token(hub, result, out)
 
 
-def _upload(path: str, size: int) -> Upload:
-    return Upload(LocalFile(path, Path(path), size), "new")
+def _upload(path: str, size: int, reason: str = "new") -> Upload:
+    return Upload(LocalFile(path, Path(path), size), reason)
 
 
 def test_group_commits_bounds_and_order():
@@ -265,6 +298,20 @@ def test_group_commits_bounds_and_order():
         ["d.safetensors", "glm-pack/layer-000.safetensors"],
         ["README.md", "glm-pack/manifest.json"],
     ]
+
+
+@pytest.mark.parametrize(
+    "manifest, others, deleted",
+    [
+        ("changed", ["glm-pack/layer-000.safetensors"], True),  # new files go up before the new manifest
+        ("changed", ["README.md"], False),  # one commit: the manifest is replaced in place
+        ("new", ["glm-pack/layer-000.safetensors"], False),  # no remote manifest to delete
+    ],
+)
+def test_stale_manifest_is_deleted_only_before_other_commits(manifest, others, deleted):
+    uploads = [_upload("glm-pack/manifest.json", 5, manifest)] + [_upload(p, 10, "changed") for p in others]
+    plan = PushPlan(REPO, "main", uploads=uploads, commits=group_commits(uploads, max_bytes=100, max_files=8))
+    assert stale_manifest(plan) == (["glm-pack/manifest.json"] if deleted else [])
 
 
 def test_fake_hub_serves_byte_ranges(hub, out):
