@@ -109,6 +109,8 @@ def files_mode(ckpt: Checkpoint, files: str | None) -> str:
             "--files link needs a local source: a Hub repo has no local files to link; use --files copy "
             "(downloads the originals into OUT) or --files none (overlay only)"
         )
+    if files == "copy" and is_hub(ckpt):
+        ckpt.store.check_copy()
     return files
 
 

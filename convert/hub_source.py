@@ -8,7 +8,8 @@ the HF cache with ``hf_hub_download``; safetensors files are read by HTTP range 
 ``HfFileSystem`` (one request per header part or tensor, retried with backoff by huggingface_hub), except
 files already in the HF cache, which are read locally. The last ranges read (at most :data:`RECENT_BYTES`)
 are kept, so a tensor that is decoded and then fingerprinted crosses the network once. With
-``HF_HUB_OFFLINE=1`` the commit is resolved from the cache and only cached files can be read.
+``HF_HUB_OFFLINE=1`` the commit is resolved from the cache and only cached files can be read; the
+repo's full file list is then unknown (the cache keeps only downloaded files), so ``--files copy`` is refused.
 ``transferred`` counts payload bytes fetched from the Hub (ranges + whole files downloaded; a resumed
 download counts its full size). Every client failure becomes one :class:`~glm_pack.packing.errors.HubError`
 line.
@@ -100,6 +101,16 @@ class HubStore:
             if path.is_file():
                 sizes[path.relative_to(snapshot).as_posix()] = path.stat().st_size
         return snapshot.name, sizes
+
+    def check_copy(self) -> None:
+        """Refuse ``--files copy`` offline: the HF cache records the files downloaded so far, never the commit's
+        full file list, so a copy could silently miss some (a tokenizer) and still look complete."""
+        if self.offline:
+            raise HubError(
+                f"--files copy needs the full file list of {self.repo_id}@{self.requested}, and HF_HUB_OFFLINE is "
+                "set: the local Hugging Face cache holds only the files downloaded so far, not the repo's listing; "
+                "run online (unset HF_HUB_OFFLINE), or use --files none (overlay only)"
+            )
 
     def _record_ref(self) -> None:
         """Fetch config.json by the requested revision: huggingface_hub then records revision -> sha in the

@@ -180,6 +180,26 @@ def test_files_copy_downloads_originals_then_offline_works_from_cache(hub, src, 
     assert [r for r in hub.requests if r.kind] == []  # nothing reached the Hub
 
 
+def test_files_copy_refused_offline(hub, src, tmp_path, monkeypatch):
+    """Offline the HF cache knows the downloaded files, not the repo's listing: a copy could miss some."""
+    from huggingface_hub import hf_hub_download
+
+    files = {p.name: p.read_bytes() for p in src.iterdir()}
+    hub.seed("org/with-tokenizer", {**files, "tokenizer.json": b'{"version": "1.0"}'})
+    for name in files:  # config, index and every shard cached; the tokenizer never downloaded
+        hf_hub_download("org/with-tokenizer", name, endpoint=hub.endpoint)
+    set_offline(monkeypatch, True)
+    hub.reset_requests()
+    for command in (["convert", "org/with-tokenizer", tmp_path / "out"], ["inspect", "org/with-tokenizer"]):
+        result = run_cli(*command, "--files", "copy")
+        assert result.exit_code == 1, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("glm-pack: error: --files copy"), lines
+        assert "org/with-tokenizer" in lines[0] and "HF_HUB_OFFLINE" in lines[0] and "--files none" in lines[0]
+    assert not (tmp_path / "out").exists()
+    assert [r for r in hub.requests if r.kind] == []
+
+
 def test_link_refused_for_hub_source(hub, tmp_path):
     result = run_cli("convert", REPO, tmp_path / "out", "--files", "link")
     assert result.exit_code == 1
