@@ -26,6 +26,17 @@ TAGS = ("glm", "mla", "mxfp4", "rocm", "gfx950", "glm-pack")
 OVERLAY_LIBRARY = "glm-pack"
 # Metadata carried over from the source model card when present.
 CARRIED_KEYS = ("license", "license_name", "license_link", "language", "pipeline_tag")
+# What fills the padded K columns of a stored projection, per stored precision.
+PAD_FILL = {
+    "mxfp4": "zero codes and scale byte 0x7F in the extra 32-blocks of the MXFP4 tensors",
+    "bf16": "zero columns in the BF16 tensors",
+}
+# How a stored projection's values sit in the bmm_nk layout, per stored precision.
+PACKING = {
+    "mxfp4": "MXFP4 codes are packed two per byte (low nibble = even k) with one E8M0 scale byte per 32 values"
+    " along K",
+    "bf16": "BF16 values are stored as they are",
+}
 
 
 def card_path(out: Path, overlay_only: bool) -> Path:
@@ -93,6 +104,38 @@ def _projections(layers) -> list:
     return [p for lay in layers for p in (lay.w_kc, lay.w_vc)]
 
 
+def _stored(layers, *, padded: bool = False) -> list[str]:
+    """Stored precisions of the projections (of the K-padded ones with ``padded``), in manifest order."""
+    stored = {p.precision for p in _projections(layers) if not padded or p.k_stored != p.k_logical}
+    return [x for x in mf.PRECISIONS if x in stored]
+
+
+def _stored_label(layers) -> str:
+    """'MXFP4', 'BF16' or 'MXFP4 and BF16': what the projections are stored as."""
+    return " and ".join(x.upper() for x in _stored(layers))
+
+
+def _layout_text(layers) -> str:
+    packing = "; ".join(PACKING[x] for x in _stored(layers))
+    return f"Layout `bmm_nk`: row-major, reduction axis (K) last, plain (no shuffle); {packing}."
+
+
+def _k_pad_text(layers) -> str:
+    padded = sorted({(p.k_logical, p.k_stored) for p in _projections(layers) if p.k_stored != p.k_logical})
+    if not padded:
+        return "No K padding."
+    fills = _stored(layers, padded=True)
+    even = " and K takes the kernels' even path" if "mxfp4" in fills else ""
+    return (
+        "K padding: "
+        + ", ".join(f"{a} → {b}" for a, b in padded)
+        + " with "
+        + " and ".join(PAD_FILL[x] for x in fills)
+        + ", so the whole `[nope | rope]` q row can be passed as the activation (rope columns meet zero"
+        f" weights){even}."
+    )
+
+
 def _layout_fields(layers, tensors) -> dict:
     rows, seen = [], set()
     for p in _projections(layers):
@@ -104,17 +147,7 @@ def _layout_fields(layers, tensors) -> dict:
             rows.append(
                 f"| {p.name} | {dtype} | {list(entry.shape)} | bmm_nk | {p.k_logical} | {p.k_stored} |"
             )
-    padded = sorted({(p.k_logical, p.k_stored) for p in _projections(layers) if p.k_stored != p.k_logical})
-    text = "No K padding."
-    if padded:
-        text = (
-            "K padding: "
-            + ", ".join(f"{a} → {b}" for a, b in padded)
-            + " with zero codes and scale byte 0x7F in the extra 32-blocks, so the whole `[nope | rope]`"
-            " q row can be passed as the activation (rope columns meet zero weights) and K takes the kernels'"
-            " even path."
-        )
-    return {"layout_rows": "\n".join(rows), "k_pad_text": text}
+    return {"layout_rows": "\n".join(rows), "layout_text": _layout_text(layers), "k_pad_text": _k_pad_text(layers)}
 
 
 def _quant_fields(manifest: dict, layers) -> dict:
@@ -191,11 +224,21 @@ def _kernel_fields(manifest: dict) -> dict:
     }
 
 
-def _audience_fields(name: str, overlay_only: bool) -> dict:
-    overlay = (
-        "absorbed MLA projections (`w_kc`, `w_vc`) quantized to MXFP4 in the layouts AMD aiter's gfx950"
-        " kernels read, with a manifest"
-    )
+def _overlay_text(layers) -> str:
+    """What the overlay holds, as stored: all MXFP4, all BF16, or how many of each."""
+    projections = _projections(layers)
+    n_mxfp4 = sum(p.precision == "mxfp4" for p in projections)
+    aiter = "in the layouts AMD aiter's gfx950 kernels read"
+    if n_mxfp4 == 0:
+        stored = " kept in BF16 (none quantized), reduction axis last (`bmm_nk`)"
+    elif n_mxfp4 == len(projections):
+        stored = f" quantized to MXFP4 {aiter}"
+    else:
+        stored = f", {n_mxfp4} of {len(projections)} quantized to MXFP4 {aiter} and the rest kept in BF16"
+    return f"absorbed MLA projections (`w_kc`, `w_vc`){stored}, with a manifest"
+
+
+def _audience_fields(name: str, overlay_only: bool, overlay: str) -> dict:
     if overlay_only:
         return {
             "intro": f"This folder holds a kernel-ready overlay for **{name}** made by glm-pack: {overlay}. "
@@ -229,7 +272,7 @@ def _body_fields(manifest: dict, overlay_only: bool, has_source_readme: bool, re
     return {
         "marker": CARD_MARKER,
         "repo_id": repo_id or "<this repo>",
-        "title": f"{name} — glm-pack MXFP4 MLA overlay for gfx950",
+        "title": f"{name} — glm-pack {_stored_label(layers)} MLA overlay for gfx950",
         "n_layers": len(layers),
         "layer_list": compact_ranges([lay.layer for lay in layers]),
         "overlay_dir": mf.OVERLAY_DIR,
@@ -244,7 +287,7 @@ def _body_fields(manifest: dict, overlay_only: bool, has_source_readme: bool, re
         **_quant_fields(manifest, layers),
         "precision_text": _precision_text(options, layers),
         **_kernel_fields(manifest),
-        **_audience_fields(name, overlay_only),
+        **_audience_fields(name, overlay_only, _overlay_text(layers)),
         "tool": manifest["tool"]["name"],
         "tool_version": manifest["tool"]["version"],
         "created": manifest.get("created", "?"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 from huggingface_hub import ModelCard
 from test_push import SOURCE_README, converted_fixture, out_fixture  # noqa: F401  (fixtures: converted, out)
@@ -91,3 +92,75 @@ def test_base_model_from_the_manifest_and_no_source_card(out):
     assert "license" not in data
     assert "`zai-org/GLM-5` at revision `abc123`" in card.text
     assert "README.source.md" not in card.text
+
+
+
+@pytest.fixture(scope="session")
+def precision_outs(tmp_path_factory) -> dict:
+    """Real conversions of one 2-layer synthetic checkpoint under each MLA precision policy, by case name.
+
+    ``mixed`` is ``auto`` with a bound between the two layers' w_kc MXFP4 errors (one w_kc stays BF16, the
+    other is MXFP4, both K-padded); ``auto-all-bf16`` is ``auto`` with the bound 0, which every error exceeds.
+    """
+    from glm_pack.convert.convert import ConvertOptions, convert
+    from glm_pack.convert.synth import synthesize
+
+    root = tmp_path_factory.mktemp("precisions")
+    src = synthesize(root / "src", card="glm-5", layers=2, experts=1, fmt="bf16", seed=0, mtp=False)
+    cases = {
+        "mxfp4": ConvertOptions(),
+        "bf16": ConvertOptions(mla_precision="bf16"),
+        "auto-all-bf16": ConvertOptions(mla_precision="auto", max_rel_error=0.0),
+    }
+    for case, options in cases.items():
+        convert(src, root / case, options)
+    kc = [e["w_kc"]["mxfp4_rel_error"] for e in _manifest(root / "mxfp4")["mla"]]
+    convert(src, root / "mixed", ConvertOptions(mla_precision="auto", max_rel_error=(min(kc) + max(kc)) / 2))
+    return {case: root / case for case in (*cases, "mixed")}
+
+
+def _stored(manifest: dict) -> list[tuple[bool, int, int]]:
+    """Per projection, from the manifest's tensors table: (stored as MXFP4, K logical, K stored)."""
+    tensors = manifest["tensors"]
+    stored = []
+    for entry in manifest["mla"]:
+        for proj in (entry["w_kc"], entry["w_vc"]):
+            dtype = tensors[proj["weight"]]["dtype"]
+            mxfp4 = proj["scale"] is not None and dtype == "U8" and tensors[proj["scale"]]["dtype"] == "U8"
+            assert mxfp4 or (dtype == "BF16" and proj["scale"] is None), proj
+            stored.append((mxfp4, proj["layout"]["k_logical"], proj["layout"]["k_stored"]))
+    return stored
+
+
+def _title_intro_layout(text: str) -> tuple[str, str, str]:
+    """The card's title, intro paragraph and layout paragraph (whitespace collapsed)."""
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("# "))
+    paragraphs = [" ".join(p.split()) for p in "\n".join(lines[at + 1 :]).split("\n\n") if p.strip()]
+    layout = [p for p in paragraphs if p.startswith("Layout `bmm_nk`")]
+    assert len(layout) == 1
+    return lines[at][2:], paragraphs[0], layout[0]
+
+
+CASES = {"mxfp4": (True, False), "bf16": (False, True), "auto-all-bf16": (False, True), "mixed": (True, True)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_card_describes_the_stored_precisions(precision_outs, case):
+    stored = _stored(_manifest(precision_outs[case]))
+    any_mx, any_bf = any(s[0] for s in stored), not all(s[0] for s in stored)
+    padded_mx = any(mx and k != ks for mx, k, ks in stored)
+    padded_bf = any(not mx and k != ks for mx, k, ks in stored)
+    assert (any_mx, any_bf) == CASES[case]  # the fixture made this mix
+    assert case != "mixed" or (padded_mx and padded_bf)
+    text = render_card(precision_outs[case])
+    title, intro, layout = _title_intro_layout(text)
+    assert ("MXFP4" in title, "BF16" in title) == (any_mx, any_bf), title
+    assert ("quantized to MXFP4" in intro, "BF16" in intro) == (any_mx, any_bf), intro
+    if any_mx and any_bf:
+        assert f"{sum(s[0] for s in stored)} of {len(stored)} quantized to MXFP4" in intro, intro
+    assert ("codes" in layout, "scale" in layout) == (any_mx, any_mx), layout  # MXFP4 wording only for MXFP4
+    for k, ks in sorted({(k, ks) for _, k, ks in stored if k != ks}):
+        assert f"{k} → {ks}" in layout
+    assert ("0x7F" in layout, "zero columns" in layout) == (padded_mx, padded_bf), layout
+    assert ("No projection is quantized" in text) == (not any_mx)
