@@ -296,7 +296,7 @@ def _body_fields(manifest: dict, overlay_only: bool, has_source_readme: bool, re
         "quant_mode": options.get("quant_mode"),
         "k_pad": options.get("k_pad"),
         "mla_precision": options.get("mla_precision"),
-        "max_rel_error": options.get("max_rel_error") or "none",
+        "max_rel_error": "none" if options.get("max_rel_error") is None else options["max_rel_error"],
         "source_readme_text": f"- The source model card is kept as `{SOURCE_README}`."
         if has_source_readme
         else "",

@@ -164,3 +164,12 @@ def test_card_describes_the_stored_precisions(precision_outs, case):
         assert f"{k} → {ks}" in layout
     assert ("0x7F" in layout, "zero columns" in layout) == (padded_mx, padded_bf), layout
     assert ("No projection is quantized" in text) == (not any_mx)
+
+
+@pytest.mark.parametrize("case", ["auto-all-bf16", "mixed", "bf16"])
+def test_provenance_states_the_recorded_error_bound(precision_outs, case):
+    bound = _manifest(precision_outs[case])["options"]["max_rel_error"]
+    text = " ".join(render_card(precision_outs[case]).split())
+    assert f"max relative error `{'none' if bound is None else bound}`" in text
+    if bound is not None:  # the policy line names the same bound
+        assert f"exceed {bound}" in text
