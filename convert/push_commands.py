@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 
 import click
@@ -133,7 +134,7 @@ def push_command(
         base_model=base_model,
         max_commit_bytes=max(1, int(max_commit_gib * 2**30)),
     )
-    with _quiet_hub_progress():  # huggingface_hub's per-file bars would bury the one-line errors on stderr
+    with _quiet_hub():  # its bars and retry warnings would bury the one-line error on stderr
         report = push(out, repo_id, options, progress=None if as_json else _progress)
     if as_json:
         click.echo(json.dumps(_report_json(report, repo_id), indent=2))
@@ -142,14 +143,19 @@ def push_command(
 
 
 @contextlib.contextmanager
-def _quiet_hub_progress():
+def _quiet_hub():
+    """Mute huggingface_hub's progress bars and its warnings (one per retried request, from http_backoff)."""
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
     was_disabled = are_progress_bars_disabled()
     disable_progress_bars()
+    hub_logger.setLevel(max(level, logging.ERROR))
     try:
         yield
     finally:
+        hub_logger.setLevel(level)
         if not was_disabled:
             enable_progress_bars()
 

@@ -6,9 +6,12 @@ Xet is disabled so uploads take the Hub's regular (inline) and LFS (batch + PUT)
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -275,6 +278,44 @@ def test_errors_give_one_clear_line(hub, out, monkeypatch, case):
     assert lines[0].startswith("glm-pack: error: ") and expected in lines[0], lines[0]
     assert "Traceback" not in result.output
     assert_no_token(hub, result, out)
+
+
+# glm-pack's CLI in a fresh interpreter, so its real stderr is seen (huggingface_hub's log handler keeps the
+# stderr of its import, which CliRunner does not capture); huggingface_hub's waits between retries are skipped.
+CLI_NO_RETRY_WAIT = (
+    "import sys, time, types, huggingface_hub.utils._http as http;"
+    "http.time = types.SimpleNamespace(**{**vars(time), 'sleep': lambda s: None});"
+    "from glm_pack.convert.cli import main; main(sys.argv[1:], prog_name='glm-pack')"
+)
+RETRIED = {
+    "preupload 429": (lambda hub: hub.fail("preupload", 429), "preupload", "rate limited (429)"),
+    "lfs batch 503": (lambda hub: hub.fail("lfs_batch", 503), "lfs_batch", "the Hub answered 503"),
+    "lfs put dropped": (lambda hub: hub.fail("lfs_put", drop=True), "lfs_put", "upload interrupted"),
+}
+
+
+@pytest.mark.parametrize("case", list(RETRIED))
+def test_retried_requests_still_give_one_error_line(hub, out, tmp_path, case):
+    setup, kind, expected = RETRIED[case]
+    setup(hub)
+    cmd = [sys.executable, "-c", CLI_NO_RETRY_WAIT, "push", str(out), REPO]
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert len(hub.kinds(kind)) > 1  # the client did retry
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("glm-pack: error: ") and expected in lines[0], lines[0]
+    assert hub.token not in result.stdout + result.stderr
+
+
+def test_push_restores_the_hub_log_level(hub, out):
+    hub_logger = logging.getLogger("huggingface_hub")
+    before = hub_logger.level
+    assert run_cli("push", out, REPO, "--dry-run").exit_code == 0
+    assert hub_logger.level == before
+    hub.fail("create", 403)
+    assert run_cli("push", out, REPO).exit_code == 1
+    assert hub_logger.level == before
 
 
 def _upload(path: str, size: int, reason: str = "new") -> Upload:
