@@ -31,6 +31,8 @@ def _print_report(report: PushReport, repo_id: str) -> None:
         table = Table(title=f"dry run: would upload to {repo_id}@{plan.revision} ({report.endpoint})")
         for col in ("commit", "file", "size", "why"):
             table.add_column(col, justify="right" if col in ("commit", "size") else "left")
+        for path in plan.deletes:
+            table.add_row("1", path, "-", "deleted first: the remote's manifest differs")
         for i, commit in enumerate(plan.commits):
             for u in commit:
                 table.add_row(str(i + 1), u.file.path_in_repo, _mib(u.file.size), u.reason)
@@ -66,6 +68,7 @@ def _report_json(report: PushReport, repo_id: str) -> dict:
             {"path": u.file.path_in_repo, "size": u.file.size, "reason": u.reason} for u in plan.uploads
         ],
         "commits": [[u.file.path_in_repo for u in c] for c in plan.commits],
+        "deletes": plan.deletes,  # remote paths the first commit deletes
         "unchanged": plan.unchanged,
         "uploaded_files": report.uploaded_files,
         "uploaded_bytes": report.uploaded_bytes,

@@ -6,6 +6,7 @@ Xet is disabled so uploads take the Hub's regular (inline) and LFS (batch + PUT)
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -211,6 +212,9 @@ def test_interrupted_push_of_a_changed_out_leaves_no_old_manifest(hub, out, conv
     local = published(new)
     assert local[layer] != hub.files(REPO)[layer] and local[manifest] != hub.files(REPO)[manifest]
     pushed = len(hub.repos[REPO].commits)
+    dry = run_cli("push", new, REPO, *flags, "--dry-run", "--json")
+    assert dry.exit_code == 0 and json.loads(dry.output)["deletes"] == [manifest], dry.output
+    assert "deleted first" in run_cli("push", new, REPO, *flags, "--dry-run").output
     hub.fail("commit", drop=True, after_files=hub.committed_files + 1)  # the first commit lands, the next is dropped
     result = run_cli("push", new, REPO, *flags)
     assert result.exit_code == 1 and "interrupted" in result.output, result.output
