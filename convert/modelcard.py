@@ -22,7 +22,7 @@ CARD_MARKER = (
     "<!-- glm-pack model card: generated from glm-pack/manifest.json; refresh with `glm-pack card` -->"
 )
 SOURCE_README = "README.source.md"
-TAGS = ("glm", "mla", "mxfp4", "rocm", "gfx950", "glm-pack")
+TAGS = ("glm", "mla", "rocm", "gfx950", "glm-pack")  # plus "mxfp4" where a projection is stored so
 OVERLAY_LIBRARY = "glm-pack"
 # Metadata carried over from the source model card when present.
 CARRIED_KEYS = ("license", "license_name", "license_link", "language", "pipeline_tag")
@@ -80,7 +80,8 @@ def card_metadata(manifest: dict, source_meta: dict, *, overlay_only: bool, base
     carried = {k: source_meta[k] for k in CARRIED_KEYS if source_meta.get(k)}
     library = OVERLAY_LIBRARY if overlay_only else source_meta.get("library_name") or OVERLAY_LIBRARY
     source_tags = [t for t in source_meta.get("tags") or [] if isinstance(t, str)]
-    tags = list(dict.fromkeys([*TAGS, *source_tags]))
+    mxfp4 = ["mxfp4"] if "mxfp4" in _stored(mf.parse_mla(manifest)) else []
+    tags = list(dict.fromkeys([*TAGS, *mxfp4, *source_tags]))
     extra = {"base_model_relation": "quantized"} if base else {}
     return ModelCardData(base_model=base, library_name=library, tags=tags, **carried, **extra)
 
@@ -217,9 +218,18 @@ def _kernel_fields(manifest: dict) -> dict:
             " configs."
         )
     archs = sorted((kcfg.get("configs") or {}).keys())
+    stored = _stored(mf.parse_mla(manifest))
+    gemm = {
+        "mxfp4": "aiter's batched A16WFP4 GEMM `aiter.ops.triton.gemm.batched.batched_gemm_a16wfp4` (weights"
+        " `[B, N, K/2]` U8 + scales `[B, N, K/32]` U8 E8M0, plain)",
+        "bf16": "a plain BF16 batched matmul",
+    }
     return {
         "route": route,
         "route_text": text,
+        "projection_kernels": "; ".join(
+            f"{'the ' + x.upper() + ' projections: ' if len(stored) > 1 else ''}{gemm[x]}" for x in stored
+        ),
         "config_archs": ", ".join(f"`{a}`" for a in archs) or "none (the kernels' defaults apply)",
     }
 

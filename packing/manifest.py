@@ -26,8 +26,8 @@ PROJ (one absorbed projection) is::
      would give; equals rel_error when MXFP4 was kept)}
 
 ``w_kc`` is stored ``[H, kv_lora, k_stored]`` (MXFP4 codes ``[H, kv_lora, k_stored/2]``), ``w_vc``
-``[H, v, kv_lora]``; layout ``bmm_nk`` means row-major, reduction axis last, K padded with zero codes and
-scale bytes 0x7F from ``k_logical`` to ``k_stored``.
+``[H, v, kv_lora]``; layout ``bmm_nk`` means row-major, reduction axis last, K padded from ``k_logical`` to
+``k_stored`` with zero codes and scale bytes 0x7F (MXFP4) or zero values (BF16).
 """
 
 from __future__ import annotations

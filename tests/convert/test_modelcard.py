@@ -164,6 +164,10 @@ def test_card_describes_the_stored_precisions(precision_outs, case):
         assert f"{k} → {ks}" in layout
     assert ("0x7F" in layout, "zero columns" in layout) == (padded_mx, padded_bf), layout
     assert ("No projection is quantized" in text) == (not any_mx)
+    kernels = next(line for line in text.splitlines() if line.startswith("- K-up and V-up:"))
+    assert ("batched_gemm_a16wfp4" in kernels, "plain BF16 batched matmul" in kernels) == (any_mx, any_bf)
+    tags = ModelCard(text).data.to_dict()["tags"]
+    assert ("mxfp4" in tags) == any_mx, tags
 
 
 @pytest.mark.parametrize("case", ["auto-all-bf16", "mixed", "bf16"])
