@@ -226,7 +226,8 @@ def _check_precisions(report: VerifyReport, options: dict, layers: list[mf.MlaLa
     for proj in (p for layer in layers for p in (layer.w_kc, layer.w_vc)):
         want = policy if policy != "auto" else ("mxfp4" if proj.mxfp4_rel_error <= threshold else "bf16")
         if proj.precision != want:
-            rule = f" with max_rel_error {threshold} (MXFP4 error {proj.mxfp4_rel_error:.4g})" if threshold else ""
+            auto = policy == "auto"
+            rule = f" with max_rel_error {threshold} (MXFP4 error {proj.mxfp4_rel_error:.4g})" if auto else ""
             report.problems.append(
                 f"{proj.weight}: stored {proj.precision}, but options.mla_precision {policy}{rule} gives {want}"
             )
