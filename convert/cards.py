@@ -18,15 +18,15 @@ MTP included), ``expert`` (each routed expert ``{e}`` of a MoE layer), ``mtp``. 
 relative to :meth:`Card.layer_prefix`. Roles: ``attn``, ``indexer``, ``mlp``, ``expert`` (Linear weights a
 quantized export may store quantized), ``router``, ``embed``, ``head``, ``norm``, ``other``.
 
-Every config.json value is type-checked where it is read, by :func:`config_value`: a wrong type (a float or
-bool for an integer, a string for a list, ...) is a CheckpointError naming the key and the value.
+Every config.json value is type-checked where it is read (:mod:`~glm_pack.convert.config_values`): a
+wrong type (a float or bool for an integer, a string for a list, ...) is a CheckpointError naming the key and
+the value.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
-import json
 import operator
 import re
 from dataclasses import dataclass
@@ -38,16 +38,16 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from glm_pack.packing.errors import CheckpointError, GlmPackError, PlanError
+from glm_pack.packing.errors import CheckpointError, PlanError
 from glm_pack.packing.manifest import AITER_BMM_CONFIG_KEYS
 from glm_pack.packing.mla import MlaGeometry
+
+from .config_values import config_value
 
 ROUTES = ("padded", "unpadded")
 LINEAR_ROLES = ("attn", "indexer", "mlp", "expert")
 SCOPES = ("global", "layer", "mla", "linear_attn", "indexer", "dense", "moe", "expert", "mtp")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
-_KINDS = {int: "integer", str: "string", list: "list", dict: "object"}
-_REQUIRED = object()
 
 
 @dataclass(frozen=True)
@@ -77,42 +77,6 @@ class LayerPlan:
     @property
     def all(self) -> tuple[int, ...]:
         return tuple(range(self.num_layers)) + self.mtp
-
-
-def _fits(value, want: type, minimum: int | None) -> bool:
-    if want is int:
-        return isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
-    return isinstance(value, want)
-
-
-def config_value(
-    value,
-    key: str,
-    want: type,
-    *,
-    item: type | None = None,
-    minimum: int | None = None,
-    default=_REQUIRED,
-    error: type[GlmPackError] = CheckpointError,
-):
-    """``value``, config.json's ``key`` (None when absent), if it is a ``want`` (an int: never a bool, at least
-    ``minimum``; with ``item``: a list or object whose every item is one); None gives ``default`` when one is
-    given. Otherwise ``error`` naming the key and the value, with ``file="config.json"``."""
-    if value is None and default is not _REQUIRED:
-        return default
-    if item is None:
-        ok = _fits(value, want, minimum)
-    else:
-        ok = _fits(value, want, None) and all(
-            _fits(v, item, minimum) for v in (value.values() if want is dict else value)
-        )
-    if ok:
-        return value
-    kind = f"{_KINDS[want]} of {_KINDS[item]}s" if item else _KINDS[want]
-    what = f"{'an' if kind[0] in 'aeio' else 'a'} {kind}" + (f" >= {minimum}" if minimum is not None else "")
-    got = "null (or missing)" if value is None else json.dumps(value)
-    got = got if len(got) <= 80 else got[:77] + "..."
-    raise error(f"{key} must be {what}, got {got}", file="config.json")
 
 
 def eval_expr(expr, values: dict, where: str) -> int:

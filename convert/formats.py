@@ -39,7 +39,7 @@ import torch
 from glm_pack.packing import fp8, mxfp4
 from glm_pack.packing.errors import FormatError
 
-from .cards import config_value
+from .config_values import config_value
 
 FORMATS = ("bf16", "fp16", "fp32", "fp8-block", "fp8-channel", "mxfp4")
 FLOAT_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
