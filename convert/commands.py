@@ -174,7 +174,9 @@ def verify_command(out, as_json):
 
 @click.command("demo")
 @click.argument("workdir", required=False, type=click.Path(file_okay=False))
-@click.option("--layers", default=4, show_default=True, help="MLA layers of the synthetic GLM-5 checkpoint.")
+@click.option(
+    "--layers", default=4, show_default=True, help="Decoder layers of the synthetic GLM-5 checkpoint (MTP on top)."
+)
 def demo_command(workdir, layers):
     """Synthesize a small GLM-5 checkpoint, convert it, verify it and run one layer through the runtime."""
     from glm_pack import runtime

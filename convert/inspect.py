@@ -48,10 +48,13 @@ from .plan import FILE_MODES, make_plan
 SCHEMA = "glm-pack.inspect/1"
 
 
-def inspect_checkpoint(src, *, k_pad="card", mla_precision: str = "mxfp4", files: str | None = None) -> dict:
+def inspect_checkpoint(
+    src, *, k_pad="card", mla_precision: str = "mxfp4", files: str | None = None, quant_mode: str = "even"
+) -> dict:
     """The inspect report of ``src`` as a JSON-ready dict (keys documented in the module docstring).
 
-    ``files`` None: convert's default for the source (link for a local directory, none for a Hub repo).
+    ``files`` None: convert's default for the source (link for a local directory, none for a Hub repo). The plan
+    covers the MLA overlay and the reused files, not the experts ``--repack-experts`` would add.
     """
     ckpt = open_checkpoint(src)
     files = files_mode(ckpt, files)
@@ -84,7 +87,9 @@ def inspect_checkpoint(src, *, k_pad="card", mla_precision: str = "mxfp4", files
         "formats": dict(sorted(counts.items())),
         "mla": [_mla_entry(ckpt, layer) for layer in ckpt.mla_layers()],
         "experts": _experts(ckpt),
-        "plan": make_plan(ckpt, k_pad=k_pad, mla_precision=mla_precision, files=files).to_dict(),
+        "plan": make_plan(
+            ckpt, quant_mode=quant_mode, k_pad=k_pad, mla_precision=mla_precision, files=files
+        ).to_dict(),
         "hub": _hub(ckpt),
     }
 
@@ -198,16 +203,17 @@ def render(report: dict, console: Console) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the stable JSON report (schema glm-pack.inspect/1).")
 @click.option("--k-pad", default="card", show_default=True, help="As for convert: 'card', 'none' or a multiple.")
 @click.option("--mla-precision", type=click.Choice(["mxfp4", "bf16", "auto"]), default="mxfp4", show_default=True)
+@click.option("--quant-mode", type=click.Choice(["even", "mse"]), default="even", show_default=True, help="As convert.")
 @click.option(
     "--files", type=click.Choice(FILE_MODES), default=None, help="As for convert (default: link; none for a Hub SRC)."
 )
-def inspect_command(src, as_json, k_pad, mla_precision, files):
+def inspect_command(src, as_json, k_pad, mla_precision, quant_mode, files):
     """Show a checkpoint's family, geometry, per-layer source formats and the plan convert would carry out.
 
     SRC is a checkpoint directory or a Hub repo id org/name[@revision] (headers read by HTTP range requests).
     Reads headers only. Example: glm-pack inspect ./GLM-5-FP8 --json > plan.json
     """
-    report = inspect_checkpoint(src, k_pad=k_pad, mla_precision=mla_precision, files=files)
+    report = inspect_checkpoint(src, k_pad=k_pad, mla_precision=mla_precision, files=files, quant_mode=quant_mode)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

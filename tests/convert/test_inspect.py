@@ -56,8 +56,10 @@ def test_inspect_json_reads_headers_only(synth_ckpt, monkeypatch):
     sizes = {p.name: p.stat().st_size for p in path.glob("*.safetensors")}
     assert {f["name"]: f["bytes"] for f in report["files"]} == sizes and report["total_bytes"] == sum(sizes.values())
     plan = report["plan"]
-    assert plan["route"] == "padded" and plan["k_stored"] == 256
+    assert plan["route"] == "padded" and plan["k_stored"] == 256 and plan["quant_mode"] == "even"
     assert plan["reused_bytes"] == sum(p.stat().st_size for p in path.iterdir())
+    mse = CliRunner().invoke(main, ["inspect", str(path), "--json", "--quant-mode", "mse"])
+    assert mse.exit_code == 0 and json.loads(mse.stdout)["plan"]["quant_mode"] == "mse", mse.output
 
 
 def test_plan_outputs_hand_computed(synth_ckpt):
