@@ -19,6 +19,7 @@ import os
 import shutil
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
@@ -124,6 +125,11 @@ def check_locations(src: Path | None, out: Path) -> None:
         raise PlanError(f"output {out} exists and is not a directory", file=out)
 
 
+def _empty_dir(path: Path) -> bool:
+    """A real folder with nothing in it (what a run killed right after creating ``glm-pack/`` leaves)."""
+    return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
+
+
 def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict) -> list[dict]:
     """Decide what an existing OUT means; returns journal entries a resume may keep (re-checked later)."""
     previous = state.read_run(overlay)
@@ -144,14 +150,14 @@ def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict)
             "or --overwrite to start over",
             file=out,
         )
-    leftovers = [p for p in out.iterdir() if p.name != state.LOCK_NAME] if out.exists() else []
+    leftovers = [p for p in out.iterdir() if p.name != state.LOCK_NAME and not _empty_dir(p)] if out.exists() else []
     if leftovers and not options.overwrite:
         raise PlanError(f"output {out} is not empty; pass --overwrite to replace its contents", file=out)
     if not overlay.is_symlink():  # a link is replaced itself, never what it points to
         (overlay / mf.MANIFEST_NAME).unlink(missing_ok=True)  # first: never a manifest over partial files
     if leftovers:  # --overwrite: nothing of the old contents may stay beside the new output
         clear_directory(out, keep={state.LOCK_NAME})
-    overlay.mkdir(parents=True)
+    overlay.mkdir(parents=True, exist_ok=True)
     state.write_run(overlay, run)
     return []
 
@@ -175,6 +181,7 @@ def place_original(src_file: Path, dst: Path, mode: str) -> bool:
         if copied:
             shutil.copyfile(src_file, tmp)
         os.replace(tmp, dst)
+        tmp.unlink(missing_ok=True)  # renaming onto a link to the same file (a resumed run) leaves tmp as it is
     except OSError as err:
         tmp.unlink(missing_ok=True)
         if err.errno == errno.ENOSPC:
@@ -242,13 +249,23 @@ def _run_items(ckpt: Checkpoint, todo, settings: Settings, overlay: Path, worker
         return
     threads = max(1, (os.cpu_count() or 1) // workers)
     ctx = get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=worker_init, initargs=(threads,)) as pool:
-        pending = {pool.submit(run_item_in_worker, str(ckpt.root), item, settings, str(overlay)) for item in todo}
+    with ProcessPoolExecutor(
+        workers, mp_context=ctx, initializer=worker_init, initargs=(threads, os.getpid())
+    ) as pool:
+        files = {pool.submit(run_item_in_worker, str(ckpt.root), i, settings, str(overlay)): i.file for i in todo}
+        pending = set(files)
         try:
             while pending:
                 done, pending = wait(pending, return_when=FIRST_COMPLETED)
                 for fut in done:
                     on_done(fut.result())
+        except BrokenProcessPool as err:
+            unfinished = sorted(files[f] for f in pending | {f for f in files if f.done() and f.exception()})
+            raise OutputError(
+                f"a worker process died (killed, or out of memory?) while writing {', '.join(unfinished[:4])}"
+                f"{' ...' if len(unfinished) > 4 else ''}; finished files are kept: rerun with --resume",
+                file=overlay,
+            ) from err
         except BaseException:
             for fut in pending:
                 fut.cancel()

@@ -9,6 +9,9 @@ number of workers.
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +29,7 @@ from .writer import LazyTensor, dtype_name, write_safetensors
 OVERLAY_METADATA = {"format": "pt", "producer": "glm-pack"}
 EXPERT_FILE_BYTES = 5 * 10**9  # the issue's bound; the Hub recommends <= 20 GB per file
 REPACK_MODES = ("none", "aiter-a4w4")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass(frozen=True)
@@ -209,8 +213,10 @@ def run_item(ckpt: Checkpoint, item: WorkItem, settings: Settings, overlay: Path
 _WORKER_CKPT: dict[str, Checkpoint] = {}
 
 
-def worker_init(threads: int) -> None:
-    """Give each worker process its share of the cores (torch and numba)."""
+def worker_init(threads: int, parent: int) -> None:
+    """Give each worker process its share of the cores (torch and numba), and tie its life to the converting
+    process ``parent`` (pid): a worker must never go on writing into an OUT whose run was killed."""
+    _die_with(parent)
     import torch
 
     torch.set_num_threads(threads)
@@ -220,6 +226,18 @@ def worker_init(threads: int) -> None:
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     except ImportError:
         pass
+
+
+def _die_with(parent: int) -> None:
+    """On Linux the kernel kills this process when its parent dies (``prctl(PR_SET_PDEATHSIG, SIGKILL)``); a parent
+    already gone by then is caught by its pid. Elsewhere nothing is set."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def run_item_in_worker(src: str, item: WorkItem, settings: Settings, overlay: str) -> dict:

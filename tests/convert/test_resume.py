@@ -52,7 +52,49 @@ DRIVER = textwrap.dedent(
                 f.write(text[: len(text) // 2])
             die()
         conv.write_text = write_text
-    convert(src, out, ConvertOptions(files="copy", workers=1, repack_experts=sys.argv[4]))
+    elif point == "placed":  # right after the third original file is placed
+        real_place, placed = conv.place_original, [0]
+        def place(*args):
+            copied = real_place(*args)
+            placed[0] += 1
+            if placed[0] == 3:
+                die()
+            return copied
+        conv.place_original = place
+    elif point == "run-record":  # glm-pack/ created, its run record not yet written
+        def write_run(overlay, run):
+            die()
+        state.write_run = write_run
+    elif point == "with-workers":  # workers running: write their pids, then die (the workers must die too)
+        import multiprocessing
+        real_append = state.Journal.append
+        def append(self, entry):
+            real_append(self, entry)
+            with open(sys.argv[6], "w") as f:
+                f.write(" ".join(str(c.pid) for c in multiprocessing.active_children()))
+            die()
+        state.Journal.append = append
+    files = sys.argv[5] if len(sys.argv) > 5 else "copy"
+    workers = 2 if point == "with-workers" else 1
+    convert(src, out, ConvertOptions(files=files, workers=workers, repack_experts=sys.argv[4]))
+    """
+)
+
+# The CLI with two workers, one of which a watcher thread SIGKILLs once the first overlay file is journalled.
+KILL_A_WORKER = textwrap.dedent(
+    """
+    import multiprocessing, os, pathlib, signal, sys, threading, time
+    from glm_pack.convert.cli import main
+    journal = pathlib.Path(sys.argv[2]) / "glm-pack" / ".journal.jsonl"
+
+    def watch():
+        while not (journal.is_file() and journal.read_text().strip()):
+            time.sleep(0.05)
+        os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
+    main(["convert", sys.argv[1], sys.argv[2], "--files", "copy", "--workers", "2", "--repack-experts", "aiter-a4w4",
+          "--quiet"], prog_name="glm-pack")
     """
 )
 
@@ -201,3 +243,69 @@ def test_ctrl_c_exits_cleanly_and_leaves_a_resumable_state(converted, tmp_path):
     assert not (out / "glm-pack" / "manifest.json").exists()
     convert(src, out, ConvertOptions(files="copy", resume=True, repack_experts="aiter-a4w4"))
     assert overlay(out) == overlay(clean)
+
+
+def test_resume_after_placing_linked_originals_leaves_no_temp_files(converted, tmp_path):
+    """Placing a hard link onto a link to the same file is a no-op rename that used to leave its temp name."""
+    src, clean = converted
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(src), str(out), "placed", "aiter-a4w4", "link"], capture_output=True
+    )
+    assert proc.returncode == -signal.SIGKILL
+    convert(src, out, ConvertOptions(files="link", resume=True, repack_experts="aiter-a4w4"))
+    assert [p.name for p in out.rglob(".*.tmp")] == []
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == sorted(
+        p.name for p in clean.iterdir() if not p.name.startswith(".")
+    )
+    assert overlay(out) == overlay(clean) and verify(out).ok
+
+
+def test_a_run_killed_before_its_run_record_leaves_a_startable_out(converted, tmp_path):
+    src, clean = converted
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(src), str(out), "run-record", "none"], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL and (out / "glm-pack").is_dir()
+    result = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "copy", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert verify(out).ok
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="workers die with their parent on Linux")
+def test_workers_die_with_a_killed_conversion(converted, tmp_path):
+    """Workers must not go on writing into an OUT whose run was killed (and no longer holds its lock)."""
+    src, _ = converted
+    out, pids = tmp_path / "out", tmp_path / "pids"
+    cmd = [sys.executable, "-c", DRIVER, str(src), str(out), "with-workers", "aiter-a4w4", "copy", str(pids)]
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)  # no pipes to hold
+    assert proc.returncode == -signal.SIGKILL
+    written = sorted(p.name for p in (out / "glm-pack").glob("*.safetensors"))
+    workers = [int(pid) for pid in pids.read_text().split()]
+    assert workers and len(written) < len(overlay(converted[1]))  # items were left when it died
+    time.sleep(3)  # unfinished items take longer than this
+    alive = [pid for pid in workers if _alive(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "workers outlived the killed conversion"
+    assert sorted(p.name for p in (out / "glm-pack").glob("*.safetensors")) == written
+
+
+def test_a_killed_worker_gives_one_line_and_a_resumable_out(converted, tmp_path):
+    src, clean = converted
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_A_WORKER, str(src), str(out)], capture_output=True, text=True, timeout=300
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert "a worker process died" in lines[0] and "--resume" in lines[0], lines[0]
+    convert(src, out, ConvertOptions(files="copy", resume=True, repack_experts="aiter-a4w4"))
+    assert overlay(out) == overlay(clean) and verify(out).ok
