@@ -2,9 +2,9 @@
 
 ``triton`` / ``tl`` are None when Triton cannot be imported (then ``IMPORT_ERROR`` says why); importing this
 module never fails. Triton picks interpreter or compiler when a kernel is *defined*, so each kernel module
-reads :func:`interpreted` at its own import. :func:`dot_fp32` and :func:`to_bf16` (defined only when Triton
-imports) are the fp32-accumulating dot and the bf16 rounding both kernel modules use, exact under the interpreter
-too.
+reads :func:`interpreted` at its own import. :func:`dot_fp32`, :func:`to_bf16` and :func:`bf16_as_fp32` (defined
+only when Triton imports) are the fp32-accumulating dot and the bf16 conversions the kernel modules share, exact
+under the interpreter too.
 """
 
 from __future__ import annotations
@@ -30,15 +30,20 @@ except Exception as exc:  # any import failure means "unavailable"
 if not IMPORT_ERROR:
 
     @triton.jit
+    def bf16_as_fp32(v):
+        """bf16 ``v`` as its exact fp32 value, through the bits (the 3.6 interpreter's own cast loses subnormals)."""
+        return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def dot_fp32(a, b, acc, INTERPRET: tl.constexpr):
         """``acc + a @ b`` in fp32 for operands holding bf16-exact values (bf16 x bf16 products are exact in
         fp32): bf16 operands when compiled; under the 3.6 interpreter, which multiplies bf16 bit patterns as
-        integers and whose bf16 -> fp32 cast loses subnormals, fp32 operands widened through their bits."""
+        integers, fp32 operands (bf16 ones widened by :func:`bf16_as_fp32`)."""
         if INTERPRET:
             if a.dtype == tl.bfloat16:
-                a = (a.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+                a = bf16_as_fp32(a)
             if b.dtype == tl.bfloat16:
-                b = (b.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+                b = bf16_as_fp32(b)
             return tl.dot(a, b, acc=acc, input_precision="ieee")
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc=acc)
 

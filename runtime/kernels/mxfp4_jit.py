@@ -47,6 +47,8 @@ def round_ptx(pairs: int) -> str:
 
 
 if not IMPORT_ERROR:
+    from glm_pack.runtime.kernels._triton import bf16_as_fp32
+
     _round_ptx = triton.constexpr_function(round_ptx)
 
     @triton.constexpr_function
@@ -80,8 +82,7 @@ if not IMPORT_ERROR:
         below 2**120, these steps above).
         """
         if INTERPRET:
-            xb = tl.reshape(x.to(tl.int16, bitcast=True).to(tl.int32) << 16, (BLOCK_M, BLOCK_K // 32, 4, 8))
-            xb = xb.to(tl.float32, bitcast=True)
+            xb = tl.reshape(bf16_as_fp32(x), (BLOCK_M, BLOCK_K // 32, 4, 8))
             bits = xb.to(tl.int32, bitcast=True)
             EXP_MASK: tl.constexpr = 0x7F800000
             SIGN_MASK: tl.constexpr = -(2**31)
