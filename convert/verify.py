@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from glm_pack.packing import manifest as mf
-from glm_pack.packing.absorb import POLICIES, rel_error, store_projection
+from glm_pack.packing.absorb import POLICIES, rel_error, store_projection, stored_precision
 from glm_pack.packing.errors import GlmPackError, HubError
 from glm_pack.packing.layouts import get_layout, unpack_bmm_nk
 from glm_pack.packing.mla import split_kv_b, split_kv_b_mxfp4_vc
@@ -224,7 +224,7 @@ def _check_precisions(report: VerifyReport, options: dict, layers: list[mf.MlaLa
         report.problems.append(f"options.max_rel_error {threshold!r} is not the number auto needs")
         return
     for proj in (p for layer in layers for p in (layer.w_kc, layer.w_vc)):
-        want = policy if policy != "auto" else ("mxfp4" if proj.mxfp4_rel_error <= threshold else "bf16")
+        want = stored_precision(policy, proj.mxfp4_rel_error, threshold)
         if proj.precision != want:
             auto = policy == "auto"
             rule = f" with max_rel_error {threshold} (MXFP4 error {proj.mxfp4_rel_error:.4g})" if auto else ""

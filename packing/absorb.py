@@ -72,6 +72,14 @@ def check_policy(policy: str, max_rel_error: float | None) -> None:
         raise PlanError(f"--max-rel-error must be a finite number >= 0, got {max_rel_error}")
 
 
+def stored_precision(policy: str, mxfp4_rel_error: float, max_rel_error: float | None) -> str:
+    """What a projection is stored as under ``policy``: ``auto`` keeps MXFP4 while its relative error is within
+    ``max_rel_error``, else BF16; the others are themselves."""
+    if policy != "auto":
+        return policy
+    return "mxfp4" if mxfp4_rel_error <= max_rel_error else "bf16"
+
+
 def store_projection(
     w: torch.Tensor,
     *,
@@ -92,7 +100,7 @@ def store_projection(
         raise FormatError(f"k_stored {k_stored} must be a multiple of 32 and >= K {k}")
     codes, scales = mxfp4_source if mxfp4_source is not None else quantize(w, mode=quant_mode, axis=-1)
     mx_err = rel_error(dequantize(codes, scales, axis=-1), w)
-    if policy == "mxfp4" or (policy == "auto" and mx_err <= max_rel_error):
+    if stored_precision(policy, mx_err, max_rel_error) == "mxfp4":
         codes, scales = pack_bmm_nk(codes, scales, k_stored=k_stored)
         mode = "source" if mxfp4_source is not None else quant_mode
         return StoredProjection("mxfp4", mode, codes, scales, k, k_stored, mx_err, mx_err)
