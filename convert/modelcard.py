@@ -31,6 +31,12 @@ PAD_FILL = {
     "mxfp4": "zero codes and scale byte 0x7F in the extra 32-blocks of the MXFP4 tensors",
     "bf16": "zero columns in the BF16 tensors",
 }
+# The GEMM K-up / V-up run on a projection, per stored precision.
+GEMM = {
+    "mxfp4": "aiter's batched A16WFP4 GEMM `aiter.ops.triton.gemm.batched.batched_gemm_a16wfp4` (weights"
+    " `[B, N, K/2]` U8 + scales `[B, N, K/32]` U8 E8M0, plain)",
+    "bf16": "a plain BF16 batched matmul",
+}
 # How a stored projection's values sit in the bmm_nk layout, per stored precision.
 PACKING = {
     "mxfp4": "MXFP4 codes are packed two per byte (low nibble = even k) with one E8M0 scale byte per 32 values"
@@ -204,7 +210,7 @@ def _precision_text(options: dict, layers) -> str:
     return text
 
 
-def _kernel_fields(manifest: dict) -> dict:
+def _kernel_fields(manifest: dict, layers) -> dict:
     kcfg = manifest.get("kernel_configs") or {}
     route = kcfg.get("route", "unpadded")
     if route == "padded":
@@ -218,17 +224,12 @@ def _kernel_fields(manifest: dict) -> dict:
             " configs."
         )
     archs = sorted((kcfg.get("configs") or {}).keys())
-    stored = _stored(mf.parse_mla(manifest))
-    gemm = {
-        "mxfp4": "aiter's batched A16WFP4 GEMM `aiter.ops.triton.gemm.batched.batched_gemm_a16wfp4` (weights"
-        " `[B, N, K/2]` U8 + scales `[B, N, K/32]` U8 E8M0, plain)",
-        "bf16": "a plain BF16 batched matmul",
-    }
+    stored = _stored(layers)
     return {
         "route": route,
         "route_text": text,
         "projection_kernels": "; ".join(
-            f"{'the ' + x.upper() + ' projections: ' if len(stored) > 1 else ''}{gemm[x]}" for x in stored
+            f"{'the ' + x.upper() + ' projections: ' if len(stored) > 1 else ''}{GEMM[x]}" for x in stored
         ),
         "config_archs": ", ".join(f"`{a}`" for a in archs) or "none (the kernels' defaults apply)",
     }
@@ -296,7 +297,7 @@ def _body_fields(manifest: dict, overlay_only: bool, has_source_readme: bool, re
         **_layout_fields(layers, mf.parse_tensors(manifest)),
         **_quant_fields(manifest, layers),
         "precision_text": _precision_text(options, layers),
-        **_kernel_fields(manifest),
+        **_kernel_fields(manifest, layers),
         **_audience_fields(name, overlay_only, _overlay_text(layers)),
         "tool": manifest["tool"]["name"],
         "tool_version": manifest["tool"]["version"],
