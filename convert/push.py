@@ -7,7 +7,9 @@ path per file as the Hub's preupload answer says). The manifest and the model ca
 commit, so a remote overlay without its manifest is visibly unfinished, and a re-run after an
 interruption uploads only what is left. A remote manifest that differs from the local one is deleted in
 the first commit when files go up before the new one, so no commit leaves an old manifest over new files.
-An unchanged OUT re-pushed uploads and deletes nothing.
+Files under the revision's ``glm-pack/`` that OUT does not have (an earlier overlay's layers or repacked
+experts) are deleted in the last commit, with the new manifest: glm-pack owns that folder. An unchanged OUT
+re-pushed uploads and deletes nothing.
 
 The token comes from ``HF_TOKEN`` or the login cache (huggingface_hub's own lookup); it is passed to
 the client only and never printed or written. Every failure becomes one :class:`HubError` line.
@@ -69,6 +71,7 @@ class PushPlan:
     unchanged: list[str] = field(default_factory=list)
     commits: list[list[Upload]] = field(default_factory=list)
     deletes: list[str] = field(default_factory=list)  # remote paths deleted in the first commit
+    stale: list[str] = field(default_factory=list)  # remote glm-pack/ files OUT lacks, deleted in the last commit
 
     @property
     def upload_bytes(self) -> int:
@@ -158,6 +161,7 @@ def plan_push(
     plan = PushPlan(repo_id, options.revision)
     remote = {}
     if repo_exists:
+        plan.stale = stale_overlay(api, repo_id, files, options.revision)
         paths = [f.path_in_repo for f in files]
         for i in range(0, len(paths), PATHS_INFO_CHUNK):
             for entry in api.get_paths_info(
@@ -173,8 +177,23 @@ def plan_push(
         else:
             plan.uploads.append(Upload(f, "changed"))
     plan.commits = group_commits(plan.uploads, options.max_commit_bytes, options.max_commit_files)
+    if plan.stale and not plan.commits:
+        plan.commits = [[]]  # nothing to upload, but stale files to delete: one commit of deletions
     plan.deletes = stale_manifest(plan)
     return plan
+
+
+def stale_overlay(api, repo_id: str, files: list[LocalFile], revision: str) -> list[str]:
+    """Files under the revision's ``glm-pack/`` that the local OUT does not have, sorted."""
+    from huggingface_hub import RepoFile
+    from huggingface_hub.errors import EntryNotFoundError
+
+    local = {f.path_in_repo for f in files}
+    try:
+        entries = list(api.list_repo_tree(repo_id, mf.OVERLAY_DIR, recursive=True, revision=revision))
+    except EntryNotFoundError:  # no glm-pack/ folder there yet
+        return []
+    return sorted(e.path for e in entries if isinstance(e, RepoFile) and e.path not in local)
 
 
 def stale_manifest(plan: PushPlan) -> list[str]:
@@ -267,7 +286,12 @@ def push(
             return report
         total = len(plan.uploads)
         for i, commit in enumerate(plan.commits):
-            ops = _deletions(plan.deletes if i == 0 else []) + [_operation(u.file) for u in commit]
+            last = i == len(plan.commits) - 1
+            ops = (
+                _deletions(plan.deletes if i == 0 else [])
+                + [_operation(u.file) for u in commit]
+                + _deletions(plan.stale if last else [])
+            )
             suffix = f" ({i + 1}/{len(plan.commits)})" if len(plan.commits) > 1 else ""
             info = api.create_commit(repo_id, ops, commit_message=message + suffix, revision=options.revision)
             report.commit_urls.append(info.commit_url)

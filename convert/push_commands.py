@@ -36,24 +36,31 @@ def _print_report(report: PushReport, repo_id: str) -> None:
         for i, commit in enumerate(plan.commits):
             for u in commit:
                 table.add_row(str(i + 1), u.file.path_in_repo, _mib(u.file.size), u.reason)
+        for path in plan.stale:
+            table.add_row(str(len(plan.commits)), path, "-", "deleted: stale")
         console.print(table)
         console.print(
             f"{len(plan.uploads)} files ({_mib(plan.upload_bytes)}) in {len(plan.commits)} commits would be "
-            f"uploaded; {len(plan.unchanged)} already up to date; nothing was uploaded"
+            f"uploaded{_stale_note(plan.stale, 'would be')}; {len(plan.unchanged)} already up to date; "
+            "nothing was uploaded"
         )
         return
-    if not plan.uploads:
+    if not plan.commits:
         console.print(
             f"{repo_id}@{plan.revision} is up to date ({len(plan.unchanged)} files); nothing to upload"
         )
         return
     console.print(
-        f"uploaded {report.uploaded_files} files ({_mib(report.uploaded_bytes)}) "
+        f"uploaded {report.uploaded_files} files ({_mib(report.uploaded_bytes)}){_stale_note(plan.stale, 'were')} "
         f"in {len(report.commit_urls)} commits to {repo_id}@{plan.revision}; "
         f"{len(plan.unchanged)} were already up to date"
     )
     for url in report.commit_urls:
         console.print(f"  {url}")
+
+
+def _stale_note(stale: list[str], verb: str) -> str:
+    return f" and {len(stale)} stale glm-pack/ files {verb} deleted" if stale else ""
 
 
 def _report_json(report: PushReport, repo_id: str) -> dict:
@@ -69,6 +76,7 @@ def _report_json(report: PushReport, repo_id: str) -> dict:
         ],
         "commits": [[u.file.path_in_repo for u in c] for c in plan.commits],
         "deletes": plan.deletes,  # remote paths the first commit deletes
+        "stale": plan.stale,  # remote glm-pack/ paths OUT lacks, which the last commit deletes
         "unchanged": plan.unchanged,
         "uploaded_files": report.uploaded_files,
         "uploaded_bytes": report.uploaded_bytes,
@@ -92,7 +100,9 @@ def _finite_positive(ctx, param, value: float) -> float:
     is_flag=True,
     help="Upload only glm-pack/ (its card at glm-pack/README.md); the repo's root README is left alone.",
 )
-@click.option("--dry-run", is_flag=True, help="List what would be uploaded, with sizes; upload nothing.")
+@click.option(
+    "--dry-run", is_flag=True, help="List what would be uploaded, with sizes, and what deleted; upload nothing."
+)
 @click.option("--commit-message", default=None, help="Commit summary (a part number is appended when split).")
 @click.option(
     "--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT, else https://huggingface.co)."
@@ -119,7 +129,8 @@ def push_command(
 
     OUT must pass `glm-pack verify`. The model card is refreshed first. Files already on the revision with
     the same size and hash are skipped, the rest goes in commits of bounded size with the manifest and the
-    card last, so a re-run after an interruption finishes the job. Token: HF_TOKEN or `hf auth login`.
+    card last, so a re-run after an interruption finishes the job. Files under the revision's glm-pack/ that
+    OUT lacks are deleted in the last commit. Token: HF_TOKEN or `hf auth login`.
 
     \b
     Examples:

@@ -5,7 +5,8 @@ endpoints the client calls for model repos (Xet disabled, i.e. ``HF_HUB_DISABLE_
 
     POST /api/repos/create                          create (409 when it exists)
     GET  /api/models/{repo}[/revision/{rev}]        repo info (sha, siblings; size/blobId/lfs with ?blobs=true)
-    GET  /api/models/{repo}/tree/{rev}[/{path}]     one folder's entries (type, oid, size, path, lfs)
+    GET  /api/models/{repo}/tree/{rev}[/{path}]     one folder's entries (type, oid, size, path, lfs); all
+                                                    below it with ?recursive=true
     POST /api/models/{repo}/branch/{branch}         create a branch (409 when it exists)
     POST /api/models/{repo}/paths-info/{rev}        size, git blob id, lfs {oid=sha256, size}
     POST /api/models/{repo}/preupload/{rev}         uploadMode "lfs" when size >= lfs_threshold else "regular"
@@ -292,13 +293,14 @@ class FakeHub:
             folder = unquote(m.get("path") or "").strip("/")
             prefix = f"{folder}/" if folder else ""
             entries, dirs = [], set()
+            recursive = query.get("recursive", "").lower() in ("true", "1")
             for path in sorted(files):
                 if not path.startswith(prefix):
                     continue
-                head, _, rest = path[len(prefix) :].partition("/")
-                if rest:
-                    dirs.add(prefix + head)
-                else:
+                parts = path[len(prefix) :].split("/")
+                for depth in range(1, len(parts) if recursive else min(2, len(parts))):
+                    dirs.add(prefix + "/".join(parts[:depth]))
+                if recursive or len(parts) == 1:
                     entries.append(files[path].info(path))
             if folder and not entries and not dirs:
                 raise HubHTTPError(404, f"{folder} does not exist", "EntryNotFound")

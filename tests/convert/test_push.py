@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from fake_hub import Blob as FakeBlob
 from fake_hub import FakeHub
 from huggingface_hub import CommitOperationAdd, HfApi, constants
 
@@ -226,6 +227,39 @@ def test_interrupted_push_of_a_changed_out_leaves_no_old_manifest(hub, out, conv
     result = run_cli("push", new, REPO, *flags)
     assert result.exit_code == 0, result.output
     assert hub.files(REPO) == published(new, overlay_only)  # the card was written by the first try
+
+
+STALE = {"glm-pack/experts-000.safetensors": b"s" * 100, "glm-pack/old/layer-000.safetensors": b"o" * 10}
+
+
+@pytest.mark.parametrize("overlay_only", [True, False], ids=["overlay-only", "full"])
+def test_stale_overlay_files_go_in_the_last_commit(hub, out, overlay_only):
+    """Files under the remote glm-pack/ that OUT lacks are deleted with the new manifest; others are kept."""
+    flags = ["--overlay-only"] if overlay_only else []
+    hub.seed(REPO, {**STALE, "notes.txt": b"the user's own file"})
+    dry = run_cli("push", out, REPO, *flags, "--max-commit-gib", SMALL_COMMIT_GIB, "--dry-run", "--json")
+    assert dry.exit_code == 0 and json.loads(dry.output)["stale"] == sorted(STALE), dry.output
+    assert "deleted: stale" in run_cli("push", out, REPO, *flags, "--dry-run").output
+    assert hub.files(REPO).keys() == {*STALE, "notes.txt"}  # the dry run deleted nothing
+    result = run_cli("push", out, REPO, *flags, "--max-commit-gib", SMALL_COMMIT_GIB)
+    assert result.exit_code == 0 and "2 stale glm-pack/ files were deleted" in result.output, result.output
+    assert hub.files(REPO) == {**published(out, overlay_only), "notes.txt": b"the user's own file"}
+    commits = hub.repos[REPO].commits
+    assert len(commits) >= 2 and {"glm-pack/manifest.json", *STALE} <= set(commits[-1]["files"])
+    assert not any(set(STALE) & set(c["files"]) for c in commits[:-1])  # until then the old overlay stands
+
+
+def test_stale_overlay_files_alone_make_one_commit_of_deletions(hub, out):
+    assert run_cli("push", out, REPO).exit_code == 0
+    with hub.lock:  # an earlier overlay's leftover, beside an OUT that is otherwise up to date
+        hub.repos[REPO].branches["main"]["glm-pack/experts-000.safetensors"] = FakeBlob(b"s" * 100, lfs=False)
+    before = len(hub.repos[REPO].commits)
+    result = run_cli("push", out, REPO)
+    assert result.exit_code == 0 and "uploaded 0 files" in result.output, result.output
+    assert hub.files(REPO) == published(out)
+    assert [c["files"] for c in hub.repos[REPO].commits[before:]] == [["glm-pack/experts-000.safetensors"]]
+    hub.reset_requests()
+    assert "up to date" in run_cli("push", out, REPO).output and not hub.kinds("commit")
 
 
 def test_dry_run_lists_and_uploads_nothing(hub, out):
