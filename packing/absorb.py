@@ -40,10 +40,11 @@ class StoredProjection:
 
 def _sum_squares(t: torch.Tensor) -> float:
     """Sum of squares of float32 ``t``: float32 norms along the last axis (fast), summed in float64; in float64
-    throughout where a row's amax lies outside [2**-60, 2**60], whose float32 squares could under- or overflow."""
+    throughout where a row's amax is below 2**-60 or its n squares could sum past 2**124 (amax above
+    2**62 / sqrt(n)), where float32 would under- or overflow."""
     amax = t.abs().amax(dim=-1)
     amax = amax[amax > 0]
-    wide = bool(((amax < 2.0**-60) | (amax > 2.0**60)).any())
+    wide = bool(((amax < 2.0**-60) | (amax > 2.0**62 / math.sqrt(max(t.shape[-1], 1)))).any())
     norms = torch.linalg.vector_norm(t, dim=-1, dtype=torch.float64 if wide else None)
     return float(norms.double().square().sum())
 

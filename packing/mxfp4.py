@@ -200,6 +200,8 @@ def quantize(
         raise FormatError(
             f"MXFP4 groups {BLOCK} elements along axis {axis}, whose length {length} is not a multiple of 32"
         )
+    if x.dtype == torch.float64:  # to float32 before the finiteness check: values past its range become Inf
+        x = x.float()
     rows, lead = _rows(x.detach(), axis, length)
     from . import _mxfp4_fast
 

@@ -166,3 +166,9 @@ def test_rel_error_holds_at_every_float32_magnitude(scale):
     """Squares of float32 values neither overflow nor underflow: a 10% perturbation reads 0.1 at any scale."""
     w = torch.randn(8, 512, generator=torch.Generator().manual_seed(0)) * scale
     assert rel_error(w * 1.1, w) == pytest.approx(0.1, rel=1e-5)
+
+
+def test_rel_error_holds_where_a_row_of_squares_sums_past_float32():
+    """512 values of 2**59.9: each square fits float32, their row sum (2**128.8) does not."""
+    w = torch.full((4, 512), 2.0**59.9)
+    assert rel_error(w * 1.01, w) == pytest.approx(0.01, rel=1e-5)

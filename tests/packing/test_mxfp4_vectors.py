@@ -245,6 +245,17 @@ def test_fp8_input_is_quantized_and_its_nan_named(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_fp64_input_beyond_float32_range_is_refused(path):
+    """fp64 is quantized as its float32 values: 1e39 is Inf there, so it is named like any Inf."""
+    x = torch.ones(2, 32, dtype=torch.float64)
+    x[1, 4] = 1e39
+    with pytest.raises(NonFiniteError, match=r"1 non-finite value\(s\) \(0 NaN, 1 Inf\); first at index \(1, 4\)"):
+        run(path, quantize, x)
+    x[1, 4] = 3.0
+    assert all(torch.equal(a, b) for a, b in zip(run(path, quantize, x), quantize(x.float()), strict=True))
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_nonfinite_message_counts_nan_and_inf(path):
     x = torch.zeros(64)
     x[[3, 40, 41]] = torch.tensor([math.inf, math.nan, -math.inf])
