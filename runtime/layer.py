@@ -7,6 +7,7 @@ Shapes (H = this rank's heads, T = tokens, L = kv_lora, P = nope, R = rope, V = 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,10 @@ class MlaLayer:
             if q_rope is None:
                 raise BackendError(f"layer {self.layer}: this model has rope; pass q_rope [T, H, {g.qk_rope_head_dim}]")
             self._check_act(q_rope, "q_rope", g.qk_rope_head_dim)
+            if q_rope.shape[0] != q_latent.shape[0]:
+                raise BackendError(
+                    f"layer {self.layer}: q_rope has {q_rope.shape[0]} tokens, q_latent {q_latent.shape[0]}"
+                )
         elif q_rope is not None:
             raise BackendError(f"layer {self.layer}: this model is rope-free; q_rope must be None")
         if kv_cache.dtype != torch.bfloat16:
@@ -120,6 +125,10 @@ class MlaLayer:
             raise BackendError(f"kv_cache rows must be {g.cache_row} wide, got {kv_cache.shape[-1]}")
         if kv_indptr.dtype != torch.int32 or kv_indices.dtype != torch.int32:
             raise BackendError("kv_indptr and kv_indices must be int32")
+        if kv_indices.dim() != 1:
+            raise BackendError(f"kv_indices must be flat (1-D) global slot ids, got {tuple(kv_indices.shape)}")
+        if not math.isfinite(float(softmax_scale)):
+            raise BackendError(f"softmax_scale must be finite, got {softmax_scale}")
         if kv_indptr.shape != (q_latent.shape[0] + 1,):
             raise BackendError(f"kv_indptr must be [T+1] = [{q_latent.shape[0] + 1}], got {tuple(kv_indptr.shape)}")
         out, lse = self.backend.sparse_mla(

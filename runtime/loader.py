@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import struct
 from pathlib import Path
 
@@ -128,6 +129,7 @@ class PackedModel:
 
     def mla(self, layer: int) -> MlaLayer:
         """The MLA layer object of ``layer`` (loaded onto the device on first use)."""
+        layer = _integer(layer, "layer")
         if layer not in self._entries:
             raise GlmPackError(f"layer {layer} has no MLA overlay; MLA layers are {self.layers}")
         if layer not in self._loaded:
@@ -139,6 +141,16 @@ class PackedModel:
 
     def load_all(self) -> list[MlaLayer]:
         return [self.mla(layer) for layer in self.layers]
+
+
+def _integer(value, name: str) -> int:
+    """``value`` as an int (a Python or numpy integer, a 0-d integer tensor); bools and floats are refused."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise GlmPackError(f"{name} must be an integer, got {value!r}")
 
 
 _DTYPES = {"U8": torch.uint8, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -214,6 +226,7 @@ def open_packed(
         err.file = str(manifest_path)
         raise
     geometry = mf.parse_geometry(manifest)
+    tp_rank, tp_size = _integer(tp_rank, "tp_rank"), _integer(tp_size, "tp_size")
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise GlmPackError(f"tp_rank {tp_rank} is not in [0, tp_size={tp_size})")
     if geometry.num_heads % tp_size:

@@ -183,5 +183,6 @@ class AiterBackend(Backend):
             kwargs["qk_rope_head_dim"] = rope
         if self.fn.sparse_has_invalid:
             kwargs["has_invalid"] = bool((kv_indices < 0).any())
-        out, lse = self.fn.sparse_mla_fwd(q, kv_cache, kv_indptr, kv_indices, softmax_scale, **kwargs)
+        indptr, indices = kv_indptr.contiguous(), kv_indices.contiguous()  # aiter documents no strides for them
+        out, lse = self.fn.sparse_mla_fwd(q, kv_cache, indptr, indices, softmax_scale, **kwargs)
         return out, (lse if return_lse else None)

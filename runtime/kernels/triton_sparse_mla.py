@@ -322,6 +322,7 @@ def sparse_mla(
     if not ok:
         raise BackendError(f"triton sparse MLA unavailable: {why}")
     rows, R = _validate(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, out)
+    kv_indptr, kv_indices = kv_indptr.contiguous(), kv_indices.contiguous()  # the kernel reads both unit-stride
     T, H, L = q_latent.shape
     dev = q_latent.device
     if out is None:

@@ -94,6 +94,7 @@ class Recorder:
     ):
         assert q.shape[-1] == kv_lora_rank + qk_rope_head_dim == kv_buffer.shape[-1]
         assert kv_indices.dtype == kv_indptr.dtype == torch.int32
+        assert kv_indices.is_contiguous() and kv_indptr.is_contiguous()  # no strides in aiter's signature
         assert has_invalid == bool((kv_indices < 0).any())
         rows = kv_buffer.reshape(-1, kv_buffer.shape[-1]).double()
         o = torch.zeros(q.shape[0], q.shape[1], kv_lora_rank, dtype=torch.float64)
@@ -159,6 +160,8 @@ def test_aiter_dispatch_end_to_end(packed_dirs, fake_aiter, kind):
     o = layer.attend(latent, cache, indptr, indices, 0.06, q_rope=q[..., 192:])
     assert rec.calls[-1] == ("sparse", 64)
     torch.testing.assert_close(o, ref.attend(latent, cache, indptr, indices, 0.06, q_rope=q[..., 192:]))
+    strided = [torch.stack([t, t], dim=1)[:, 0] for t in (indptr, indices)]  # column views, stride 2
+    assert torch.equal(layer.attend(latent, cache, *strided, 0.06, q_rope=q[..., 192:]), o)
     big = torch.randn(300, 8, 512).bfloat16()
     y = layer.v_up(big)
     assert rec.calls[-1] == (kind, 300, 512, 128, 128)  # the seed's V-up tuning for M > 256: BM 128, BK 128

@@ -6,6 +6,7 @@ import json
 import math
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -149,6 +150,14 @@ def test_open_refusals(packed_dirs, tmp_path):
     _, out = packed_dirs("glm-5")
     with pytest.raises(GlmPackError, match="cannot be split evenly over tp_size=3"):
         runtime.open(out, tp_size=3)
+    with pytest.raises(GlmPackError, match="tp_size must be an integer, got 2.0"):
+        runtime.open(out, tp_size=2.0)
+    with pytest.raises(GlmPackError, match="tp_rank must be an integer, got True"):
+        runtime.open(out, tp_rank=True, tp_size=2)
+    model = runtime.open(out, tp_rank=torch.tensor(1), tp_size=np.int64(2))  # integer types of other libraries
+    assert (model.tp_rank, model.tp_size) == (1, 2) and type(model.tp_size) is int
+    with pytest.raises(GlmPackError, match="layer must be an integer, got '0'"):
+        model.mla("0")
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
     manifest = bad / "glm-pack" / "manifest.json"
@@ -229,6 +238,15 @@ def test_attend_checks(packed_dirs):
         layer.attend(latent, cache.float(), indptr, indices, 0.1, q_rope=q[..., 192:])
     with pytest.raises(BackendError, match="576 wide"):
         layer.attend(latent, cache[:, :512], indptr, indices, 0.1, q_rope=q[..., 192:])
+    with pytest.raises(BackendError, match="q_rope has 5 tokens, q_latent 3"):
+        layer.attend(latent, cache, indptr, indices, 0.1, q_rope=torch.cat([q, q[:2]])[..., 192:])
+    with pytest.raises(BackendError, match="q_rope has 2 tokens, q_latent 3"):
+        layer.attend(latent, cache, indptr, indices, 0.1, q_rope=q[:2, :, 192:])
+    with pytest.raises(BackendError, match=r"kv_indices must be flat \(1-D\) global slot ids, got \(3, 8\)"):
+        layer.attend(latent, cache, indptr, indices[:24].reshape(3, 8), 0.1, q_rope=q[..., 192:])
+    for scale in (float("nan"), float("inf")):
+        with pytest.raises(BackendError, match="softmax_scale must be finite"):
+            layer.attend(latent, cache, indptr, indices, scale, q_rope=q[..., 192:])
     o, lse = layer.attend(latent, cache, indptr, indices, 0.1, q_rope=q[..., 192:], return_lse=True)
     assert o.shape == (3, 64, 512) and lse.shape == (3, 64)
 

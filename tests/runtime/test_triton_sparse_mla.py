@@ -109,6 +109,16 @@ def test_strided_out_and_repeats_count_each_time():
     assert (lse[0] - w.sum(1).log()).abs().max() < LSE_TOL
 
 
+def test_strided_indices_and_indptr_read_like_contiguous_ones():
+    """Column views of kv_indices / kv_indptr (stride 2) give the reference's answer, not other slots'."""
+    q_lat, q_rope, cache, indptr, idx = make_case(2, 16, True, seed=4)
+    wide_idx = torch.stack([idx, torch.flip(idx, (0,))], dim=1)  # [n, 2]: column 0 is idx, stride 2
+    wide_ptr = torch.stack([indptr, indptr.flip(0)], dim=1)
+    out, lse = tsm.sparse_mla(q_lat, q_rope, cache, wide_ptr[:, 0], wide_idx[:, 0], SCALE, return_lse=True)
+    assert wide_idx[:, 0].stride() == (2,)
+    check((q_lat, q_rope, cache, indptr, idx), out, lse)
+
+
 def test_out_of_range_ids_are_skipped_like_minus_one():
     q_lat, q_rope, cache, indptr, idx = make_case(2, 16, True, seed=9)
     bad = idx.clone()
