@@ -27,7 +27,8 @@ JSON output (``--json``; schema ``glm-pack.inspect/1``, keys are stable; sizes i
                    ``kernel_configs`` ({arch: {op: {bucket: config}}}), ``files_mode``, ``jobs`` (per MLA layer:
                    ``layer``, ``prefix``, ``source``, ``source_format``, ``source_tensors``, ``outputs``
                    [{``name``, ``shape``, ``dtype``, ``nbytes``, ``layout``}], ``nbytes``), ``reused_files``
-                   [{``name``, ``bytes``}], ``overlay_bytes``, ``reused_bytes``
+                   [{``name``, ``bytes``}], ``overlay_bytes`` (with ``auto``: every tensor MXFP4),
+                   ``overlay_bytes_bf16`` (``auto`` only: every tensor BF16; null otherwise), ``reused_bytes``
 """
 
 from __future__ import annotations
@@ -190,12 +191,21 @@ def render(report: dict, console: Console) -> None:
         console.print(experts)
     console.print(
         f"plan: route {plan['route']} (K {g['qk_nope_head_dim']} -> {plan['k_stored']}), "
-        f"{plan['mla_precision']} w_kc/w_vc, quant mode {plan['quant_mode']}; overlay {_mib(plan['overlay_bytes'])} "
+        f"{plan['mla_precision']} w_kc/w_vc, quant mode {plan['quant_mode']}; overlay {_overlay_size(plan)} "
         f"in {len(plan['jobs'])} layers; originals reused ({plan['files_mode']}): {len(plan['reused_files'])} files, "
         f"{_mib(plan['reused_bytes'])}"
     )
     if report.get("hub"):
         console.print(f"read {report['hub']['bytes_transferred']:,} bytes from the Hub (config, index, shard headers)")
+
+
+def _overlay_size(plan: dict) -> str:
+    if plan["overlay_bytes_bf16"] is None:
+        return _mib(plan["overlay_bytes"])
+    return (
+        f"{_mib(plan['overlay_bytes'])} (every tensor MXFP4) to {_mib(plan['overlay_bytes_bf16'])} (every tensor "
+        "BF16; auto decides per tensor from its MXFP4 error at convert time)"
+    )
 
 
 @click.command("inspect")

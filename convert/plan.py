@@ -65,6 +65,8 @@ class Plan:
     files_mode: str
     jobs: list[MlaJob]
     reused_files: list[tuple[str, int]] = field(default_factory=list)  # (relative name, bytes)
+    # auto only: the overlay's bytes should every tensor stay BF16 (``overlay_bytes`` is the all-MXFP4 end)
+    overlay_bytes_bf16: int | None = None
 
     @property
     def overlay_bytes(self) -> int:
@@ -152,21 +154,23 @@ def make_plan(
     k_multiple, k_kc = resolve_k_up(ckpt.card, geom, k_pad, mla_precision)
     route = kernel_route(k_kc, geom.qk_nope_head_dim)
     stored_precision = "mxfp4" if mla_precision == "auto" else mla_precision
+
+    def projections(prefix: str, precision: str) -> list[OutputTensor]:
+        return _projection(
+            f"{prefix}.self_attn.w_kc", geom.num_heads, geom.kv_lora_rank, geom.qk_nope_head_dim, k_kc, precision
+        ) + _projection(
+            f"{prefix}.self_attn.w_vc", geom.num_heads, geom.v_head_dim, geom.kv_lora_rank, geom.kv_lora_rank, precision
+        )
+
     jobs = []
     for layer in ckpt.mla_layers():
         prefix = ckpt.card.layer_prefix(layer)
         source = ckpt.card.kv_b_proj(layer)
-        outputs = _projection(
-            f"{prefix}.self_attn.w_kc", geom.num_heads, geom.kv_lora_rank, geom.qk_nope_head_dim, k_kc, stored_precision
-        ) + _projection(
-            f"{prefix}.self_attn.w_vc",
-            geom.num_heads,
-            geom.v_head_dim,
-            geom.kv_lora_rank,
-            geom.kv_lora_rank,
-            stored_precision,
-        )
+        outputs = projections(prefix, stored_precision)
         jobs.append(MlaJob(layer, prefix, source, ckpt.weight_format(source), ckpt.source_tensors(source), outputs))
+    bf16_bytes = None
+    if mla_precision == "auto":
+        bf16_bytes = sum(o.nbytes for job in jobs for o in projections(job.prefix, "bf16"))
     reused = [] if files == "none" else ckpt.store.list_files()
     return Plan(
         card=ckpt.card.name,
@@ -180,4 +184,5 @@ def make_plan(
         files_mode=files,
         jobs=jobs,
         reused_files=reused,
+        overlay_bytes_bf16=bf16_bytes,
     )

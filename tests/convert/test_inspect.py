@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from click.testing import CliRunner
@@ -91,6 +92,26 @@ def test_plan_outputs_hand_computed(synth_ckpt):
     for bad in (dict(k_pad="100"), dict(quant_mode="nearest"), dict(mla_precision="fp8"), dict(files="move")):
         with pytest.raises(PlanError):
             make_plan(ck, **bad)
+
+
+def test_auto_plan_gives_the_overlay_size_as_a_range(synth_ckpt, tmp_path):
+    """auto decides per tensor at convert time: inspect gives both ends, the all-BF16 one hand-computed (3 MLA
+    layers of w_kc [64, 512, 256] and w_vc [64, 256, 512] in BF16) and equal to an all-BF16 auto conversion's."""
+    from glm_pack.convert.convert import ConvertOptions, convert
+
+    src = synth_ckpt("glm-5", "bf16")
+    auto = make_plan(open_checkpoint(src), mla_precision="auto")
+    assert auto.overlay_bytes == make_plan(open_checkpoint(src)).overlay_bytes
+    assert auto.overlay_bytes_bf16 == 3 * 2 * (64 * 512 * 256 + 64 * 256 * 512)
+    assert make_plan(open_checkpoint(src)).overlay_bytes_bf16 is None
+    convert(src, tmp_path / "out", ConvertOptions(mla_precision="auto", max_rel_error=0.0))
+    tensors = json.loads((tmp_path / "out" / "glm-pack" / "manifest.json").read_text())["tensors"]
+    assert {t["dtype"] for t in tensors.values()} == {"BF16"}
+    assert sum(2 * math.prod(t["shape"]) for t in tensors.values()) == auto.overlay_bytes_bf16
+    result = CliRunner().invoke(main, ["inspect", str(src), "--mla-precision", "auto"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    assert "(every tensor MXFP4) to 96.0 MiB (every tensor BF16;" in text
 
 
 @pytest.mark.parametrize("k_pad, k_stored", [("64", 192), ("128", 256), ("512", 512)])
