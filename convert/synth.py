@@ -42,7 +42,7 @@ from glm_pack.packing.errors import PlanError
 from . import formats
 from .cards import Card, load_card
 from .safetensors_io import byte_size, encode_header
-from .writer import atomic_write, clear_directory, write_text
+from .writer import OutputError, atomic_write, clear_directory, write_text
 
 FORMATS = ("bf16", "fp8-block", "mxfp4-quark", "mxfp4-attn", "fp8-channel")
 PROFILES = ("full", "small")
@@ -281,11 +281,14 @@ def synthesize(
     config = synth_config(family, layers=layers, experts=experts, fmt=fmt, profile=profile, mtp=mtp)
     entries = tensor_entries(family, config, fmt)
     out = Path(out_dir)
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise PlanError(f"output {out} is not empty; pass --overwrite to replace its contents", file=out)
-        clear_directory(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        if out.is_dir() and any(out.iterdir()):
+            if not overwrite:
+                raise PlanError(f"output {out} is not empty; pass --overwrite to replace its contents", file=out)
+            clear_directory(out)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file where a folder should be, a read-only file system, no permission
+        raise OutputError(f"cannot create the output folder: {err.strerror or err}", file=out) from err
     shards = _shards(entries, shard_bytes or SHARD_BYTES[profile])
     weight_map, cache = {}, {}
     for i, shard in enumerate(shards):
@@ -313,7 +316,12 @@ def assumptions(card: str) -> dict[str, str]:
 @click.option("--profile", type=click.Choice(PROFILES), default="small", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--mtp/--no-mtp", default=True, show_default=True, help="Write the MTP layer.")
-@click.option("--shard-mb", type=int, default=None, help="Target shard size in MiB (default: 48 small, 5120 full).")
+@click.option(
+    "--shard-mb",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Target shard size in MiB (default: 48 small, 5120 full).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace the contents of a non-empty OUT (everything in it goes).")
 def synth_command(out, card_name, layers, experts, fmt, profile, seed, mtp, shard_mb, overwrite):
     """Write a synthetic checkpoint with the family's real names, dtypes, config and sharded index.

@@ -53,6 +53,24 @@ def test_a_non_empty_out_is_refused_and_overwrite_never_writes_through_hard_link
     assert _digest(src) == _digest(fresh)  # no file of the first checkpoint is left
 
 
+def test_an_out_that_cannot_be_created_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    args = ["--card", "glm-5", "--layers", "1", "--experts", "2", "--format", "bf16"]
+    for cmd in (["synth", str(tmp_path / "afile" / "s"), *args], ["demo", str(tmp_path / "afile" / "d")]):
+        r = CliRunner().invoke(main, cmd)
+        errors = [line for line in r.output.splitlines() if line.startswith("glm-pack: error:")]
+        assert r.exit_code == 1 and "Traceback" not in r.output and len(errors) == 1, r.output
+        assert "cannot create the output folder: Not a directory (file " in errors[0], r.output
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+@pytest.mark.parametrize("mb", ["0", "-5"])
+def test_shard_size_must_be_positive(tmp_path, mb):
+    r = CliRunner().invoke(main, ["synth", str(tmp_path / "s"), "--card", "glm-5", "--layers", "1", "--experts", "2",
+                                  "--format", "bf16", "--shard-mb", mb])  # fmt: skip
+    assert r.exit_code == 2 and "--shard-mb" in r.output and not (tmp_path / "s").exists()
+
+
 def test_values_are_realistic(synth_ckpt):
     ck = open_checkpoint(synth_ckpt("glm-5", "bf16"))
     w = ck.read_float("model.layers.0.self_attn.kv_b_proj.weight")
