@@ -54,7 +54,7 @@ class LocalStore:
         return LocalFile(self.root / rel, name=self.where(rel))
 
     def safetensors_files(self) -> list[str]:
-        return sorted(p.name for p in self.root.glob("*.safetensors"))
+        return sorted(p.name for p in self.root.glob("*.safetensors") if p.is_file())
 
     def list_files(self) -> list[tuple[str, int]]:
         """Every regular file under the root (symlinks followed; hidden and ``glm-pack/`` skipped), with sizes."""

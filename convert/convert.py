@@ -184,6 +184,8 @@ def place_original(src_file: Path, dst: Path, mode: str) -> bool:
         tmp.unlink(missing_ok=True)  # renaming onto a link to the same file (a resumed run) leaves tmp as it is
     except OSError as err:
         tmp.unlink(missing_ok=True)
+        if not src_file.is_file():  # the source vanished, not the destination's fault
+            raise source_changed(src_file, vanished=True) from err
         if err.errno == errno.ENOSPC:
             raise OutputError(f"no space left on device while placing {dst}", file=dst) from err
         raise OutputError(f"cannot place {dst}: {err.strerror or err}", file=dst) from err
@@ -223,11 +225,20 @@ def source_files(ckpt: Checkpoint) -> tuple[list[Path], dict[str, list[int]]]:
     return originals, source_stats(ckpt.root, originals)
 
 
+def source_changed(file: Path, vanished: bool = False) -> GlmPackError:
+    """The error of a source that changed (``vanished``: this file disappeared) under a running conversion."""
+    why = " (this file disappeared)" if vanished else ""
+    return GlmPackError(f"source files changed during conversion{why}; no manifest written", file=file)
+
+
 def source_stats(root: Path, files: list[Path]) -> dict[str, list[int]]:
     """{file: [size, mtime_ns]} of the source files: a conversion refuses to finish if these change."""
     out = {}
     for rel in files:
-        st = (root / rel).stat()
+        try:
+            st = (root / rel).stat()
+        except OSError as err:
+            raise source_changed(root / rel, vanished=True) from err
         out[str(rel)] = [st.st_size, st.st_mtime_ns]
     return out
 
@@ -331,7 +342,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
             fsync_files(copied)
             report.original_files = len(originals)
         if not hub and source_stats(ckpt.root, originals) != stats:
-            raise GlmPackError("source files changed during conversion; no manifest written", file=ckpt.root)
+            raise source_changed(ckpt.root)
         ordered = [results[i.file] for i in items]
         manifest = build_manifest(ckpt, options, k_multiple, settings, ordered, stats)
         mf.parse_mla(manifest)  # never write a manifest the runtime would refuse

@@ -71,16 +71,24 @@ class LocalFile:
         self.path = Path(path)
         self.name = name if name is not None else str(path)
 
+    def _error(self, err: OSError) -> CheckpointError:
+        if isinstance(err, FileNotFoundError):
+            return CheckpointError("file is missing (or a dangling symlink)", file=self.name)
+        return CheckpointError(f"cannot read: {err.strerror or err}", file=self.name)
+
     def size(self) -> int:
         try:
             return os.stat(self.path).st_size
-        except FileNotFoundError as err:
-            raise CheckpointError("file is missing (or a dangling symlink)", file=self.name) from err
+        except OSError as err:
+            raise self._error(err) from err
 
     def read(self, offset: int, length: int) -> bytearray:
         buf = bytearray(length)
-        with open(self.path, "rb", buffering=0) as f:
-            got = os.preadv(f.fileno(), [buf], offset) if length else 0
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                got = os.preadv(f.fileno(), [buf], offset) if length else 0
+        except OSError as err:
+            raise self._error(err) from err
         if got != length:
             raise CheckpointError(f"short read: wanted {length} bytes at offset {offset}, got {got}", file=self.name)
         return buf

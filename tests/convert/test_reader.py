@@ -260,6 +260,28 @@ def test_hf_cache_snapshot_of_symlinks(synth_ckpt, ckpt_copy):
     assert torch.equal(ck.read_float(name), open_checkpoint(src).read_float(name))
 
 
+def test_os_errors_on_source_files_are_checkpoint_errors(tmp_path):
+    folder = tmp_path / "dir.safetensors"
+    folder.mkdir()
+    with pytest.raises(CheckpointError, match="cannot read") as err:
+        sio.LocalFile(folder).read(0, 8)
+    assert err.value.file == str(folder)
+    gone = sio.LocalFile(tmp_path / "gone.safetensors")
+    for call in (gone.size, lambda: gone.read(0, 8)):
+        with pytest.raises(CheckpointError, match="missing") as err:
+            call()
+        assert err.value.file == str(tmp_path / "gone.safetensors")
+
+
+def test_a_folder_named_like_a_shard_is_not_a_shard(synth_ckpt, ckpt_copy):
+    d = ckpt_copy(synth_ckpt("glm-5", "bf16"))
+    (d / "model.safetensors.index.json").unlink()  # shards found by listing *.safetensors
+    (d / "zz.safetensors").mkdir()
+    assert "zz.safetensors" not in open_checkpoint(d).files
+    r = CliRunner().invoke(main, ["inspect", str(d)])
+    assert r.exit_code == 0, r.output
+
+
 # ---- bad checkpoints: Python API and CLI ------------------------------------------------------------
 
 

@@ -190,6 +190,34 @@ def test_source_changed_during_conversion_refuses_to_finish(source, ckpt_copy, t
     assert not (out / "glm-pack" / "manifest.json").exists() and temp_files(out) == []
 
 
+@pytest.mark.parametrize(
+    "files, victim, phrase",
+    [
+        ("none", "config.json", "source files changed during conversion (this file disappeared)"),
+        ("link", "config.json", "source files changed during conversion (this file disappeared)"),
+        ("none", "kv_b_proj shard", "file is missing"),
+    ],
+)
+def test_source_file_deleted_during_conversion(source, ckpt_copy, tmp_path, monkeypatch, files, victim, phrase):
+    src = ckpt_copy(source)
+    if victim == "kv_b_proj shard":  # read by the second work item (layer 1), after the first is journalled
+        victim = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][
+            "model.layers.1.self_attn.kv_b_proj.weight"
+        ]
+    real = state.Journal.append
+
+    def append(self, entry):
+        real(self, entry)
+        (src / victim).unlink(missing_ok=True)
+
+    monkeypatch.setattr(state.Journal, "append", append)
+    out = tmp_path / "out"
+    r, errors = cli(src, out, "--files", files)
+    assert r.exit_code == 1 and len(errors) == 1 and "Traceback" not in r.output, r.output
+    assert phrase in errors[0] and f"file {src / victim}" in errors[0], errors[0]
+    assert not (out / "glm-pack" / "manifest.json").exists() and temp_files(out) == []
+
+
 def test_source_that_is_also_the_output_is_refused(source, tmp_path):
     before = tree_digest(source)
     link = tmp_path / "alias"
