@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from glm_pack.packing import mxfp4
 from glm_pack.packing.errors import CheckpointError, FormatError, GlmPackError
 from glm_pack.packing.manifest import OVERLAY_DIR
 from glm_pack.packing.mla import MlaGeometry
@@ -197,8 +198,9 @@ class Checkpoint:
             }
             try:
                 self._formats[weight_name] = formats.detect(self._stored(weight_name), scales, self.quant)
-            except GlmPackError as err:
-                err.file = err.file or self.store.where(self.info(weight_name).file)
+            except GlmPackError as err:  # in the shard of the tensor at fault (the weight, or its scale)
+                blamed = err.tensor if err.tensor in self.weight_map else weight_name
+                err.file = err.file or self.store.where(self.info(blamed).file)
                 raise
         return self._formats[weight_name]
 
@@ -216,7 +218,7 @@ class Checkpoint:
         ``digests``: filled with the sha256 of each stored tensor read (the same bytes, no second read).
         """
         fmt = self.format_of(weight_name)
-        scale = self.read_raw(fmt.scale) if fmt.scale else None
+        scale = self.read_scale(fmt) if fmt.scale else None
         weight = self.read_raw(fmt.weight)
         if digests is not None:
             for name, raw in ((fmt.weight, weight), (fmt.scale, scale)):
@@ -233,7 +235,21 @@ class Checkpoint:
                 file=self.store.where(self.info(weight_name).file),
                 tensor=weight_name,
             )
-        return self.read_raw(fmt.weight), self.read_raw(fmt.scale)
+        return self.read_raw(fmt.weight), self.read_scale(fmt)
+
+    def read_scale(self, fmt: formats.WeightFormat) -> torch.Tensor:
+        """The stored scale tensor of ``fmt``; NonFiniteError naming it and its shard if it holds NaN/Inf (for
+        MXFP4, E8M0 byte 0xFF): a bad scale is the scale's fault, not the weight's."""
+        scale = self.read_raw(fmt.scale)
+        try:
+            if fmt.name == "mxfp4":
+                mxfp4.check_finite(mxfp4.scale_values(scale), "E8M0 scale (byte 0xFF is NaN)")
+            else:
+                mxfp4.check_finite(scale, "scale")
+        except GlmPackError as err:
+            err.file, err.tensor = self.store.where(self.info(fmt.scale).file), fmt.scale
+            raise
+        return scale
 
     # ---- consistency with the card -------------------------------------------------------------
     def expected_shapes(self) -> dict[str, tuple[tuple[int, ...], bool]]:

@@ -231,6 +231,57 @@ def test_nan_weight_named_in_error(synth_ckpt, tmp_path, ckpt_copy, edit_tensor)
     assert not (tmp_path / "o" / "glm-pack" / "manifest.json").exists()
 
 
+def _set_first(value):
+    def change(t):
+        t.view(-1)[0] = value
+        return t
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "fmt, scale, value, message",
+    [
+        ("fp8-block", "model.layers.0.self_attn.kv_b_proj.weight_scale_inv", float("nan"), "scale holds 1"),
+        ("fp8-channel", "model.layers.0.self_attn.kv_b_proj.weight_scale", float("inf"), "scale holds 1"),
+        ("mxfp4-attn", "model.layers.0.self_attn.kv_b_proj.weight_scale", 0xFF, "E8M0 scale (byte 0xFF is NaN)"),
+    ],
+)
+def test_non_finite_scale_is_named_with_its_own_shard(
+    synth_ckpt, tmp_path, ckpt_copy, edit_tensor, fmt, scale, value, message
+):
+    src = ckpt_copy(synth_ckpt("glm-5", fmt))
+    shard = edit_tensor(src, scale, _set_first(value))
+    r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "o")])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert message in r.output and f"(file {shard}, tensor {scale})" in r.output, r.output
+    assert not (tmp_path / "o" / "glm-pack" / "manifest.json").exists()
+
+
+def test_scale_of_the_wrong_dtype_is_named_with_its_own_shard(synth_ckpt, tmp_path, ckpt_copy, edit_tensor):
+    src = ckpt_copy(synth_ckpt("glm-5", "fp8-block"))
+    scale = "model.layers.0.self_attn.kv_b_proj.weight_scale_inv"
+    shard = edit_tensor(src, scale, lambda t: t.double())
+    r = CliRunner().invoke(main, ["inspect", str(src)])
+    assert r.exit_code == 1 and "fp8 block scale must be F32" in r.output, r.output
+    assert f"(file {shard}, tensor {scale})" in r.output, r.output
+
+
+def test_nan_scale_of_a_repacked_expert_is_refused(synth_ckpt, tmp_path, ckpt_copy, edit_tensor):
+    src = ckpt_copy(synth_ckpt("glm-5", "mxfp4-quark", layers=4, experts=2))
+    scale = "model.layers.3.mlp.experts.0.gate_proj.weight_scale"
+
+    def plant(t):
+        t[5, 2] = 0xFF
+        return t
+
+    shard = edit_tensor(src, scale, plant)
+    r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "o"), "--repack-experts", "aiter-a4w4"])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert "first at index (5, 2)" in r.output and f"(file {shard}, tensor {scale})" in r.output, r.output
+    assert not (tmp_path / "o" / "glm-pack" / "manifest.json").exists()
+
+
 @pytest.fixture
 def converted(synth_ckpt, tmp_path):
     out = tmp_path / "out"
