@@ -116,11 +116,23 @@ def _weight_map(store: LocalStore) -> tuple[dict[str, str], Path | None]:
     names = [SINGLE_NAME] if store.exists(SINGLE_NAME) else store.safetensors_files()
     if not names:
         raise CheckpointError(f"no {INDEX_NAME} and no *.safetensors file", file=str(store.root))
-    wm = {}
-    for rel in names:
-        for tensor in parse_header(store.open(rel)).tensors:
-            wm.setdefault(tensor, rel)
-    return wm, None
+    return _tensor_files(store, {rel: parse_header(store.open(rel)) for rel in names}), None
+
+
+def _tensor_files(store: LocalStore, headers: dict[str, Header]) -> dict[str, str]:
+    """{tensor: shard} from the shards' headers; CheckpointError for a tensor that two shards hold (which copy
+    an engine loads would depend on how it reads the checkpoint)."""
+    found: dict[str, str] = {}
+    for rel, header in headers.items():
+        for tensor in header.tensors:
+            first = found.setdefault(tensor, rel)
+            if first != rel:
+                raise CheckpointError(
+                    f"two shards hold this tensor: {store.where(first)} and {store.where(rel)}",
+                    file=store.where(rel),
+                    tensor=tensor,
+                )
+    return found
 
 
 class Checkpoint:
@@ -143,6 +155,7 @@ class Checkpoint:
             if not store.exists(rel):
                 raise CheckpointError("shard named by the index is missing", file=store.where(rel), tensor=first)
             self.headers[rel] = parse_header(store.open(rel))
+        _tensor_files(store, self.headers)
         for tensor, rel in weight_map.items():
             if tensor not in self.headers[rel].tensors:
                 raise CheckpointError(

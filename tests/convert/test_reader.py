@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from glm_pack.convert import safetensors_io as sio
 from glm_pack.convert.checkpoint import open_checkpoint
@@ -282,6 +282,27 @@ def test_a_folder_named_like_a_shard_is_not_a_shard(synth_ckpt, ckpt_copy):
     assert r.exit_code == 0, r.output
 
 
+@pytest.mark.parametrize("indexed", [True, False])
+def test_a_tensor_held_by_two_shards_is_refused(synth_ckpt, ckpt_copy, tmp_path, indexed):
+    """Which copy an engine loads would depend on whether it reads the index or every shard."""
+    d = ckpt_copy(synth_ckpt("glm-5", "bf16"))
+    name, first = _kv_b_shard(d)
+    other = next(p.name for p in sorted(d.glob("model-*.safetensors")) if p.name != first)
+    tensors = load_file(d / other)
+    tensors[name] = torch.zeros(open_checkpoint(d).info(name).shape, dtype=torch.bfloat16)
+    (d / other).unlink()  # a new file: the shared original stays as it is
+    save_file(tensors, str(d / other))
+    if not indexed:
+        (d / "model.safetensors.index.json").unlink()
+    with pytest.raises(CheckpointError, match="two shards hold this tensor") as err:
+        open_checkpoint(d)
+    assert err.value.tensor == name and str(d / first) in str(err.value) and str(d / other) in str(err.value)
+    for args in (["inspect", str(d)], ["convert", str(d), str(tmp_path / "out")]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1 and str(err.value) in r.stderr, r.output
+    assert not (tmp_path / "out").exists()
+
+
 # ---- bad checkpoints: Python API and CLI ------------------------------------------------------------
 
 
@@ -430,5 +451,8 @@ def test_index_entry_in_a_real_subfolder_is_accepted(synth_ckpt, ckpt_copy):
     shard = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][name]
     (d / "shards").mkdir()
     (d / "shards" / shard).symlink_to((d / shard).resolve())  # a linked file is fine, as in a HF cache snapshot
-    _point_kv_b_at(d, f"shards/{shard}")
+    (d / shard).unlink()  # moved: one shard per tensor
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {t: f"shards/{shard}" if f == shard else f for t, f in index["weight_map"].items()}
+    _replace(d / "model.safetensors.index.json", json.dumps(index).encode())
     assert open_checkpoint(d).info(name).file == f"shards/{shard}"
