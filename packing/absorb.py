@@ -58,6 +58,17 @@ def rel_error(approx: torch.Tensor, ref: torch.Tensor) -> float:
     return (num / denom) ** 0.5
 
 
+def _finite_mxfp4(error: float, w: torch.Tensor, what: str) -> float:
+    """The MXFP4 relative error when finite; else FormatError: ``w``'s values, finite but near float32's maximum,
+    decode to Inf in MXFP4 (a block scale of 2**127 makes code 2 decode to 2**128)."""
+    if not math.isfinite(error):
+        raise FormatError(
+            f"{what} overflows to Inf in MXFP4: its values (up to {float(w.abs().max()):.3g}) are too close to "
+            f"float32's maximum (relative error {error})"
+        )
+    return error
+
+
 def _pad_k(t: torch.Tensor, k_stored: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, k_stored - t.shape[-1])) if k_stored > t.shape[-1] else t
 
@@ -89,18 +100,19 @@ def store_projection(
     policy: str,
     max_rel_error: float | None,
     mxfp4_source: tuple[torch.Tensor, torch.Tensor] | None = None,
+    what: str = "projection",
 ) -> StoredProjection:
     """Float ``w [H, N, K]`` -> stored projection under ``policy``.
 
     ``mxfp4_source``: the projection's codes/scales already grouped along K (from an MXFP4 checkpoint);
-    they are kept byte for byte instead of quantizing again.
+    they are kept byte for byte instead of quantizing again. ``what`` names the projection in errors.
     """
     check_policy(policy, max_rel_error)
     k = w.shape[-1]
     if k_stored < k or k_stored % 32:
         raise FormatError(f"k_stored {k_stored} must be a multiple of 32 and >= K {k}")
     codes, scales = mxfp4_source if mxfp4_source is not None else quantize(w, mode=quant_mode, axis=-1)
-    mx_err = rel_error(dequantize(codes, scales, axis=-1), w)
+    mx_err = _finite_mxfp4(rel_error(dequantize(codes, scales, axis=-1), w), w, what)
     if stored_precision(policy, mx_err, max_rel_error) == "mxfp4":
         codes, scales = pack_bmm_nk(codes, scales, k_stored=k_stored)
         mode = "source" if mxfp4_source is not None else quant_mode
@@ -127,6 +139,6 @@ def absorb_layer(
     check_finite(kv_b, "kv_b_proj")
     w_kc, w_vc = split_kv_b(kv_b.float(), geom)
     common = {"quant_mode": quant_mode, "policy": policy, "max_rel_error": max_rel_error}
-    kc = store_projection(w_kc, k_stored=k_stored, **common)
-    vc = store_projection(w_vc, k_stored=geom.kv_lora_rank, mxfp4_source=vc_mxfp4_source, **common)
+    kc = store_projection(w_kc, k_stored=k_stored, what="w_kc", **common)
+    vc = store_projection(w_vc, k_stored=geom.kv_lora_rank, mxfp4_source=vc_mxfp4_source, what="w_vc", **common)
     return kc, vc

@@ -10,7 +10,7 @@ import torch
 
 from glm_pack.packing import manifest as mf
 from glm_pack.packing.absorb import absorb_layer, rel_error
-from glm_pack.packing.errors import ManifestError, NonFiniteError, PlanError
+from glm_pack.packing.errors import FormatError, ManifestError, NonFiniteError, PlanError
 from glm_pack.packing.mla import MlaGeometry
 from glm_pack.packing.mxfp4 import dequantize, quantize
 
@@ -76,6 +76,17 @@ def test_absorb_rejects_nan_with_index():
     w[5, 7] = float("nan")
     with pytest.raises(NonFiniteError, match=r"first at index \(5, 7\)"):
         absorb_layer(w, GEOM, k_stored=128)
+
+
+@pytest.mark.parametrize("policy", ["mxfp4", "bf16"])
+@pytest.mark.parametrize("row, proj", [(3, "w_kc"), (GEOM.qk_nope_head_dim + 1, "w_vc")])
+def test_finite_values_near_float_max_are_refused_naming_the_projection(policy, row, proj):
+    """3e38 is a legal bf16, but MXFP4 decodes it to 2**128 = Inf: the projection's MXFP4 error (recorded under
+    every policy) would be Inf, which the manifest refused after every file was written, naming no tensor."""
+    w = kv_b()
+    w[row, 5], w[row, 6] = 3.0e38, -3.0e38
+    with pytest.raises(FormatError, match=f"{proj} overflows to Inf in MXFP4.*up to 3e\\+38"):
+        absorb_layer(w, GEOM, k_stored=128, policy=policy)
 
 
 def test_mxfp4_source_vc_bytes_kept():

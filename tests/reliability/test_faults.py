@@ -283,6 +283,22 @@ def test_non_finite_source_weight_is_named_with_its_index(source, ckpt_copy, tmp
     assert not (tmp_path / "out" / "glm-pack" / "manifest.json").exists()
 
 
+def test_finite_source_values_near_float_max_are_named_before_any_output(source, ckpt_copy, tmp_path):
+    """Two legal bf16 values of +-3e38: MXFP4 (block scale 2**127, code 2) decodes them to Inf.
+    Refused at the layer (naming kv_b_proj and its shard), not after every file is written by the manifest."""
+    src = ckpt_copy(source)
+
+    def plant(t):
+        t[7, 100], t[7, 101] = 3.0e38, -3.0e38
+
+    shard = replace_kv_b(src, plant)
+    r, errors = cli(src, tmp_path / "out", "--files", "none")
+    assert r.exit_code == 1 and len(errors) == 1, r.output
+    assert "w_kc overflows to Inf in MXFP4" in errors[0] and f"(file {shard}, tensor {KV_B})" in errors[0]
+    assert not (tmp_path / "out" / "glm-pack" / "manifest.json").exists()
+    assert not (tmp_path / "out" / "glm-pack" / "layer-000.safetensors").exists()
+
+
 def test_zero_and_denormal_range_blocks_round_trip(source, ckpt_copy, tmp_path):
     """Head 0 all zeros; head 1 values k * 2**-127 (k in E2M1, most of them bf16 subnormals).
 
