@@ -33,7 +33,7 @@ from . import state
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from .items import Settings, plan_items, run_item, run_item_in_worker, worker_init
 from .plan import kernel_route, resolve_k_up
-from .writer import OutputError, clear_directory, fsync_dir, write_text
+from .writer import OutputError, clear_directory, fsync_dir, remove, write_text
 
 FILE_MODES = ("link", "copy", "none")
 TOOL_VERSION = "0.1.0"
@@ -150,14 +150,17 @@ def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict)
             "or --overwrite to start over",
             file=out,
         )
-    leftovers = [p for p in out.iterdir() if p.name != state.LOCK_NAME and not _empty_dir(p)] if out.exists() else []
+    leftovers = [p for p in out.iterdir() if p.name != state.LOCK_NAME and not _empty_dir(p)]
     if leftovers and not options.overwrite:
         raise PlanError(f"output {out} is not empty; pass --overwrite to replace its contents", file=out)
-    if not overlay.is_symlink():  # a link is replaced itself, never what it points to
-        (overlay / mf.MANIFEST_NAME).unlink(missing_ok=True)  # first: never a manifest over partial files
     if leftovers:  # --overwrite: nothing of the old contents may stay beside the new output
+        if overlay.is_dir() and not overlay.is_symlink():  # a link is replaced itself, never what it points to
+            remove(overlay / mf.MANIFEST_NAME)  # first: never a manifest over partial files
         clear_directory(out, keep={state.LOCK_NAME})
-    overlay.mkdir(parents=True, exist_ok=True)
+    try:
+        overlay.mkdir(exist_ok=True)
+    except OSError as err:
+        raise OutputError(f"cannot create {overlay}: {err.strerror or err}", file=overlay) from err
     state.write_run(overlay, run)
     return []
 

@@ -172,13 +172,21 @@ def write_text(path: Path, text: str) -> None:
 def clear_directory(path: Path, keep: Collection[str] = ()) -> None:
     """Delete everything in folder ``path`` but the names in ``keep``: links and files are unlinked (a link is
     never followed, so a hard- or soft-linked original elsewhere stays as it is), folders go with their contents."""
-    for entry in sorted(path.iterdir()):
-        if entry.name in keep:
-            continue
-        try:
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
-        except OSError as err:
-            raise OutputError(f"cannot remove {entry}: {err.strerror or err}", file=entry) from err
+    try:
+        entries = sorted(path.iterdir())
+    except OSError as err:
+        raise OutputError(f"cannot list {path}: {err.strerror or err}", file=path) from err
+    for entry in entries:
+        if entry.name not in keep:
+            remove(entry)
+
+
+def remove(entry: Path) -> None:
+    """Delete ``entry`` if it exists: a link or file is unlinked (never followed), a folder goes with its contents."""
+    try:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)
+    except OSError as err:
+        raise OutputError(f"cannot remove {entry}: {err.strerror or err}", file=entry) from err

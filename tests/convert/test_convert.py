@@ -187,6 +187,22 @@ def test_overwrite_leaves_nothing_of_the_old_contents(synth_ckpt, tmp_path):
     assert verify(out).ok
 
 
+@pytest.mark.parametrize("planted", ["glm-pack is a file", "manifest.json is a folder"])
+def test_overwrite_replaces_an_overlay_of_the_wrong_kind(synth_ckpt, tmp_path, planted):
+    """README: --overwrite deletes everything in OUT first, whatever kind of entry holds the overlay's names."""
+    src = synth_ckpt("glm-5", "bf16")
+    out = tmp_path / "out"
+    out.mkdir()
+    if planted == "glm-pack is a file":
+        (out / "glm-pack").write_text("mine")
+    else:
+        (out / "glm-pack" / "manifest.json").mkdir(parents=True)
+        (out / "glm-pack" / "manifest.json" / "inside").write_text("mine")
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--overwrite", "--quiet", "--files", "none"])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+    assert (out / "glm-pack" / "manifest.json").is_file() and verify(out).ok
+
+
 def test_ragged_k_pad_is_refused_before_any_output(synth_ckpt, tmp_path):
     r = CliRunner().invoke(main, ["convert", str(synth_ckpt("glm-5", "bf16")), str(tmp_path / "out"), "--k-pad", "224"])
     assert r.exit_code == 1 and "K=224" in r.output and "ragged" in r.output
