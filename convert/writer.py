@@ -90,7 +90,10 @@ def atomic_write(path: Path, chunks: Iterable[bytes | memoryview]) -> int:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as err:  # e.g. a folder where the file goes
+            raise OutputError(f"cannot write {path}: {err.strerror or err}", file=path) from err
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -174,6 +174,19 @@ def test_resume_with_other_options_is_refused(converted, tmp_path):
         convert(src, tmp_path / "done", ConvertOptions(files="none", resume=True))
 
 
+def test_resume_onto_a_folder_where_an_overlay_file_goes_is_one_line(converted, tmp_path):
+    src, _ = converted
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, "-c", DRIVER, str(src), str(out), "between-files", "none"], capture_output=True)
+    blocker = out / "glm-pack" / "layer-003.safetensors"  # not written yet: 2 items were journalled
+    blocker.mkdir()
+    (blocker / "mine").write_text("mine")
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "copy", "--resume", "--quiet"])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert f"cannot write {blocker}: Is a directory" in r.stderr and (blocker / "mine").read_text() == "mine"
+    assert not (out / "glm-pack" / "manifest.json").exists() and list(out.rglob(".*.tmp")) == []
+
+
 def test_second_concurrent_run_is_refused(converted, tmp_path):
     src, _ = converted
     out = tmp_path / "out"
