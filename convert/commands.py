@@ -106,7 +106,11 @@ def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> Conve
     "SRC, none for a Hub SRC (copy downloads the originals into the HF cache and hard-links them into OUT).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace the contents of a non-empty OUT (everything in it goes).")
-@click.option("--resume", is_flag=True, help="Finish an interrupted conversion (finished files are re-hashed, kept).")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Finish an interrupted conversion run with the same options (finished files are re-hashed, kept).",
+)
 @click.option(
     "--workers",
     type=int,
@@ -142,7 +146,10 @@ def convert_command(
     try:
         run_convert(src, out, options, quiet)
     except KeyboardInterrupt:
-        click.echo(f"glm-pack: interrupted; finished layers are kept: rerun with --resume to complete {out}", err=True)
+        click.echo(
+            f"glm-pack: interrupted; finished layers are kept: rerun the same command with --resume to complete {out}",
+            err=True,
+        )
         raise SystemExit(130) from None
 
 

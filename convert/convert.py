@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -125,6 +126,23 @@ def check_locations(src: Path | None, out: Path) -> None:
         raise PlanError(f"output {out} exists and is not a directory", file=out)
 
 
+def run_differences(previous: dict, run: dict) -> list[str]:
+    """What differs between an interrupted run's record and this run's: options, source, tool, source files."""
+
+    def show(value) -> str:
+        return value if isinstance(value, str) else json.dumps(value)
+
+    before = previous.get("options") or {}
+    pairs = [(key, before.get(key), now) for key, now in run["options"].items()]
+    pairs += [(key, previous.get(key), run[key]) for key in ("source", "tool")]
+    found = [f"{key}: {show(a)} (interrupted run) vs {show(b)} (this run)" for key, a, b in pairs if a != b]
+    if not found:  # same options and source: its files changed since
+        stats = previous.get("stats") or {}
+        changed = sorted(f for f in stats.keys() | run["stats"].keys() if stats.get(f) != run["stats"].get(f))
+        found = [f"source files changed since: {', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}"]
+    return found
+
+
 def _empty_dir(path: Path) -> bool:
     """A real folder with nothing in it (what a run killed right after creating ``glm-pack/`` leaves)."""
     return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
@@ -137,8 +155,8 @@ def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict)
     if options.resume and previous is not None and not complete:
         if previous != run:
             raise PlanError(
-                "the interrupted run used other options or another source; rerun without --resume and with "
-                "--overwrite to start over",
+                f"this run differs from the interrupted one: {'; '.join(run_differences(previous, run))}; rerun "
+                "with the interrupted run's options and --resume to finish it, or with --overwrite to start over",
                 file=overlay / state.RUN_NAME,
             )
         return state.Journal(overlay).entries()

@@ -163,12 +163,27 @@ def test_resume_redoes_a_corrupted_finished_file(converted, tmp_path):
     assert verify(out).ok
 
 
-def test_resume_with_other_options_is_refused(converted, tmp_path):
-    src, _ = converted
+def test_resume_with_other_options_is_refused_naming_each_difference(converted, tmp_path, ckpt_copy):
+    src = ckpt_copy(converted[0])
     out = tmp_path / "out"
-    subprocess.run([sys.executable, "-c", DRIVER, str(src), str(out), "between-files", "none"], capture_output=True)
-    with pytest.raises(PlanError, match="other options"):
-        convert(src, out, ConvertOptions(files="copy", resume=True, quant_mode="mse"))
+    subprocess.run(
+        [sys.executable, "-c", DRIVER, str(src), str(out), "between-files", "aiter-a4w4"], capture_output=True
+    )
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--resume"])  # README's line, without the options
+    assert r.exit_code == 1, r.output
+    assert "repack_experts: aiter-a4w4 (interrupted run) vs none (this run)" in r.stderr
+    assert "files: copy (interrupted run) vs link (this run)" in r.stderr and "quant_mode" not in r.stderr
+    assert "rerun with the interrupted run's options and --resume to finish it" in r.stderr
+    same = ConvertOptions(files="copy", resume=True, repack_experts="aiter-a4w4")
+    other = ckpt_copy(src)  # the same files through another path
+    with pytest.raises(PlanError) as err:
+        convert(other, out, same)
+    assert f"interrupted one: source: {src} (interrupted run) vs {other} (this run); rerun" in str(err.value)
+    config = (src / "config.json").read_bytes()
+    (src / "config.json").unlink()  # a new file (new mtime): the shared original stays as it is
+    (src / "config.json").write_bytes(config)
+    with pytest.raises(PlanError, match="interrupted one: source files changed since: config.json; rerun"):
+        convert(src, out, same)
     with pytest.raises(PlanError, match="already complete"):
         convert(src, tmp_path / "done", ConvertOptions(files="none"))
         convert(src, tmp_path / "done", ConvertOptions(files="none", resume=True))
