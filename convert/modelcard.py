@@ -269,6 +269,12 @@ def _audience_fields(name: str, overlay_only: bool, overlay: str) -> dict:
     }
 
 
+def _attend_call(geom) -> str:
+    """The snippet's attend call: q's rope part goes in as ``q_rope`` when the model has rope."""
+    rope = f", q_rope=q[..., {geom.qk_nope_head_dim}:]" if geom.qk_rope_head_dim else ""
+    return f"layer.attend(latent, cache, kv_indptr, kv_indices, softmax_scale{rope})"
+
+
 def _body_fields(manifest: dict, overlay_only: bool, has_source_readme: bool, repo_id: str | None) -> dict:
     layers = mf.parse_mla(manifest)
     geom = mf.parse_geometry(manifest)
@@ -291,6 +297,7 @@ def _body_fields(manifest: dict, overlay_only: bool, has_source_readme: bool, re
         "kv_lora_rank": geom.kv_lora_rank,
         "qk_nope_head_dim": geom.qk_nope_head_dim,
         "v_head_dim": geom.v_head_dim,
+        "attend_call": _attend_call(geom),
         "source_example": names[0] if names else "-",
         "source_formats": "source format " + ", ".join(sorted({lay.source_format for lay in layers})),
         "file_example": f"{mf.OVERLAY_DIR}/{min(manifest['files'])}" if manifest["files"] else "-",

@@ -177,3 +177,34 @@ def test_provenance_states_the_recorded_error_bound(precision_outs, case):
     assert f"max relative error `{'none' if bound is None else bound}`" in text
     if bound is not None:  # the policy line names the same bound
         assert f"exceed {bound}" in text
+
+
+@pytest.mark.parametrize("card", ["glm-5", "glm-5.3-flash"], ids=["rope", "rope-free"])
+def test_how_to_use_snippet_runs_against_the_output(synth_ckpt, tmp_path, monkeypatch, card):
+    """The card's python block, run as written (on CPU, the download stubbed to OUT) on inputs of the
+    model's shapes: with rope it must pass q's rope part, rope-free it must not."""
+    import huggingface_hub
+    import torch
+
+    from glm_pack.convert.convert import ConvertOptions, convert
+
+    out = tmp_path / "out"
+    convert(synth_ckpt(card, "bf16"), out, ConvertOptions(files="none"))
+    text = render_card(out, overlay_only=True)
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'device="cuda"' in code
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: str(out))
+    g = _manifest(out)["model"]["geometry"]
+    tokens, slots, topk = 2, 16, 4
+    gen = torch.Generator().manual_seed(0)
+    width = g["qk_nope_head_dim"] + g["qk_rope_head_dim"]
+    scope = {
+        "q": torch.randn(tokens, g["num_heads"], width, generator=gen).bfloat16(),
+        "cache": torch.randn(slots, g["kv_lora_rank"] + g["qk_rope_head_dim"], generator=gen).bfloat16(),
+        "kv_indptr": torch.arange(0, tokens * topk + 1, topk, dtype=torch.int32),
+        "kv_indices": torch.randint(0, slots, (tokens * topk,), generator=gen, dtype=torch.int32),
+        "softmax_scale": width**-0.5,
+    }
+    exec(code.replace('device="cuda"', 'device="cpu"'), scope)
+    assert scope["y"].shape == (tokens, g["num_heads"], g["v_head_dim"])
+    assert torch.isfinite(scope["y"].float()).all()
