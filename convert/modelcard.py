@@ -275,6 +275,21 @@ def _attend_call(geom) -> str:
     return f"layer.attend(latent, cache, kv_indptr, kv_indices, softmax_scale{rope})"
 
 
+def _experts_text(manifest: dict) -> str:
+    """What was done besides the MLA split: the repacked routed experts, when the manifest has them."""
+    groups = mf.parse_experts(manifest)
+    if not groups:
+        return "No other tensor was changed."
+    expert_layers = sorted({layer for layer, _, _ in groups})
+    files = sorted({file for _, file, _ in groups})
+    return (
+        f"The routed experts of {len(expert_layers)} layer(s) ({compact_ranges(expert_layers)}) were repacked too:"
+        f" {sum(len(names) for _, _, names in groups)} expert tensors (MXFP4 weights and their scales), values"
+        f" unchanged, shuffled into aiter's gfx950 fused-MoE a4w4 layout (`{manifest['experts']['layout']}`), in"
+        f" {len(files)} overlay file(s) (`{mf.OVERLAY_DIR}/{files[0]}`) under their source names."
+    )
+
+
 def _body_fields(manifest: dict, overlay_only: bool, has_source_readme: bool, repo_id: str | None) -> dict:
     layers = mf.parse_mla(manifest)
     geom = mf.parse_geometry(manifest)
@@ -286,6 +301,7 @@ def _body_fields(manifest: dict, overlay_only: bool, has_source_readme: bool, re
     else:
         source_text = f"a local copy (`{name}`)"
     names = sorted({lay.source_tensor for lay in layers})
+    tensors = mf.parse_tensors(manifest)
     return {
         "marker": CARD_MARKER,
         "repo_id": repo_id or "<this repo>",
@@ -300,8 +316,9 @@ def _body_fields(manifest: dict, overlay_only: bool, has_source_readme: bool, re
         "attend_call": _attend_call(geom),
         "source_example": names[0] if names else "-",
         "source_formats": "source format " + ", ".join(sorted({lay.source_format for lay in layers})),
-        "file_example": f"{mf.OVERLAY_DIR}/{min(manifest['files'])}" if manifest["files"] else "-",
-        **_layout_fields(layers, mf.parse_tensors(manifest)),
+        "file_example": f"{mf.OVERLAY_DIR}/{tensors[layers[0].w_kc.weight].file}" if layers else "-",
+        "experts_text": _experts_text(manifest),
+        **_layout_fields(layers, tensors),
         **_quant_fields(manifest, layers),
         "precision_text": _precision_text(options, layers),
         **_kernel_fields(manifest, layers),

@@ -208,3 +208,23 @@ def test_how_to_use_snippet_runs_against_the_output(synth_ckpt, tmp_path, monkey
     exec(code.replace('device="cuda"', 'device="cpu"'), scope)
     assert scope["y"].shape == (tokens, g["num_heads"], g["v_head_dim"])
     assert torch.isfinite(scope["y"].float()).all()
+
+
+def test_card_names_a_layer_file_and_the_repacked_experts(synth_ckpt, tmp_path, out):
+    """With --repack-experts the example overlay file is a layer's, and the experts are described rather than
+    "No other tensor was changed"; without experts that sentence stays."""
+    from glm_pack.convert.convert import ConvertOptions, convert
+
+    repacked = tmp_path / "repacked"
+    options = ConvertOptions(files="none", repack_experts="aiter-a4w4")
+    convert(synth_ckpt("glm-5", "mxfp4-quark", layers=4, experts=2), repacked, options)
+    manifest = _manifest(repacked)
+    groups = manifest["experts"]["groups"]
+    text = " ".join(render_card(repacked, overlay_only=True).split())
+    layer_file = manifest["tensors"][manifest["mla"][0]["w_kc"]["weight"]]["file"]
+    assert f"one overlay file per layer (`glm-pack/{layer_file}`)" in text
+    assert "No other tensor was changed" not in text
+    n_tensors = sum(len(g["tensors"]) for g in groups)
+    assert f"{n_tensors} expert tensors" in text and "`aiter_moe_a4w4`" in text
+    assert f"in {len(groups)} overlay file(s) (`glm-pack/{groups[0]['file']}`)" in text
+    assert "No other tensor was changed." in render_card(out)
