@@ -338,6 +338,14 @@ def _body_fields(manifest: dict, overlay_only: bool, has_source_readme: bool, re
     }
 
 
+def require_originals(out: Path, manifest: dict, action: str) -> None:
+    """Refuse to treat OUT as a full checkpoint (root card, full push) when the originals are not in it."""
+    if manifest["options"].get("files") == "none" or not (out / "config.json").is_file():
+        raise PlanError(
+            f"{out} holds no original files (converted with --files none): {action} with --overlay-only", file=out
+        )
+
+
 def _template() -> Template:
     return Template(resources.files("glm_pack.cards").joinpath("model_card.md").read_text(encoding="utf-8"))
 
@@ -350,6 +358,8 @@ def render_card(
 
     out = Path(out)
     manifest = read_manifest(out)
+    if not overlay_only:
+        require_originals(out, manifest, "write its card")
     source_text = _source_card_text(out, manifest)
     data = card_metadata(
         manifest, source_metadata(source_text), overlay_only=overlay_only, base_model=base_model
@@ -362,13 +372,15 @@ def render_card(
 def write_card(
     out: str | Path, *, overlay_only: bool = False, base_model: str | None = None, repo_id: str | None = None
 ) -> Path:
-    """Write (or refresh) the card; in full mode first keep a source README.md as README.source.md.
+    """Write (or refresh) the card; in full mode first keep a source README.md as README.source.md (the card,
+    rendered before anything is written, already names it).
 
     Files are replaced by rename, never written through: an original README.md hard-linked from the
     source stays untouched in the source.
     """
     out = Path(out)
     target = card_path(out, overlay_only)
+    text = render_card(out, overlay_only=overlay_only, base_model=base_model, repo_id=repo_id)
     if not overlay_only:
         readme, kept = out / "README.md", out / SOURCE_README
         if readme.is_file():
@@ -381,7 +393,6 @@ def write_card(
                         file=readme,
                     )
                 atomic_write(kept, [data])
-    text = render_card(out, overlay_only=overlay_only, base_model=base_model, repo_id=repo_id)
     if not target.is_file() or target.read_text(encoding="utf-8") != text:
         write_text(target, text)
     return target

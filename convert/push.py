@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glm_pack.packing import manifest as mf
-from glm_pack.packing.errors import HubError, PlanError, VerifyError
+from glm_pack.packing.errors import HubError, VerifyError
 
 from .convert import file_sha256
 from .hub_common import exception_chain, first_line, is_kind, resolve_endpoint
-from .modelcard import SOURCE_README, write_card
+from .modelcard import SOURCE_README, require_originals, write_card
 
 MAX_COMMIT_BYTES = 8 << 30  # per commit: a failed commit loses at most this much upload work
 MAX_COMMIT_FILES = 64
@@ -210,7 +210,7 @@ def _token() -> str | None:
 
 
 def _check_out(out: Path, overlay_only: bool) -> None:
-    from .verify import verify
+    from .verify import read_manifest, verify
 
     report = verify(out)
     if not report.ok:
@@ -219,11 +219,8 @@ def _check_out(out: Path, overlay_only: bool) -> None:
         raise VerifyError(
             f"refusing to push {out}: verify rejects it: {first}{more}; run `glm-pack verify {out}`"
         )
-    if not overlay_only and not (out / "config.json").is_file():
-        raise PlanError(
-            f"{out} holds no original files (converted with --files none): push it with --overlay-only",
-            file=out,
-        )
+    if not overlay_only:
+        require_originals(out, read_manifest(out), "push it")
 
 
 def _ensure_target(api, repo_id: str, options: PushOptions) -> None:

@@ -4,6 +4,7 @@ the manifest, the source card kept, refreshes idempotent, overlay-only cards bes
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -228,3 +229,25 @@ def test_card_names_a_layer_file_and_the_repacked_experts(synth_ckpt, tmp_path, 
     assert f"{n_tensors} expert tensors" in text and "`aiter_moe_a4w4`" in text
     assert f"in {len(groups)} overlay file(s) (`glm-pack/{groups[0]['file']}`)" in text
     assert "No other tensor was changed." in render_card(out)
+
+
+def test_card_and_push_refuse_a_full_card_for_an_out_without_originals(converted, tmp_path):
+    """An OUT converted with --files none holds only the overlay: a root card would claim the original weights
+    are there, so `card` refuses as `push` does (one line, exit 1, nothing written); --overlay-only works."""
+    from glm_pack.convert.convert import ConvertOptions, convert
+
+    out = tmp_path / "overlay"
+    convert(converted.parent / "src", out, ConvertOptions(files="none"))
+    shutil.copyfile(converted / "config.json", out / "config.json")  # the runtime's config, still no weights
+    before = sorted(p.name for p in out.iterdir())
+    for args, action in ((["card"], "write its card"), (["push", "--dry-run"], "push it")):
+        r = CliRunner().invoke(main, [*args, str(out), *(["tester/x"] if "push" in args else [])])
+        assert r.exit_code == 1, r.output
+        (line,) = r.output.strip().splitlines()
+        assert line.startswith(
+            f"glm-pack: error: {out} holds no original files (converted with --files none): {action} with"
+            " --overlay-only"
+        )
+        assert sorted(p.name for p in out.iterdir()) == before
+    r = CliRunner().invoke(main, ["card", str(out), "--overlay-only"])
+    assert r.exit_code == 0 and (out / "glm-pack" / "README.md").is_file()
