@@ -11,15 +11,15 @@ its source split and compared byte for byte, its error recomputed.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from glm_pack.packing import manifest as mf
 from glm_pack.packing.absorb import POLICIES, rel_error, store_projection, stored_precision
-from glm_pack.packing.errors import GlmPackError, HubError
+from glm_pack.packing.errors import GlmPackError, HubError, ManifestError
 from glm_pack.packing.layouts import get_layout, unpack_bmm_nk
 from glm_pack.packing.mla import split_kv_b, split_kv_b_mxfp4_vc
 from glm_pack.packing.mxfp4 import MODES, dequantize
@@ -27,6 +27,7 @@ from glm_pack.packing.mxfp4 import MODES, dequantize
 from .checkpoint import INDEX_NAME
 from .convert import file_sha256, store_sha256
 from .modelcard import SOURCE_README
+from .safetensors_io import LocalFile, parse_header, read_tensor
 from .writer import sha256_tensor
 
 # Recomputed errors may differ from the recorded ones only by float32 summation order (thread count).
@@ -72,8 +73,12 @@ def read_manifest(out: Path) -> dict:
 
 
 def _load_overlay_tensor(overlay: Path, entry: mf.TensorEntry) -> torch.Tensor:
-    with safe_open(overlay / entry.file, framework="pt") as f:
-        return f.get_tensor(entry.name)
+    """One overlay tensor, through glm-pack's own reader (any path: the safetensors library needs UTF-8)."""
+    source = LocalFile(overlay / entry.file)
+    stored = parse_header(source).tensors.get(entry.name)
+    if stored is None:
+        raise ManifestError("the overlay file lacks this tensor", file=source.name, tensor=entry.name)
+    return read_tensor(source, stored)
 
 
 def stored_to_float(proj: mf.Projection, overlay: Path, tensors: dict[str, mf.TensorEntry]) -> torch.Tensor:
@@ -176,12 +181,15 @@ def verify(out: str | Path) -> VerifyReport:
     except HubError as err:
         report.checked.append(f"source not reachable ({err}): errors not recomputed")
         return report
-    except GlmPackError as err:
+    except (GlmPackError, OSError) as err:
         report.problems.append(f"cannot open the source at {src_root}: {err}")
         return report
     config = ckpt.store.where("config.json")
-    if ckpt.geometry != geom:
-        report.problems.append(f"geometry in the manifest {geom} contradicts {config} ({ckpt.geometry})")
+    same_geometry = ckpt.geometry == geom
+    if not same_geometry:
+        report.problems.append(
+            f"geometry in the manifest {geom} contradicts {config} ({ckpt.geometry}): layers not re-derived"
+        )
     if src_root != out:  # OUT's own were checked above
         if store_sha256(ckpt.store, "config.json") != manifest["source"]["config_sha256"]:
             report.problems.append(f"{config} differs from the config the overlay was made from")
@@ -192,25 +200,42 @@ def verify(out: str | Path) -> VerifyReport:
         try:
             if ckpt.raw_sha256(name) != sha:
                 report.problems.append(f"source tensor {name} differs from the one the overlay was made from")
-        except GlmPackError as err:
+        except (GlmPackError, OSError) as err:
             report.problems.append(f"source tensor {name} unreadable: {err}")
     report.checked.append(f"{len(manifest['source']['tensors'])} source tensors hashed")
     _check_layer_set(report, ckpt, layers)
+    if not same_geometry:
+        return report
 
     for layer in layers:
         if any(tensors[t].file in bad_files for p in (layer.w_kc, layer.w_vc) for t in (p.weight, p.scale) if t):
             continue
-        _check_layer(report, ckpt, layer, geom, overlay, tensors)
+        with _rederiving(report, ckpt, f"MLA layer {layer.layer}", layer.source_tensor):
+            _check_layer(report, ckpt, layer, geom, overlay, tensors)
     report.checked.append(f"{len(layers)} MLA layers re-derived from their source and compared byte for byte")
     groups = mf.parse_experts(manifest)
     for _, file, names in groups:
         if file not in bad_files:
-            _check_experts(report, ckpt, overlay, manifest, tensors, names)
+            for name in names:
+                with _rederiving(report, ckpt, "repacked expert tensor", name):
+                    _check_expert(report, ckpt, overlay, manifest, tensors, name)
     if groups:
         report.checked.append(
             f"{sum(len(g[2]) for g in groups)} repacked expert tensors unshuffled to the source bytes"
         )
     return report
+
+
+@contextmanager
+def _rederiving(report: VerifyReport, ckpt, what: str, source_tensor: str):
+    """Around one re-derivation: a source (or overlay) that cannot be read or derived becomes a problem naming
+    ``what``, the source tensor and its file, and the block is left there."""
+    try:
+        yield
+    except (GlmPackError, OSError) as err:
+        rel = ckpt.weight_map.get(source_tensor)
+        where = f"file {ckpt.store.where(rel)}" if rel else "absent from the source"
+        report.problems.append(f"{what}: cannot re-derive from source tensor {source_tensor} ({where}): {err}")
 
 
 def _check_precisions(report: VerifyReport, options: dict, layers: list[mf.MlaLayer]) -> None:
@@ -279,11 +304,10 @@ def _check_layer(report: VerifyReport, ckpt, layer: mf.MlaLayer, geom, overlay: 
             )
 
 
-def _check_experts(report: VerifyReport, ckpt, overlay: Path, manifest: dict, tensors, names: list[str]) -> None:
-    """Each repacked expert tensor, unshuffled with its recorded layout, must equal the source tensor's bytes."""
-    for name in names:
-        params = dict(manifest["tensors"][name]["layout"])
-        layout = get_layout(params.pop("layout"))
-        restored = layout.unpack(_load_overlay_tensor(overlay, tensors[name]), **params)
-        if not torch.equal(restored, ckpt.read_raw(name)):
-            report.problems.append(f"{name}: unshuffled bytes differ from the source tensor")
+def _check_expert(report: VerifyReport, ckpt, overlay: Path, manifest: dict, tensors, name: str) -> None:
+    """A repacked expert tensor, unshuffled with its recorded layout, must equal the source tensor's bytes."""
+    params = dict(manifest["tensors"][name]["layout"])
+    layout = get_layout(params.pop("layout"))
+    restored = layout.unpack(_load_overlay_tensor(overlay, tensors[name]), **params)
+    if not torch.equal(restored, ckpt.read_raw(name)):
+        report.problems.append(f"{name}: unshuffled bytes differ from the source tensor")

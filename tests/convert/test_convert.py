@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 
 import pytest
@@ -399,3 +400,40 @@ def test_verify_names_placed_originals_that_were_removed_or_resized(converted):
     for gone in (converted / "model.safetensors.index.json", shards[-1]):
         assert f"{gone} is missing although the originals were placed in OUT" in problems, problems
     assert f"{shards[0]} has {size + 1} bytes, the original {size}" in problems, problems
+
+
+def test_verify_reports_a_layer_it_cannot_re_derive(synth_ckpt, ckpt_copy, tmp_path, edit_tensor):
+    """A source kv_b_proj that no longer converts (a NaN planted), or a source replaced by another model's
+    checkpoint: verify --json still prints its report, naming the layer, the source tensor and its file."""
+    src, out = ckpt_copy(synth_ckpt("glm-5", "bf16")), tmp_path / "out"
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    convert(src, out, ConvertOptions(files="none"))
+
+    def plant_nan(t):
+        t[3, 5] = float("nan")
+        return t
+
+    shard = edit_tensor(src, name, plant_nan)
+    r = CliRunner().invoke(main, ["verify", str(out), "--json"])
+    assert r.exit_code == 1, r.output
+    problems = json.loads(r.output)["problems"]
+    assert f"MLA layer 0: cannot re-derive from source tensor {name} (file {shard}): tensor holds 1 non-finite" in (
+        " ".join(problems)
+    ), problems
+    for p in src.iterdir():  # the source folder now holds a DeepSeek-V3 checkpoint
+        p.unlink()
+    for p in synth_ckpt("deepseek-v3", "bf16").iterdir():
+        (src / p.name).symlink_to(p)
+    r = CliRunner().invoke(main, ["verify", str(out), "--json"])
+    assert r.exit_code == 1, r.output
+    problems = json.loads(r.output)["problems"]
+    assert any("contradicts" in p and p.endswith("layers not re-derived") for p in problems), problems
+    assert not any("cannot re-derive" in p for p in problems), problems
+
+
+def test_verify_reads_an_out_whose_path_is_not_utf8(synth_ckpt, tmp_path):
+    """The safetensors library takes only UTF-8 paths; verify reads the overlay with glm-pack's own reader."""
+    out = tmp_path / os.fsdecode(b"out\xff")
+    convert(synth_ckpt("glm-5", "bf16"), out, ConvertOptions(files="none"))
+    r = CliRunner().invoke(main, ["verify", str(out), "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["ok"] is True, r.output
