@@ -34,6 +34,10 @@ from .writer import sha256_tensor
 ERROR_TOLERANCE = 1e-4
 
 
+class IncompleteOutputError(GlmPackError):
+    """OUT has no manifest: the conversion did not finish."""
+
+
 @dataclass
 class VerifyReport:
     out: Path
@@ -56,10 +60,13 @@ class VerifyReport:
 
 
 def read_manifest(out: Path) -> dict:
-    """Load and validate ``OUT/glm-pack/manifest.json`` (raises ManifestError / GlmPackError)."""
+    """Load and validate ``OUT/glm-pack/manifest.json`` (raises IncompleteOutputError when it is missing,
+    ManifestError / GlmPackError)."""
+    if not Path(out).is_dir():
+        raise GlmPackError(f"{out} is not a directory: there is no converted output to check")
     path = Path(out) / mf.OVERLAY_DIR / mf.MANIFEST_NAME
     if not path.is_file():
-        raise GlmPackError(
+        raise IncompleteOutputError(
             f"incomplete output: {path} is missing (the conversion did not finish); it is not a valid glm-pack output",
             file=path,
         )
@@ -159,7 +166,7 @@ def verify(out: str | Path) -> VerifyReport:
     try:
         manifest = read_manifest(out)
     except GlmPackError as err:
-        report.incomplete = "incomplete" in str(err)
+        report.incomplete = isinstance(err, IncompleteOutputError)
         report.problems.append(str(err))
         return report
     overlay = out / mf.OVERLAY_DIR

@@ -344,6 +344,19 @@ def test_verify_reports_interrupted_output_incomplete(converted):
     assert r.exit_code == 1 and "INCOMPLETE" in r.output
 
 
+def test_verify_tells_a_missing_out_and_a_corrupt_manifest_from_an_interrupted_output(synth_ckpt, tmp_path):
+    """Only a missing manifest means an interrupted conversion: not a missing OUT, nor a corrupt manifest under a
+    path that happens to contain the word "incomplete"."""
+    r = CliRunner().invoke(main, ["verify", str(tmp_path / "does-not-exist")])
+    assert r.exit_code == 1 and "INCOMPLETE" not in r.output, r.output
+    assert f"{tmp_path / 'does-not-exist'} is not a directory" in r.output and "FAILED" in r.output, r.output
+    out = tmp_path / "incomplete-runs" / "out"
+    convert(synth_ckpt("glm-5", "bf16"), out, ConvertOptions(files="none"))
+    (out / "glm-pack" / "manifest.json").write_text("{")
+    report = verify(out)
+    assert not report.ok and not report.incomplete, report.problems
+
+
 def test_link_mode_hard_links_and_follows_symlinked_sources(synth_ckpt, tmp_path, ckpt_copy):
     src = ckpt_copy(synth_ckpt("glm-5", "bf16"))  # every file a symlink, as in a HF cache snapshot
     out = tmp_path / "out"
