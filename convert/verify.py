@@ -99,19 +99,20 @@ def stored_to_float(proj: mf.Projection, overlay: Path, tensors: dict[str, mf.Te
 
 
 def _check_files(report: VerifyReport, overlay: Path, manifest: dict, tensors) -> set[str]:
-    bad_files = set()
+    bad_files, missing = set(), set()
     for name, info in sorted(manifest["files"].items()):
         path = overlay / name
         if not path.is_file():
             report.problems.append(f"overlay file missing: {path}")
             bad_files.add(name)
+            missing.add(name)
             continue
         if path.stat().st_size != info.get("size") or file_sha256(path) != info.get("sha256"):
             bad_files.add(name)
             changed = _changed_tensors(overlay, name, tensors)
             what = f" (changed tensors: {', '.join(changed)})" if changed else " (header or layout changed)"
             report.problems.append(f"overlay file {path} does not match its sha256 in the manifest{what}")
-    report.checked.append(f"{len(manifest['files'])} overlay files hashed")
+    report.checked.append(f"{len(manifest['files']) - len(missing)} overlay files hashed")
     return bad_files
 
 
@@ -203,33 +204,36 @@ def verify(out: str | Path) -> VerifyReport:
         index_sha = manifest["source"].get("index_sha256")
         if index_sha and (ckpt.index_path is None or store_sha256(ckpt.store, INDEX_NAME) != index_sha):
             report.problems.append(f"the original index in {src_root} was changed or removed")
+    hashed = 0
     for name, sha in sorted(manifest["source"]["tensors"].items()):
         try:
             if ckpt.raw_sha256(name) != sha:
                 report.problems.append(f"source tensor {name} differs from the one the overlay was made from")
+            hashed += 1
         except (GlmPackError, OSError) as err:
             report.problems.append(f"source tensor {name} unreadable: {err}")
-    report.checked.append(f"{len(manifest['source']['tensors'])} source tensors hashed")
+    report.checked.append(f"{hashed} source tensors hashed")
     _check_layer_set(report, ckpt, layers)
     if not same_geometry:
         return report
 
+    derived = unshuffled = 0
     for layer in layers:
         if any(tensors[t].file in bad_files for p in (layer.w_kc, layer.w_vc) for t in (p.weight, p.scale) if t):
             continue
         with _rederiving(report, ckpt, f"MLA layer {layer.layer}", layer.source_tensor):
             _check_layer(report, ckpt, layer, geom, overlay, tensors)
-    report.checked.append(f"{len(layers)} MLA layers re-derived from their source and compared byte for byte")
+            derived += 1
+    report.checked.append(f"{derived} MLA layers re-derived from their source and compared byte for byte")
     groups = mf.parse_experts(manifest)
     for _, file, names in groups:
         if file not in bad_files:
             for name in names:
                 with _rederiving(report, ckpt, "repacked expert tensor", name):
                     _check_expert(report, ckpt, overlay, manifest, tensors, name)
+                    unshuffled += 1
     if groups:
-        report.checked.append(
-            f"{sum(len(g[2]) for g in groups)} repacked expert tensors unshuffled to the source bytes"
-        )
+        report.checked.append(f"{unshuffled} repacked expert tensors unshuffled to the source bytes")
     return report
 
 

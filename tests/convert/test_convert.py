@@ -450,3 +450,24 @@ def test_verify_reads_an_out_whose_path_is_not_utf8(synth_ckpt, tmp_path):
     convert(synth_ckpt("glm-5", "bf16"), out, ConvertOptions(files="none"))
     r = CliRunner().invoke(main, ["verify", str(out), "--json"])
     assert r.exit_code == 0 and json.loads(r.output)["ok"] is True, r.output
+
+
+def test_verify_counts_only_what_it_checked(synth_ckpt, tmp_path):
+    """A deleted layer file and a deleted experts file: the "checked" lines count the files hashed, the layers
+    re-derived and the expert tensors unshuffled, not what the manifest lists."""
+    out = tmp_path / "out"
+    options = ConvertOptions(files="none", repack_experts="aiter-a4w4")
+    convert(synth_ckpt("glm-5", "mxfp4-quark", layers=4, experts=2), out, options)
+    m = manifest(out)
+    experts_file = m["experts"]["groups"][0]["file"]
+    (out / "glm-pack" / "layer-000.safetensors").unlink()
+    (out / "glm-pack" / experts_file).unlink()
+    report = verify(out)
+    assert not report.ok
+    n_experts = sum(len(g["tensors"]) for g in m["experts"]["groups"] if g["file"] != experts_file)
+    assert report.checked == [
+        f"{len(m['files']) - 2} overlay files hashed",
+        f"{len(m['source']['tensors'])} source tensors hashed",
+        f"{len(m['mla']) - 1} MLA layers re-derived from their source and compared byte for byte",
+        f"{n_experts} repacked expert tensors unshuffled to the source bytes",
+    ]
