@@ -44,16 +44,25 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)
     checked: list[str] = field(default_factory=list)
     incomplete: bool = False
+    source_checked: bool = False  # the source was read and the layers re-derived from it
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def verdict(self) -> str:
+        """INCOMPLETE, FAILED, OK, or an OK that says the source was not reached (OUT's own files only)."""
+        if self.incomplete or not self.ok:
+            return "INCOMPLETE" if self.incomplete else "FAILED"
+        return "OK" if self.source_checked else "OK (overlay files only: source not reachable, layers not re-derived)"
 
     def as_dict(self) -> dict:
         return {
             "out": str(self.out),
             "ok": self.ok,
             "incomplete": self.incomplete,
+            "source_checked": self.source_checked,
             "problems": self.problems,
             "checked": self.checked,
         }
@@ -161,7 +170,8 @@ def _source_root(out: Path, manifest: dict) -> Path | str | None:
 
 
 def verify(out: str | Path) -> VerifyReport:
-    """Verify a converted output; never raises for a bad output, reports problems instead."""
+    """Verify a converted output; never raises for a bad output, reports problems instead. ``ok`` with
+    ``source_checked`` false: OUT's own files passed, but the source could not be reached to re-derive them."""
     out = Path(out)
     report = VerifyReport(out=out)
     try:
@@ -217,6 +227,7 @@ def verify(out: str | Path) -> VerifyReport:
     if not same_geometry:
         return report
 
+    report.source_checked = True
     derived = unshuffled = 0
     for layer in layers:
         if any(tensors[t].file in bad_files for p in (layer.w_kc, layer.w_vc) for t in (p.weight, p.scale) if t):

@@ -175,6 +175,19 @@ def test_overlay_only_push_leaves_the_repo_root_alone(hub, out):
     assert not hub.kinds("validate_yaml")  # only a root README.md is validated by the Hub
 
 
+def test_overlay_only_push_works_without_the_local_source(hub, converted, ckpt_copy, tmp_path):
+    """verify cannot re-derive the layers of an overlay whose source is gone, but passes OUT's own files: push
+    --overlay-only still publishes it."""
+    from glm_pack.convert.convert import ConvertOptions, convert
+
+    src, out = ckpt_copy(converted.parent / "src"), tmp_path / "overlay"
+    convert(src, out, ConvertOptions(files="none"))
+    src.rename(tmp_path / "moved-away")
+    result = run_cli("push", out, REPO, "--overlay-only")
+    assert result.exit_code == 0, result.output
+    assert set(hub.files(REPO)) == set(published(out, overlay_only=True))
+
+
 def test_push_to_a_private_repo_branch(hub, out):
     result = run_cli("push", out, REPO, "--revision", "gfx950", "--overlay-only", "--private")
     assert result.exit_code == 0, result.output
