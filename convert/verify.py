@@ -10,6 +10,7 @@ its source split and compared byte for byte, its error recomputed.
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -90,11 +91,21 @@ def read_manifest(out: Path) -> dict:
 
 def _load_overlay_tensor(overlay: Path, entry: mf.TensorEntry) -> torch.Tensor:
     """One overlay tensor, through glm-pack's own reader (any path: the safetensors library needs UTF-8)."""
-    source = LocalFile(overlay / entry.file)
-    stored = parse_header(source).tensors.get(entry.name)
+    path = overlay / entry.file
+    stat = path.stat()
+    source, header = _overlay_header(path, stat.st_size, stat.st_mtime_ns)
+    stored = header.tensors.get(entry.name)
     if stored is None:
         raise ManifestError("the overlay file lacks this tensor", file=source.name, tensor=entry.name)
     return read_tensor(source, stored)
+
+
+@functools.lru_cache(maxsize=4)
+def _overlay_header(path: Path, size: int, mtime_ns: int):
+    """An overlay file and its parsed header, parsed once for its many tensors (an experts file holds hundreds);
+    keyed by size and mtime too, so a rewritten file is parsed again."""
+    source = LocalFile(path)
+    return source, parse_header(source)
 
 
 def stored_to_float(proj: mf.Projection, overlay: Path, tensors: dict[str, mf.TensorEntry]) -> torch.Tensor:
