@@ -1,5 +1,6 @@
 """What the vLLM and SGLang adapters share: select and find the overlay, check that it belongs to the
-checkpoint being served (source fingerprint, geometry, this rank's TP slice), and turn a loaded
+checkpoint being served (source fingerprint, geometry, this rank's TP slice), check that the installed aiter
+computes an MXFP4 K-up correctly the way the engines call it (:func:`check_engine_kup`), and turn a loaded
 projection into the float or MXFP4 tensors an engine keeps.
 
 Selection: ``GLM_PACK_OVERLAY`` unset, empty or ``0`` = off (the engines rebuild as usual); ``1`` = the
@@ -161,6 +162,44 @@ def require_unpadded(proj: ProjectionWeights, engine: str, layer_id: int) -> Non
             f"layer {layer_id}: the overlay stores w_kc with K padded {proj.k_logical} -> {proj.k_stored}, but "
             f"{engine} passes only the {proj.k_logical}-wide q_nope to the K-up GEMM; reconvert with "
             "`glm-pack convert --k-pad none` for this engine"
+        )
+
+
+KUP_CHECK_TOKENS = (16, 300)  # one row count in aiter's small-M buckets, one in its "any" bucket
+KUP_CHECK_TOLERANCE = 2.0**-6  # max |y - ref| / max |ref|: accumulation order stays far below, a lost K block far above
+_KUP_CHECKED: dict[tuple, str] = {}  # (device, N, K) -> "" (passed) or why it failed, once per process
+
+
+def check_engine_kup(proj: ProjectionWeights, engine: str, layer_id: int) -> None:
+    """The engines run MXFP4 K-up through aiter's A16WFP4 GEMM with its default config (``config=None``), whose
+    256-deep K blocks split GLM's K = 192 raggedly, and aiter's ragged-K path is wrong in many versions
+    (``notes/aiter-contract.md``). Run that call on this w_kc, once per process and shape, with random
+    activations and compare it with the torch reference; BackendError when the installed aiter gets it wrong."""
+    from glm_pack.runtime.backends.aiter_backend import load_aiter
+    from glm_pack.runtime.reference import bmm_a16wfp4
+
+    w, scale = proj.weight, proj.scale
+    key = (str(w.device), w.shape[1], 2 * w.shape[2])
+    if key not in _KUP_CHECKED:
+        fn = load_aiter()
+        gen = torch.Generator(device=w.device).manual_seed(0)
+        worst = 0.0
+        for tokens in KUP_CHECK_TOKENS:
+            x = torch.randn(w.shape[0], tokens, key[2], generator=gen, device=w.device).to(torch.bfloat16)
+            y = torch.empty(w.shape[0], tokens, w.shape[1], dtype=torch.bfloat16, device=w.device)
+            if fn.bmm_kind == "a16wfp4":
+                fn.bmm(x, w, scale, dtype=torch.bfloat16, y=y, config=None, prequant=True)
+            else:
+                fn.bmm(x, w, scale, torch.bfloat16, y)
+            ref = bmm_a16wfp4(x, w, scale).float()
+            worst = max(worst, float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
+        ok = worst <= KUP_CHECK_TOLERANCE  # False for NaN too
+        _KUP_CHECKED[key] = "" if ok else f"max |y - ref| / max |ref| = {worst:.3g}"
+    if why := _KUP_CHECKED[key]:
+        raise BackendError(
+            f"layer {layer_id}: the installed aiter's A16WFP4 GEMM, called as {engine} calls it (default config), "
+            f"gets K-up with K={key[2]} wrong ({why}; aiter's ragged-K bug): {engine} would compute garbage from "
+            "this MXFP4 overlay. Convert with --mla-precision bf16 for this engine, or update aiter"
         )
 
 

@@ -67,6 +67,7 @@ def absorbed_attributes(mla: MlaLayer, *, fp4_path: bool) -> dict:
                 "(its only MXFP4 BMM path); convert with --mla-precision bf16 for this setup"
             )
         common.require_unpadded(kc, ENGINE, mla.layer)
+        common.check_engine_kup(kc, ENGINE, mla.layer)
         return {
             "w_kc": kc.weight.transpose(1, 2),
             "w_scale_k": kc.scale.transpose(1, 2),

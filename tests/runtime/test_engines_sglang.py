@@ -9,18 +9,22 @@ import types
 
 import pytest
 import torch
-from engine_standins import sglang_mla
+from engine_standins import aiter_functions, ragged_k_bug, sglang_mla
 from engine_standins.overlay_fixture import GEOM, LAYERS, kv_b_name, make_served, make_served_fp8
 
 from glm_pack.packing.errors import BackendError, VerifyError
+from glm_pack.runtime.backends import aiter_backend
 from glm_pack.runtime.engines import common, sglang
 
 P, L, V, R = GEOM.qk_nope_head_dim, GEOM.kv_lora_rank, GEOM.v_head_dim, GEOM.qk_rope_head_dim
 
 
 @pytest.fixture(autouse=True)
-def _fresh_cache():
+def _fresh_cache(monkeypatch):
     common._OPEN.clear()
+    common._KUP_CHECKED.clear()
+    aiter = aiter_functions(sglang_mla.batched_gemm_afp4wfp4_pre_quant, "pre_quant")  # SGLang's aiter API
+    monkeypatch.setattr(aiter_backend, "load_aiter", lambda: aiter)
     yield
     common._OPEN.clear()
 
@@ -85,6 +89,16 @@ def test_padded_w_kc_and_missing_fp4_path_are_refused(tmp_path):
         sglang.apply(attn, 0, overlay(tmp_path), fp4_path=True)
     with pytest.raises(BackendError, match="gfx950"):
         sglang.apply(attn, 0, overlay(tmp_path), fp4_path=False)
+
+
+def test_an_aiter_with_the_ragged_k_bug_is_caught_before_any_weight_is_set(tmp_path, monkeypatch):
+    weights = make_served(tmp_path)
+    buggy = aiter_functions(ragged_k_bug(sglang_mla.batched_gemm_afp4wfp4_pre_quant), "pre_quant")
+    monkeypatch.setattr(aiter_backend, "load_aiter", lambda: buggy)
+    attn = sglang_mla.SelfAttn(GEOM, weights["model.layers.0.self_attn.kv_b_proj.weight"])
+    with pytest.raises(BackendError, match=rf"gets K-up with K={P} wrong .*ragged-K bug.*--mla-precision bf16"):
+        sglang.apply(attn, 0, overlay(tmp_path), fp4_path=True)
+    assert attn.w_kc is None and attn.w_scale_k is None
 
 
 def test_wrong_slice_is_refused(tmp_path):

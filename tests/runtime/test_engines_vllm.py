@@ -10,18 +10,22 @@ import types
 
 import pytest
 import torch
-from engine_standins import vllm_mla
-from engine_standins.overlay_fixture import GEOM, kv_b_name, make_served, make_served_fp8
+from engine_standins import aiter_functions, ragged_k_bug, vllm_mla
+from engine_standins.overlay_fixture import GEOM, LAYERS, kv_b_name, make_served, make_served_fp8
 
 from glm_pack.packing.errors import BackendError, VerifyError
+from glm_pack.runtime.backends import aiter_backend
 from glm_pack.runtime.engines import common, vllm
 
 P, L, V, R = GEOM.qk_nope_head_dim, GEOM.kv_lora_rank, GEOM.v_head_dim, GEOM.qk_rope_head_dim
 
 
 @pytest.fixture(autouse=True)
-def _fresh_cache():
+def _fresh_cache(monkeypatch):
     common._OPEN.clear()
+    common._KUP_CHECKED.clear()
+    aiter = aiter_functions(vllm_mla.batched_gemm_a16wfp4, "a16wfp4")
+    monkeypatch.setattr(aiter_backend, "load_aiter", lambda: aiter)
     vllm_mla.REBUILDS.clear()
     yield
     common._OPEN.clear()
@@ -95,6 +99,39 @@ def test_padded_w_kc_is_refused_with_the_fix(tmp_path):
     _, layer = engine_pair(weights, 0, fp4=True)
     with pytest.raises(BackendError, match="--k-pad none"):
         vllm.apply(layer, overlay(tmp_path), torch.bfloat16)
+
+
+def test_an_aiter_with_the_ragged_k_bug_is_caught_before_any_weight_is_set(tmp_path, monkeypatch):
+    """vLLM calls aiter's GEMM with its default config: where the installed aiter gets K-up wrong there, the
+    MXFP4 overlay is refused (the engine would compute garbage) and the layer is left as it was."""
+    weights = make_served(tmp_path)
+    buggy = aiter_functions(ragged_k_bug(vllm_mla.batched_gemm_a16wfp4), "a16wfp4")
+    monkeypatch.setattr(aiter_backend, "load_aiter", lambda: buggy)
+    _, layer = engine_pair(weights, 0, fp4=True)
+    with pytest.raises(BackendError, match=rf"gets K-up with K={P} wrong .*ragged-K bug.*--mla-precision bf16"):
+        vllm.apply(layer, overlay(tmp_path), torch.bfloat16)
+    assert getattr(layer, "W_K", None) is None
+
+
+def test_the_aiter_k_up_check_runs_once_per_shape_and_not_for_bf16(tmp_path, monkeypatch):
+    weights = make_served(tmp_path)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("config", "none given"))
+        return vllm_mla.batched_gemm_a16wfp4(*args, **kwargs)
+
+    monkeypatch.setattr(aiter_backend, "load_aiter", lambda: aiter_functions(counted, "a16wfp4"))
+    for layer_id in LAYERS:
+        _, layer = engine_pair(weights, layer_id, fp4=True)
+        assert vllm.apply(layer, overlay(tmp_path), torch.bfloat16)
+    assert calls == [None] * len(common.KUP_CHECK_TOKENS)  # the engine's default config, once for both layers
+    bf16_root = tmp_path / "bf16"
+    bf16_root.mkdir()
+    weights = make_served(bf16_root, policy="bf16")
+    common._KUP_CHECKED.clear()
+    _, layer = engine_pair(weights, 0, fp4=True)
+    assert vllm.apply(layer, overlay(bf16_root), torch.bfloat16) and len(calls) == len(common.KUP_CHECK_TOKENS)
 
 
 def test_mxfp4_overlay_needs_the_fp4_path(tmp_path):
