@@ -256,7 +256,7 @@ class Checkpoint:
         scale = self.read_raw(fmt.scale)
         try:
             if fmt.name == "mxfp4":
-                mxfp4.check_finite(mxfp4.scale_values(scale), "E8M0 scale (byte 0xFF is NaN)")
+                mxfp4.check_scale_bytes(scale)
             else:
                 mxfp4.check_finite(scale, "scale")
         except GlmPackError as err:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from glm_pack.packing import manifest as mf
 from glm_pack.packing.absorb import check_policy
-from glm_pack.packing.errors import GlmPackError, PlanError
+from glm_pack.packing.errors import CheckpointError, GlmPackError, PlanError
 from glm_pack.packing.experts import moe_layout_description
 
 from . import state
@@ -133,14 +133,15 @@ def run_differences(previous: dict, run: dict) -> list[str]:
         return value if isinstance(value, str) else json.dumps(value)
 
     before = previous.get("options") or {}
-    pairs = [(key, before.get(key), now) for key, now in run["options"].items()]
+    pairs = [(key, before.get(key), run["options"].get(key)) for key in sorted(before.keys() | run["options"].keys())]
     pairs += [(key, previous.get(key), run[key]) for key in ("source", "tool")]
     found = [f"{key}: {show(a)} (interrupted run) vs {show(b)} (this run)" for key, a, b in pairs if a != b]
     if not found:  # same options and source: its files changed since
         stats = previous.get("stats") or {}
         changed = sorted(f for f in stats.keys() | run["stats"].keys() if stats.get(f) != run["stats"].get(f))
-        found = [f"source files changed since: {', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}"]
-    return found
+        if changed:
+            found = [f"source files changed since: {', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}"]
+    return found or ["its run record (glm-pack/.run.json) differs from this run's"]
 
 
 def _empty_dir(path: Path) -> bool:
@@ -258,8 +259,10 @@ def source_stats(root: Path, files: list[Path]) -> dict[str, list[int]]:
     for rel in files:
         try:
             st = (root / rel).stat()
-        except OSError as err:
+        except FileNotFoundError as err:
             raise source_changed(root / rel, vanished=True) from err
+        except OSError as err:
+            raise CheckpointError(f"cannot read: {err.strerror or err}", file=str(root / rel)) from err
         out[str(rel)] = [st.st_size, st.st_mtime_ns]
     return out
 

@@ -340,10 +340,13 @@ def _body_fields(manifest: dict, overlay_only: bool, has_source_readme: bool, re
 
 def require_originals(out: Path, manifest: dict, action: str) -> None:
     """Refuse to treat OUT as a full checkpoint (root card, full push) when the originals are not in it."""
-    if manifest["options"].get("files") == "none" or not (out / "config.json").is_file():
-        raise PlanError(
-            f"{out} holds no original files (converted with --files none): {action} with --overlay-only", file=out
-        )
+    if manifest["options"].get("files") == "none":
+        why = "holds no original files (converted with --files none)"
+    elif not (out / "config.json").is_file():
+        why = "lacks its original config.json"
+    else:
+        return
+    raise PlanError(f"{out} {why}: {action} with --overlay-only", file=out)
 
 
 def _template() -> Template:

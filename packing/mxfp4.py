@@ -72,6 +72,15 @@ def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
         )
 
 
+def check_scale_bytes(scales: torch.Tensor, what: str = "E8M0 scale (byte 0xFF is NaN)") -> None:
+    """Raise :class:`NonFiniteError` with the count and first index of E8M0 NaN bytes (0xFF) in u8 ``scales``
+    (a byte comparison: no decoding)."""
+    bad = scales == 0xFF
+    if bool(bad.any()):
+        first = tuple(int(i) for i in torch.nonzero(bad)[0])
+        raise NonFiniteError(f"{what} holds {int(bad.sum())} NaN byte(s); first at index {first}")
+
+
 def even_exponent(amax: torch.Tensor) -> torch.Tensor:
     """Unbiased block exponent under the even rule: round amax's mantissa to 1 bit, floor(log2) - 2."""
     bits = amax.view(torch.int32).to(torch.int64)

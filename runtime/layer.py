@@ -8,6 +8,7 @@ Shapes (H = this rank's heads, T = tokens, L = kv_lora, P = nope, R = rope, V = 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -127,8 +128,8 @@ class MlaLayer:
             raise BackendError("kv_indptr and kv_indices must be int32")
         if kv_indices.dim() != 1:
             raise BackendError(f"kv_indices must be flat (1-D) global slot ids, got {tuple(kv_indices.shape)}")
-        if not math.isfinite(float(softmax_scale)):
-            raise BackendError(f"softmax_scale must be finite, got {softmax_scale}")
+        if not isinstance(softmax_scale, numbers.Real) or not math.isfinite(softmax_scale):
+            raise BackendError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
         if kv_indptr.shape != (q_latent.shape[0] + 1,):
             raise BackendError(f"kv_indptr must be [T+1] = [{q_latent.shape[0] + 1}], got {tuple(kv_indptr.shape)}")
         out, lse = self.backend.sparse_mla(

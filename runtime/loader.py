@@ -145,7 +145,7 @@ class PackedModel:
 
 def _integer(value, name: str) -> int:
     """``value`` as an int (a Python or numpy integer, a 0-d integer tensor); bools and floats are refused."""
-    if not isinstance(value, bool):
+    if not isinstance(value, bool) and getattr(value, "dtype", None) != torch.bool:
         try:
             return operator.index(value)
         except TypeError:

@@ -4,6 +4,7 @@ the manifest, the source card kept, refreshes idempotent, overlay-only cards bes
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -251,3 +252,8 @@ def test_card_and_push_refuse_a_full_card_for_an_out_without_originals(converted
         assert sorted(p.name for p in out.iterdir()) == before
     r = CliRunner().invoke(main, ["card", str(out), "--overlay-only"])
     assert r.exit_code == 0 and (out / "glm-pack" / "README.md").is_file()
+    linked = tmp_path / "linked"
+    shutil.copytree(converted, linked, copy_function=os.link)
+    (linked / "config.json").unlink()  # a link output that lost its config: not "converted with --files none"
+    r = CliRunner().invoke(main, ["card", str(linked)])
+    assert r.exit_code == 1 and f"{linked} lacks its original config.json: write its card with" in r.output

@@ -189,6 +189,16 @@ def test_resume_with_other_options_is_refused_naming_each_difference(converted, 
         convert(src, tmp_path / "done", ConvertOptions(files="none", resume=True))
 
 
+def test_run_differences_name_options_either_run_lacks_and_never_come_back_empty():
+    from glm_pack.convert.convert import run_differences
+
+    run = {"tool": "0.1.0", "options": {"quant_mode": "even"}, "source": "/s", "stats": {"a": [1, 2]}}
+    older = {**run, "options": {"quant_mode": "even", "k_multiple": 64}}  # a key this build does not record
+    assert run_differences(older, run) == ["k_multiple: 64 (interrupted run) vs null (this run)"]
+    odd = {**run, "extra": 1}  # differs only outside options, source, tool and stats
+    assert run_differences(odd, run) == ["its run record (glm-pack/.run.json) differs from this run's"]
+
+
 def test_resume_onto_a_folder_where_an_overlay_file_goes_is_one_line(converted, tmp_path):
     src, _ = converted
     out = tmp_path / "out"

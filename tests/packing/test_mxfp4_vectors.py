@@ -16,7 +16,7 @@ import pytest
 import torch
 from packing_helpers import E2M1, bits_equal, nibbles, reference_only
 
-from glm_pack.packing import _mxfp4_fast
+from glm_pack.packing import _mxfp4_fast, mxfp4
 from glm_pack.packing.errors import FormatError, NonFiniteError
 from glm_pack.packing.mxfp4 import MODES, dequantize, quantize
 
@@ -253,6 +253,14 @@ def test_fp64_input_beyond_float32_range_is_refused(path):
         run(path, quantize, x)
     x[1, 4] = 3.0
     assert all(torch.equal(a, b) for a, b in zip(run(path, quantize, x), quantize(x.float()), strict=True))
+
+
+def test_scale_bytes_0xff_are_counted_and_the_first_named():
+    scales = torch.full((3, 6), 127, dtype=torch.uint8)
+    mxfp4.check_scale_bytes(scales)  # 0..254 are all finite powers of two
+    scales[2, 1] = scales[1, 4] = 0xFF
+    with pytest.raises(NonFiniteError, match=r"holds 2 NaN byte\(s\); first at index \(1, 4\)"):
+        mxfp4.check_scale_bytes(scales)
 
 
 @pytest.mark.parametrize("path", PATHS)

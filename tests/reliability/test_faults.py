@@ -338,3 +338,15 @@ def test_zero_and_denormal_range_blocks_round_trip(source, ckpt_copy, tmp_path):
             assert torch.equal(got, want), proj
         assert all(math.isfinite(layer[p]["rel_error"]) for p in expected)
     assert verify(out).ok
+
+
+def test_a_source_file_that_cannot_be_read_is_not_called_disappeared(tmp_path):
+    """Only a missing file is "changed during conversion (this file disappeared)"; any other OS error on a source
+    file (here a symlink loop) is a CheckpointError with its own reason."""
+    from glm_pack.convert.convert import source_stats
+    from glm_pack.packing.errors import CheckpointError
+
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(CheckpointError, match="cannot read: Too many levels of symbolic links") as err:
+        source_stats(tmp_path, [tmp_path / "loop"])
+    assert "disappeared" not in str(err.value)

@@ -154,6 +154,8 @@ def test_open_refusals(packed_dirs, tmp_path):
         runtime.open(out, tp_size=2.0)
     with pytest.raises(GlmPackError, match="tp_rank must be an integer, got True"):
         runtime.open(out, tp_rank=True, tp_size=2)
+    with pytest.raises(GlmPackError, match=r"tp_rank must be an integer, got tensor\(True\)"):
+        runtime.open(out, tp_rank=torch.tensor(True), tp_size=2)
     model = runtime.open(out, tp_rank=torch.tensor(1), tp_size=np.int64(2))  # integer types of other libraries
     assert (model.tp_rank, model.tp_size) == (1, 2) and type(model.tp_size) is int
     with pytest.raises(GlmPackError, match="layer must be an integer, got '0'"):
@@ -244,8 +246,8 @@ def test_attend_checks(packed_dirs):
         layer.attend(latent, cache, indptr, indices, 0.1, q_rope=q[:2, :, 192:])
     with pytest.raises(BackendError, match=r"kv_indices must be flat \(1-D\) global slot ids, got \(3, 8\)"):
         layer.attend(latent, cache, indptr, indices[:24].reshape(3, 8), 0.1, q_rope=q[..., 192:])
-    for scale in (float("nan"), float("inf")):
-        with pytest.raises(BackendError, match="softmax_scale must be finite"):
+    for scale in (float("nan"), float("inf"), None, "0.1"):
+        with pytest.raises(BackendError, match="softmax_scale must be a finite number"):
             layer.attend(latent, cache, indptr, indices, scale, q_rope=q[..., 192:])
     o, lse = layer.attend(latent, cache, indptr, indices, 0.1, q_rope=q[..., 192:], return_lse=True)
     assert o.shape == (3, 64, 512) and lse.shape == (3, 64)
