@@ -64,9 +64,12 @@ def read_run(overlay: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        run = json.loads(path.read_text())
     except ValueError as err:
         raise PlanError(f"unreadable run state ({err}); use --overwrite to start over", file=path) from err
+    if not isinstance(run, dict):
+        raise PlanError("unreadable run state (not a JSON object); use --overwrite to start over", file=path)
+    return run
 
 
 def write_run(overlay: Path, run: dict) -> None:

@@ -347,3 +347,12 @@ def test_a_killed_worker_gives_one_line_and_a_resumable_out(converted, tmp_path)
     assert "a worker process died" in lines[0] and "--resume" in lines[0], lines[0]
     convert(src, out, ConvertOptions(files="copy", resume=True, repack_experts="aiter-a4w4"))
     assert overlay(out) == overlay(clean) and verify(out).ok
+
+
+@pytest.mark.parametrize("text", ["{", "[1, 2]", "null", '"run"'])
+def test_a_run_record_that_is_not_an_object_is_one_line(tmp_path, text):
+    from glm_pack.convert.state import RUN_NAME, read_run
+
+    (tmp_path / RUN_NAME).write_text(text)
+    with pytest.raises(PlanError, match="unreadable run state .*use --overwrite to start over"):
+        read_run(tmp_path)
