@@ -19,7 +19,8 @@ SGLang's attributes (per rank, H = local heads, L = kv_lora, P = nope, V = v):
   On main only DeepseekV3 Quark checkpoints take this path at load; for GLM's BF16 kv_b_proj the engine
   requantizes to per-tensor FP8. The overlay's ``bmm_nk`` tensors are exactly the stored layouts above.
 * BF16: ``w_kc`` logical ``[H, P, L]`` stored ``[H, L, P]``, ``w_vc`` logical ``[H, L, V]`` stored
-  ``[H, V, L]``, ``w_scale = 1.0`` (ROCm multiplies by it), used by ``torch.bmm``.
+  ``[H, V, L]``, in the loaded kv_b_proj's float dtype (bf16 for a quantized one), ``w_scale = 1.0`` (ROCm
+  multiplies by it), used by ``torch.bmm``.
 
 K padding: SGLang passes only q_nope to the K-up GEMM, so a K-padded w_kc is refused (``--k-pad none``).
 
@@ -57,8 +58,9 @@ def engine_geometry(self_attn) -> MlaGeometry:
     )
 
 
-def absorbed_attributes(mla: MlaLayer, *, fp4_path: bool) -> dict:
-    """The attributes SGLang's forward reads, built from one overlay layer (see the module docstring)."""
+def absorbed_attributes(mla: MlaLayer, *, fp4_path: bool, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The attributes SGLang's forward reads, built from one overlay layer (see the module docstring); float
+    ones in ``dtype``, the dtype SGLang's rebuild keeps (its loaded kv_b_proj's)."""
     kc, vc = mla.w_kc, mla.w_vc
     if kc.precision == "mxfp4" and vc.precision == "mxfp4":
         if not fp4_path:
@@ -75,8 +77,8 @@ def absorbed_attributes(mla: MlaLayer, *, fp4_path: bool) -> dict:
             "w_scale_v": vc.scale.transpose(1, 2),
         }
     return {
-        "w_kc": common.as_float(kc, torch.bfloat16).transpose(1, 2),
-        "w_vc": common.as_float(vc, torch.bfloat16).transpose(1, 2),
+        "w_kc": common.as_float(kc, dtype).transpose(1, 2),
+        "w_vc": common.as_float(vc, dtype).transpose(1, 2),
         "w_scale": 1.0,
     }
 
@@ -108,7 +110,9 @@ def loaded_kv_b(linear, quant_config) -> torch.Tensor | None:
 def apply(self_attn, layer_id: int, overlay: common.Overlay, *, fp4_path: bool, quant_config=None) -> bool:
     """Set one attention module's absorbed weights; False when the overlay lacks the layer. ``quant_config``:
     the model's, which gives an FP8 kv_b_proj's block size."""
-    build = functools.partial(absorbed_attributes, fp4_path=fp4_path)
+    loaded = self_attn.kv_b_proj.weight.dtype
+    dtype = loaded if loaded in common.FLOAT else torch.bfloat16  # a quantized kv_b_proj: SGLang's bf16 rebuild
+    build = functools.partial(absorbed_attributes, fp4_path=fp4_path, dtype=dtype)
     kv_b = functools.partial(loaded_kv_b, self_attn.kv_b_proj, quant_config)
     return overlay.apply(self_attn, layer_id, engine_geometry(self_attn), build, kv_b)
 

@@ -82,6 +82,19 @@ def test_bf16_policy_attributes_match_the_bf16_rebuild(tmp_path):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_bf16_overlay_takes_the_served_float_dtype(tmp_path):
+    """An fp16 server (SGLang --dtype float16) loads kv_b_proj in fp16 and its rebuild keeps that dtype, which
+    its forward multiplies fp16 q_nope with: the overlay's attributes must be fp16 too, with the same values."""
+    weights = make_served(tmp_path, policy="bf16")
+    kv_b = weights["model.layers.1.self_attn.kv_b_proj.weight"].to(torch.float16)
+    ref, attn = sglang_mla.SelfAttn(GEOM, kv_b), sglang_mla.SelfAttn(GEOM, kv_b)
+    ref.rebuild(fp4=False)
+    sglang.apply(attn, 1, overlay(tmp_path), fp4_path=False)
+    for name in ("w_kc", "w_vc"):
+        got, want = getattr(attn, name), getattr(ref, name)
+        assert got.dtype == torch.float16 and torch.equal(got, want), name
+
+
 def test_padded_w_kc_and_missing_fp4_path_are_refused(tmp_path):
     weights = make_served(tmp_path, k_stored=96)
     attn = sglang_mla.SelfAttn(GEOM, weights["model.layers.0.self_attn.kv_b_proj.weight"])
