@@ -230,6 +230,13 @@ class Checkpoint:
 
         ``digests``: filled with the sha256 of each stored tensor read (the same bytes, no second read).
         """
+        return self.read_float_and_mxfp4(weight_name, digests=digests)[0]
+
+    def read_float_and_mxfp4(
+        self, weight_name: str, *, digests: dict[str, str] | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """``read_float``'s float32 ``[out, in]``, and for an MXFP4 weight also ``read_mxfp4``'s stored (codes,
+        scales), both from one read of the stored bytes; None for the second for any other format."""
         fmt = self.format_of(weight_name)
         scale = self.read_scale(fmt) if fmt.scale else None
         weight = self.read_raw(fmt.weight)
@@ -237,7 +244,7 @@ class Checkpoint:
             for name, raw in ((fmt.weight, weight), (fmt.scale, scale)):
                 if raw is not None:
                     digests[name] = hashlib.sha256(raw.contiguous().view(torch.uint8).numpy()).hexdigest()
-        return formats.dequantize(fmt, weight, scale)
+        return formats.dequantize(fmt, weight, scale), ((weight, scale) if fmt.name == "mxfp4" else None)
 
     def read_mxfp4(self, weight_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """An MXFP4 weight as stored: (codes u8 ``[out, in/2]``, E8M0 scales u8 ``[out, in/32]``)."""

@@ -137,15 +137,15 @@ def run_mla_item(ckpt: Checkpoint, item: WorkItem, settings: Settings, overlay: 
     fmt = ckpt.weight_format(kv_b_name)
     source: dict[str, str] = {}  # sha256 of the stored tensors read, for the manifest's source fingerprint
     try:
-        vc_source = split_kv_b_mxfp4_vc(*ckpt.read_mxfp4(kv_b_name), geom) if fmt == "mxfp4" else None
+        kv_b, kv_b_mxfp4 = ckpt.read_float_and_mxfp4(kv_b_name, digests=source)
         kc, vc = absorb_layer(
-            ckpt.read_float(kv_b_name, digests=source),
+            kv_b,
             geom,
             k_stored=settings.k_kc,
             quant_mode=settings.quant_mode,
             policy=settings.policy,
             max_rel_error=settings.max_rel_error,
-            vc_mxfp4_source=vc_source,
+            vc_mxfp4_source=split_kv_b_mxfp4_vc(*kv_b_mxfp4, geom) if kv_b_mxfp4 else None,
         )
     except GlmPackError as err:
         raise _locate(err, ckpt, kv_b_name) from None

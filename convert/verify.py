@@ -309,10 +309,11 @@ def _check_layer_set(report: VerifyReport, ckpt, layers: list[mf.MlaLayer]) -> N
 
 def _check_layer(report: VerifyReport, ckpt, layer: mf.MlaLayer, geom, overlay: Path, tensors) -> None:
     """Re-derive the layer's stored tensors from the source with the recorded choices; they must be identical."""
-    w_kc, w_vc = split_kv_b(ckpt.read_float(layer.source_tensor), geom)
+    kv_b, kv_b_mxfp4 = ckpt.read_float_and_mxfp4(layer.source_tensor)
+    w_kc, w_vc = split_kv_b(kv_b, geom)
     vc_source = None
-    if layer.w_vc.quant_mode == "source":
-        vc_source = split_kv_b_mxfp4_vc(*ckpt.read_mxfp4(layer.source_tensor), geom)
+    if layer.w_vc.quant_mode == "source":  # read_mxfp4 only runs (and raises, naming the format) for a non-MXFP4 source
+        vc_source = split_kv_b_mxfp4_vc(*(kv_b_mxfp4 or ckpt.read_mxfp4(layer.source_tensor)), geom)
     for proj, ref, mx_source in ((layer.w_kc, w_kc, None), (layer.w_vc, w_vc, vc_source)):
         expected = store_projection(
             ref,

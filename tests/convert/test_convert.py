@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -14,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from glm_pack import runtime
+from glm_pack.convert.checkpoint import Checkpoint
 from glm_pack.convert.cli import main
 from glm_pack.convert.convert import ConvertOptions, convert
 from glm_pack.convert.verify import verify
@@ -107,6 +109,31 @@ def test_convert_each_card_and_format(synth_ckpt, tmp_path, card, fmt):
     for rel, digest in before.items():
         assert hashlib.sha256((out / rel).read_bytes()).hexdigest() == digest  # originals identical, index too
     assert verify(out).ok
+
+
+def test_mxfp4_kv_b_proj_read_once_per_layer(synth_ckpt, tmp_path, monkeypatch):
+    """An MXFP4 kv_b_proj feeds both the float split and the byte-exact w_vc: convert and verify read its codes and
+    scales once per layer, so both come from the same bytes (and the hashed bytes are the ones used)."""
+    src = synth_ckpt("glm-5", "mxfp4-attn")
+    reads = collections.Counter()
+    read_raw = Checkpoint.read_raw
+
+    def counting(self, name):
+        reads[name] += 1
+        return read_raw(self, name)
+
+    monkeypatch.setattr(Checkpoint, "read_raw", counting)
+    out = tmp_path / "out"
+    convert(src, out, ConvertOptions(files="none", workers=1))
+    layers = manifest(out)["mla"]
+    mx = [e["source"]["tensor"] for e in layers if e["source"]["format"] == "mxfp4"]
+    assert mx  # the MTP layer's kv_b_proj stays BF16 in this format
+    expected = {e["source"]["tensor"]: 1 for e in layers} | {name + "_scale": 1 for name in mx}
+    assert {n: c for n, c in reads.items() if "kv_b_proj" in n} == expected
+    reads.clear()
+    report = verify(out)
+    assert report.ok and report.source_checked
+    assert {n: c for n, c in reads.items() if "kv_b_proj" in n} == expected
 
 
 def test_deterministic_and_worker_count_independent(synth_ckpt, tmp_path):
