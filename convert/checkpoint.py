@@ -97,7 +97,9 @@ def _inside(store: LocalStore, rel) -> bool:
     return True
 
 
-def _weight_map(store: LocalStore) -> tuple[dict[str, str], Path | None]:
+def _weight_map(store: LocalStore) -> tuple[dict[str, str], Path | None, dict[str, Header]]:
+    """(tensor -> shard, the index's path or None, the shard headers parsed on the way: all of them where there is
+    no index, whose map then comes from the headers; none otherwise)."""
     if store.exists(INDEX_NAME):
         index = _load_json(store, INDEX_NAME)
         wm = index.get("weight_map")
@@ -112,11 +114,12 @@ def _weight_map(store: LocalStore) -> tuple[dict[str, str], Path | None]:
                     tensor=tensor,
                 )
             seen.add(rel)
-        return dict(wm), store.root / INDEX_NAME
+        return dict(wm), store.root / INDEX_NAME, {}
     names = [SINGLE_NAME] if store.exists(SINGLE_NAME) else store.safetensors_files()
     if not names:
         raise CheckpointError(f"no {INDEX_NAME} and no *.safetensors file", file=str(store.root))
-    return _tensor_files(store, {rel: parse_header(store.open(rel)) for rel in names}), None
+    headers = {rel: parse_header(store.open(rel)) for rel in names}
+    return _tensor_files(store, headers), None, headers
 
 
 def _tensor_files(store: LocalStore, headers: dict[str, Header]) -> dict[str, str]:
@@ -138,7 +141,16 @@ def _tensor_files(store: LocalStore, headers: dict[str, Header]) -> dict[str, st
 class Checkpoint:
     """A local checkpoint: config, card, geometry, index, headers; tensors read lazily."""
 
-    def __init__(self, store: LocalStore, config: dict, card: Card, weight_map: dict[str, str], index_path):
+    def __init__(
+        self,
+        store: LocalStore,
+        config: dict,
+        card: Card,
+        weight_map: dict[str, str],
+        index_path,
+        headers: dict[str, Header] | None = None,
+    ):
+        """``headers``: shard headers already parsed (by ``_weight_map``), which are not read again."""
         self.store = store
         self.root = store.root
         self.config = config
@@ -150,10 +162,15 @@ class Checkpoint:
         self.quant = formats.QuantConfig(self.quant_config)
         self.headers: dict[str, Header] = {}
         self._formats: dict[str, formats.WeightFormat] = {}
+        first: dict[str, str] = {}  # shard -> the first tensor the index maps to it
+        for tensor, rel in weight_map.items():
+            first.setdefault(rel, tensor)
         for rel in self.files:
-            first = next(t for t, f in weight_map.items() if f == rel)
+            if headers and rel in headers:
+                self.headers[rel] = headers[rel]
+                continue
             if not store.exists(rel):
-                raise CheckpointError("shard named by the index is missing", file=store.where(rel), tensor=first)
+                raise CheckpointError("shard named by the index is missing", file=store.where(rel), tensor=first[rel])
             self.headers[rel] = parse_header(store.open(rel))
         _tensor_files(store, self.headers)
         for tensor, rel in weight_map.items():
@@ -317,8 +334,7 @@ def open_checkpoint(src: str | os.PathLike, *, card: str | None = None) -> Check
     config = _load_json(store, "config.json")
     try:
         family = load_card(card) if card else detect_card(config)
-        weight_map, index_path = _weight_map(store)
-        return Checkpoint(store, config, family, weight_map, index_path)
+        return Checkpoint(store, config, family, *_weight_map(store))
     except GlmPackError as err:
         if err.file == "config.json":
             err.file = store.where("config.json")

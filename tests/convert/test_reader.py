@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from glm_pack.convert import checkpoint as ckmod
 from glm_pack.convert import safetensors_io as sio
 from glm_pack.convert.checkpoint import open_checkpoint
 from glm_pack.convert.cli import main
@@ -219,6 +220,20 @@ def test_reads_touch_only_the_tensor_bytes(synth_ckpt, monkeypatch):
     ck.read_float(name)
     spans = {(ck.info(t).begin, ck.info(t).nbytes) for t in ck.source_tensors(name)}
     assert set(calls) == spans
+
+
+@pytest.mark.parametrize("indexed", [True, False])
+def test_each_shard_header_is_parsed_once(synth_ckpt, ckpt_copy, monkeypatch, indexed):
+    """Without an index the headers give the tensor map; they are not read again (for a Hub source each parse is
+    a request)."""
+    d = ckpt_copy(synth_ckpt("glm-5", "bf16"))
+    if not indexed:
+        (d / "model.safetensors.index.json").unlink()
+    parsed = []
+    original = ckmod.parse_header
+    monkeypatch.setattr(ckmod, "parse_header", lambda f: parsed.append(f.name) or original(f))
+    ck = open_checkpoint(d)
+    assert sorted(parsed) == sorted(str(d / rel) for rel in ck.files) and len(ck.files) > 1
 
 
 def test_weight_and_scale_in_different_shards(synth_ckpt):
