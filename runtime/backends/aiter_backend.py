@@ -39,8 +39,8 @@ class AiterFunctions:
 
     bmm: Any
     bmm_kind: str
-    sparse_mla_fwd: Any | None
-    sparse_rope_free: bool  # sparse_mla_fwd takes qk_rope_head_dim (rope-free BF16 caches)
+    sparse_mla_fwd: Any | None  # None also when it lacks return_lse (returns one tensor, not (out, lse))
+    sparse_rope_free: bool  # sparse_mla_fwd runs qk_rope_head_dim=0 (rope-free BF16 caches); see _sparse_mla
     sparse_has_invalid: bool  # sparse_mla_fwd takes has_invalid (-1 sentinels)
 
 
@@ -76,10 +76,24 @@ def load_aiter() -> AiterFunctions:
             bmm, kind = module.batched_gemm_afp4wfp4_pre_quant, "pre_quant"
     if bmm is None:
         raise BackendError("aiter backend unavailable: the installed aiter has no batched A16WFP4 GEMM")
-    sparse = _import(_SPARSE_MODULE)
-    fwd = getattr(sparse, "sparse_mla_fwd", None)
+    return AiterFunctions(bmm, kind, *_sparse_mla())
+
+
+def _sparse_mla() -> tuple[Any | None, bool, bool]:
+    """(sparse_mla_fwd or None, rope-free support, takes has_invalid), told apart by signature.
+
+    ROCm/aiter ``aiter/ops/triton/attention/sparse_mla.py``: without ``return_lse`` (branch
+    cagri/sparse_pa_optimizations @ 4d86ac59) it returns ``out`` alone, not ``(out, lse)``: unusable here. With
+    positional arguments after ``softmax_scale`` (@ d921e5ba) it launches the separated-rope geometry only
+    (``ROPE_SEPARATE=True``; ``qk_rope_head_dim=0`` fails inside the kernel build); the revision that made them
+    keyword-only (@ 013f408e) passes ``ROPE_SEPARATE = qk_rope_head_dim > 0``: rope-free support.
+    """
+    fwd = getattr(_import(_SPARSE_MODULE), "sparse_mla_fwd", None)
     params = inspect.signature(fwd).parameters if fwd is not None else {}
-    return AiterFunctions(bmm, kind, fwd, "qk_rope_head_dim" in params, "has_invalid" in params)
+    if "return_lse" not in params:
+        return None, False, False
+    rope = params.get("qk_rope_head_dim")
+    return fwd, rope is not None and rope.kind is inspect.Parameter.KEYWORD_ONLY, "has_invalid" in params
 
 
 def aiter_status(device) -> tuple[bool, str]:
@@ -171,7 +185,7 @@ class AiterBackend(Backend):
         rope = 0 if q_rope is None else q_rope.shape[-1]
         if self.fn.sparse_mla_fwd is None or (rope == 0 and not self.fn.sparse_rope_free):
             if not self._warned:
-                why = "has no sparse_mla_fwd" if self.fn.sparse_mla_fwd is None else "lacks rope-free support"
+                why = "has no usable sparse_mla_fwd" if self.fn.sparse_mla_fwd is None else "lacks rope-free support"
                 log.warning("installed aiter %s; sparse MLA runs on the %s backend", why, self.fallback.name)
                 self._warned = True
             return self.fallback.sparse_mla(

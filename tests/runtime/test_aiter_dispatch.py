@@ -8,6 +8,8 @@ the result independently of glm-pack's codec: a per-element Python even-rule qua
 from __future__ import annotations
 
 import logging
+import sys
+import types
 
 import pytest
 import torch
@@ -226,3 +228,91 @@ def test_independent_even_rule_matches_hand_vectors():
     # amax 7 = 1.75 * 4 rounds up to 8, so e = 1; 7 / 2 = 3.5 ties to 4, i.e. 8.
     assert even_round_trip(torch.tensor([7.0] + [0.0] * 31))[0] == 8.0
     assert even_round_trip(torch.zeros(32)).abs().sum() == 0
+
+
+# ------------------------------------------------- load_aiter against the sparse_mla_fwd revisions aiter had
+# Signatures transcribed (not copied) from ROCm/aiter aiter/ops/triton/attention/sparse_mla.py:
+# * branch cagri/sparse_pa_optimizations @ 4d86ac59df030f7852444b721e7c5d024b870c4f: no return_lse, returns `out`
+#   alone; the launch passes ROPE_SEPARATE=True (separated rope only).
+# * @ d921e5ba5cd0beaaf3a956b4a04cb860c0307c55: adds return_lse and returns (out, lse), still ROPE_SEPARATE=True
+#   ("separated-rope geometry"): qk_rope_head_dim=0 gives a zero-width rope plane the kernel cannot build.
+# * @ 013f408ebe8491e80ddab1fbab4c3dbcbc98bd74: everything after softmax_scale keyword-only, ROPE_SEPARATE =
+#   qk_rope_head_dim > 0, so qk_rope_head_dim=0 is the rope-free (GLM-5.3-Flash) geometry.
+
+
+def _rev_branch(rec):
+    def sparse_mla_fwd(q, kv_buffer, kv_indptr, kv_indices, softmax_scale, kv_scale=None, kv_lora_rank=512,
+                       qk_rope_head_dim=64, kv_splits=None, skip_reduce=False, has_invalid=False,
+                       dot_precision="bf16", q_scale=None, out=None):  # fmt: skip
+        return rec.sparse_mla_fwd(q, kv_buffer, kv_indptr, kv_indices, softmax_scale, kv_lora_rank=kv_lora_rank,
+                                  qk_rope_head_dim=qk_rope_head_dim, has_invalid=has_invalid)[0]  # fmt: skip
+
+    return sparse_mla_fwd
+
+
+def _rev_separated(rec):
+    def sparse_mla_fwd(q, kv_buffer, kv_indptr, kv_indices, softmax_scale, kv_scale=None, kv_lora_rank=512,
+                       qk_rope_head_dim=64, kv_splits=None, skip_reduce=False, has_invalid=False,
+                       dot_precision="bf16", q_scale=None, out=None, return_lse=False):  # fmt: skip
+        if qk_rope_head_dim == 0:
+            raise ZeroDivisionError("integer division or modulo by zero")  # RTW = ROPE_DIM // ROPE_VEC
+        return rec.sparse_mla_fwd(q, kv_buffer, kv_indptr, kv_indices, softmax_scale, kv_lora_rank=kv_lora_rank,
+                                  qk_rope_head_dim=qk_rope_head_dim, has_invalid=has_invalid)  # fmt: skip
+
+    return sparse_mla_fwd
+
+
+def _rev_merged(rec):
+    def sparse_mla_fwd(q, kv_buffer, kv_indptr, kv_indices, softmax_scale, *, kv_scale=None, kv_lora_rank=512,
+                       qk_rope_head_dim=64, kv_splits=None, skip_reduce=False, has_invalid=False,
+                       dot_precision="bf16", q_scale=None, out=None, return_lse=False, attn_sink=None):  # fmt: skip
+        return rec.sparse_mla_fwd(q, kv_buffer, kv_indptr, kv_indices, softmax_scale, kv_lora_rank=kv_lora_rank,
+                                  qk_rope_head_dim=qk_rope_head_dim, has_invalid=has_invalid)  # fmt: skip
+
+    return sparse_mla_fwd
+
+
+def _install_modules(monkeypatch, rec, sparse_mla_fwd):
+    """A stand-in aiter package: the batched GEMM module and the sparse-MLA module, nothing else."""
+    modules = {"aiter": {}, ab._BMM_MODULES[0]: {"batched_gemm_a16wfp4": rec.a16wfp4}}
+    modules[ab._SPARSE_MODULE] = {"sparse_mla_fwd": sparse_mla_fwd}
+    for name, attrs in modules.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(ab, "detect_arch", lambda: "gfx950")
+    monkeypatch.setattr(ab, "gpu_reason", lambda device: "")
+
+
+@pytest.mark.parametrize(
+    ("revision", "usable", "rope_free"),
+    [(_rev_branch, False, False), (_rev_separated, True, False), (_rev_merged, True, True)],
+)
+def test_load_aiter_tells_the_sparse_mla_revisions_apart(monkeypatch, revision, usable, rope_free):
+    rec = Recorder()
+    _install_modules(monkeypatch, rec, revision(rec))
+    fns = ab.load_aiter()
+    assert fns.bmm_kind == "a16wfp4" and fns.bmm == rec.a16wfp4
+    assert (fns.sparse_mla_fwd is not None) == usable
+    assert fns.sparse_rope_free == rope_free
+
+
+@pytest.mark.parametrize(("card", "revision"), [("glm-5.3-flash", _rev_separated), ("glm-5", _rev_branch)])
+def test_attend_falls_back_where_the_installed_sparse_mla_cannot_serve(packed_dirs, monkeypatch, caplog, card,
+                                                                        revision):  # fmt: skip
+    """A rope-free model on aiter's separated-rope-only revision, and any model on the revision without
+    return_lse (one tensor back, not (out, lse)), get the fallback backend's answer, said once."""
+    rec = Recorder()
+    _install_modules(monkeypatch, rec, revision(rec))
+    _, out = packed_dirs(card)
+    model, ref_model = runtime.open(out, backend="aiter"), runtime.open(out, backend="torch")
+    layer, ref = model.mla(model.layers[0]), ref_model.mla(ref_model.layers[0])
+    q, cache, indptr, indices = _inputs(layer.geometry, T=2)
+    latent = ref.k_up(q)
+    q_rope = q[..., layer.geometry.qk_nope_head_dim :] if layer.geometry.qk_rope_head_dim else None
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            o = layer.attend(latent, cache, indptr, indices, 0.06, q_rope=q_rope)
+    assert sum("sparse MLA runs on the" in r.message for r in caplog.records) == 1
+    assert all(c[0] != "sparse" for c in rec.calls)
+    torch.testing.assert_close(o, ref.attend(latent, cache, indptr, indices, 0.06, q_rope=q_rope))
