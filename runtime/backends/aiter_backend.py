@@ -4,7 +4,8 @@ Written against the documented contract (``notes/aiter-contract.md``); aiter is 
 function is feature-detected. The contract is asserted before each call, since aiter checks none of it:
 u8 weights and scales, ``x.shape[-1] == 2 * w.shape[-1]`` (a 192-wide q against a 256-padded w_kc returns
 garbage otherwise), positive strides, ``prequant=True``, a complete config with ``NUM_KSPLIT == 1``
-(aiter's split-K reduce corrupts memory with this wrapper).
+(aiter's split-K reduce corrupts memory with this wrapper); for sparse MLA, q and cache rows unit-stride along
+their last axis (the kernel takes no stride for it).
 """
 
 from __future__ import annotations
@@ -191,7 +192,10 @@ class AiterBackend(Backend):
             return self.fallback.sparse_mla(
                 q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, return_lse=return_lse
             )
-        q = q_latent if q_rope is None else torch.cat([q_latent, q_rope], dim=-1)
+        if kv_cache.stride(-1) != 1:  # aiter passes only the row stride (and does not check)
+            raise BackendError("aiter sparse MLA: kv_cache rows must be contiguous (last stride 1)", tensor="kv_cache")
+        # aiter's kernel takes q's token and head strides only and reads its last axis unit-stride
+        q = q_latent.contiguous() if q_rope is None else torch.cat([q_latent, q_rope], dim=-1)
         kwargs = {"kv_lora_rank": q_latent.shape[-1], "return_lse": return_lse}
         if self.fn.sparse_rope_free:
             kwargs["qk_rope_head_dim"] = rope

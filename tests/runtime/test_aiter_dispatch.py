@@ -98,6 +98,12 @@ class Recorder:
         assert kv_indices.dtype == kv_indptr.dtype == torch.int32
         assert kv_indices.is_contiguous() and kv_indptr.is_contiguous()  # no strides in aiter's signature
         assert has_invalid == bool((kv_indices < 0).any())
+        # The kernel takes q.stride(0), q.stride(1) and the cache's row stride only; it reads the last axis of
+        # both unit-stride (ROCm/aiter aiter/ops/triton/attention/sparse_mla.py @ 013f408e, the launch of
+        # _sparse_mla: q offsets query * q_stride0 + head * q_stride1 + d).
+        q = torch.as_strided(q, q.shape, (q.stride(0), q.stride(1), 1))
+        if kv_buffer.dim() == 2:
+            kv_buffer = torch.as_strided(kv_buffer, kv_buffer.shape, (kv_buffer.stride(0), 1))
         rows = kv_buffer.reshape(-1, kv_buffer.shape[-1]).double()
         o = torch.zeros(q.shape[0], q.shape[1], kv_lora_rank, dtype=torch.float64)
         for t in range(q.shape[0]):
@@ -316,3 +322,21 @@ def test_attend_falls_back_where_the_installed_sparse_mla_cannot_serve(packed_di
     assert sum("sparse MLA runs on the" in r.message for r in caplog.records) == 1
     assert all(c[0] != "sparse" for c in rec.calls)
     torch.testing.assert_close(o, ref.attend(latent, cache, indptr, indices, 0.06, q_rope=q_rope))
+
+
+def test_sparse_mla_gets_unit_stride_rows(packed_dirs, fake_aiter):
+    """aiter's sparse kernel reads q's and the cache's last axis unit-stride whatever their strides say: a
+    strided rope-free q_latent must reach it as a unit-stride copy, and a cache with strided rows (which the
+    Triton backend refuses too) is refused before the call."""
+    rec = fake_aiter(rope_free=True)
+    _, out = packed_dirs("glm-5.3-flash")
+    model, ref_model = runtime.open(out, backend="aiter"), runtime.open(out, backend="torch")
+    layer, ref = model.mla(model.layers[0]), ref_model.mla(ref_model.layers[0])
+    q, cache, indptr, indices = _inputs(layer.geometry, T=2)
+    latent = ref.k_up(q)
+    strided = torch.stack([latent, -latent], dim=-1)[..., 0]  # last stride 2
+    o = layer.attend(strided, cache, indptr, indices, 0.06)
+    assert rec.calls[-1] == ("sparse", 0)
+    torch.testing.assert_close(o, ref.attend(latent, cache, indptr, indices, 0.06))
+    with pytest.raises(BackendError, match="kv_cache rows must be contiguous"):
+        layer.attend(latent, torch.stack([cache, cache], dim=-1)[..., 0], indptr, indices, 0.06)
