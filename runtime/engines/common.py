@@ -174,33 +174,49 @@ def check_engine_kup(proj: ProjectionWeights, engine: str, layer_id: int) -> Non
     """The engines run MXFP4 K-up through aiter's A16WFP4 GEMM with its default config (``config=None``), whose
     256-deep K blocks split GLM's K = 192 raggedly, and aiter's ragged-K path is wrong in many versions
     (``notes/aiter-contract.md``). Run that call on this w_kc, once per process and shape, with random
-    activations and compare it with the torch reference; BackendError when the installed aiter gets it wrong."""
+    activations and compare it with the torch reference; BackendError when the installed aiter gets it wrong or
+    the call raises (aiter v0.1.7's wrapper: NameError on its default split-K configs)."""
     from glm_pack.runtime.backends.aiter_backend import load_aiter
+
+    w = proj.weight
+    key = (str(w.device), w.shape[1], 2 * w.shape[2])
+    if key not in _KUP_CHECKED:
+        _KUP_CHECKED[key] = _engine_kup_problem(load_aiter(), proj, engine)
+    if why := _KUP_CHECKED[key]:
+        raise BackendError(
+            f"layer {layer_id}: the installed aiter's A16WFP4 GEMM, called as {engine} calls it (default config), "
+            f"{why}. Convert with --mla-precision bf16 for this engine, or update aiter"
+        )
+
+
+def _engine_kup_problem(fn, proj: ProjectionWeights, engine: str) -> str:
+    """What is wrong with aiter's GEMM (``fn``: :class:`AiterFunctions`) called with its default config on
+    ``proj``'s w_kc for :data:`KUP_CHECK_TOKENS` rows of random activations: "" when it matches the torch
+    reference within :data:`KUP_CHECK_TOLERANCE`."""
     from glm_pack.runtime.reference import bmm_a16wfp4
 
     w, scale = proj.weight, proj.scale
-    key = (str(w.device), w.shape[1], 2 * w.shape[2])
-    if key not in _KUP_CHECKED:
-        fn = load_aiter()
-        gen = torch.Generator(device=w.device).manual_seed(0)
-        worst = 0.0
-        for tokens in KUP_CHECK_TOKENS:
-            x = torch.randn(w.shape[0], tokens, key[2], generator=gen, device=w.device).to(torch.bfloat16)
-            y = torch.empty(w.shape[0], tokens, w.shape[1], dtype=torch.bfloat16, device=w.device)
+    k = 2 * w.shape[2]
+    gen = torch.Generator(device=w.device).manual_seed(0)
+    worst = 0.0
+    for tokens in KUP_CHECK_TOKENS:
+        x = torch.randn(w.shape[0], tokens, k, generator=gen, device=w.device).to(torch.bfloat16)
+        y = torch.empty(w.shape[0], tokens, w.shape[1], dtype=torch.bfloat16, device=w.device)
+        try:
             if fn.bmm_kind == "a16wfp4":
                 fn.bmm(x, w, scale, dtype=torch.bfloat16, y=y, config=None, prequant=True)
             else:
                 fn.bmm(x, w, scale, torch.bfloat16, y)
-            ref = bmm_a16wfp4(x, w, scale).float()
-            worst = max(worst, float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
-        ok = worst <= KUP_CHECK_TOLERANCE  # False for NaN too
-        _KUP_CHECKED[key] = "" if ok else f"max |y - ref| / max |ref| = {worst:.3g}"
-    if why := _KUP_CHECKED[key]:
-        raise BackendError(
-            f"layer {layer_id}: the installed aiter's A16WFP4 GEMM, called as {engine} calls it (default config), "
-            f"gets K-up with K={key[2]} wrong ({why}; aiter's ragged-K bug): {engine} would compute garbage from "
-            "this MXFP4 overlay. Convert with --mla-precision bf16 for this engine, or update aiter"
-        )
+        except Exception as err:  # the engine's own calls raise the same
+            return f"fails on K-up with K={k} ({type(err).__name__}: {err}), and so would {engine}'s own calls"
+        ref = bmm_a16wfp4(x, w, scale).float()
+        worst = max(worst, float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
+    if worst <= KUP_CHECK_TOLERANCE:  # False for NaN too
+        return ""
+    return (
+        f"gets K-up with K={k} wrong (max |y - ref| / max |ref| = {worst:.3g}; aiter's ragged-K bug): {engine} would "
+        "compute garbage from this MXFP4 overlay"
+    )
 
 
 def as_float(proj: ProjectionWeights, dtype: torch.dtype, *, small: bool = False) -> torch.Tensor:

@@ -114,6 +114,25 @@ def test_an_aiter_with_the_ragged_k_bug_is_caught_before_any_weight_is_set(tmp_p
     assert attn.w_kc is None and attn.w_scale_k is None
 
 
+def test_an_aiter_whose_gemm_raises_is_refused_in_one_line_before_any_weight_is_set(tmp_path, monkeypatch):
+    """ROCm/aiter v0.1.7 (the Nov-2025 wheel), aiter/ops/triton/batched_gemm_afp4wfp4_pre_quant.py: with
+    config=None the default MI350X-BATCHED_GEMM_PREQUANT-AFP4WFP4.json gives NUM_KSPLIT=4 for M <= 128, and the
+    split-K branch calls get_splitk, which that module never imports: NameError, as SGLang calls it."""
+
+    def old_wheel(x, w, w_scales, dtype=torch.bfloat16, y=None, config=None):
+        if config is None and x.shape[1] <= 128:
+            raise NameError("name 'get_splitk' is not defined")
+        return sglang_mla.batched_gemm_afp4wfp4_pre_quant(x, w, w_scales, dtype, y)
+
+    weights = make_served(tmp_path)
+    monkeypatch.setattr(aiter_backend, "load_aiter", lambda: aiter_functions(old_wheel, "pre_quant"))
+    attn = sglang_mla.SelfAttn(GEOM, weights["model.layers.0.self_attn.kv_b_proj.weight"])
+    with pytest.raises(BackendError, match=rf"layer 0: .* fails on K-up with K={P} \(NameError: name 'get_splitk'"
+                       r".*--mla-precision bf16"):  # fmt: skip
+        sglang.apply(attn, 0, overlay(tmp_path), fp4_path=True)
+    assert attn.w_kc is None and attn.w_scale_k is None
+
+
 def test_wrong_slice_is_refused(tmp_path):
     weights = make_served(tmp_path)
     attn = sglang_mla.SelfAttn(GEOM, weights["model.layers.0.self_attn.kv_b_proj.weight"], tp_rank=1, tp_size=2)
