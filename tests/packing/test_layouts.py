@@ -241,6 +241,43 @@ def test_unshuffle_scale_errors():
         shuffle_scale(s.float())
 
 
+# --------------------------------------------- aiter's own shuffles, transcribed (their view / permute code)
+# ROCm/aiter @ e4048607a535ace3a2b51ded31b1c8c2d45c0879, aiter/ops/shuffle.py: shuffle_weight (the branch without
+# is_guinterleave, lines 192-205) and shuffle_scale (the branch without is_guinterleave, lines 351-365), which
+# aiter/utility/fp4_utils.py e8m0_shuffle calls. Written from that code, for uint8 inputs.
+
+
+def aiter_shuffle_weight(x: torch.Tensor, layout=(16, 16)) -> torch.Tensor:
+    IN, IK = layout
+    BK, K, BN = IK * 2, 16 // x.element_size(), IN
+    assert x.shape[-2] % BN == 0 and x.shape[-1] % BK == 0
+    x_ = x.view(-1, x.shape[-2] // BN, BN, x.shape[-1] // BK, BK // K, K)
+    return x_.permute(0, 1, 3, 4, 2, 5).contiguous().view(*x.shape)
+
+
+def aiter_shuffle_scale(src: torch.Tensor) -> torch.Tensor:
+    m, n = src.shape  # aiter asserts a 2-D scale
+    # aiter allocates the padded buffer with torch.empty; 0x7F here, the byte glm-pack writes there
+    scale = torch.full(((m + 255) // 256 * 256, (n + 7) // 8 * 8), 0x7F, dtype=src.dtype)
+    scale[:m, :n] = src
+    sm, sn = scale.shape
+    return scale.view(sm // 32, 2, 16, sn // 8, 2, 4).permute(0, 3, 5, 2, 4, 1).contiguous().view(sm, sn)
+
+
+@pytest.mark.parametrize(("shape", "seed"), [((16, 32), 0), ((48, 96), 1), ((3, 32, 64), 2), ((2, 2, 16, 160), 3)])
+def test_weight_shuffle_equals_aiter_shuffle_weight(shape, seed):
+    w = random_u8(*shape, seed=seed)
+    assert torch.equal(shuffle_weight(w), aiter_shuffle_weight(w))
+
+
+@pytest.mark.parametrize(("shape", "seed"), [((256, 8), 0), ((512, 24), 1), ((40, 5), 2), ((300, 17), 3), ((1, 1), 4)])
+def test_scale_shuffle_equals_aiter_shuffle_scale(shape, seed):
+    s = random_u8(*shape, seed=seed)
+    assert torch.equal(shuffle_scale(s), aiter_shuffle_scale(s))
+    stacked = random_u8(3, *shape, seed=seed + 10)  # glm-pack shuffles each matrix of [E, R, C] on its own
+    assert torch.equal(shuffle_scale(stacked), torch.stack([aiter_shuffle_scale(m) for m in stacked]))
+
+
 # ------------------------------------------------------------------------------------------ registry
 
 
