@@ -57,7 +57,8 @@ def sparse_mla(
     q_latent ``[T, H, L]`` bf16 (L = kv_lora), q_rope ``[T, H, R]`` or None (rope-free), kv_cache bf16 with last
     dim ``L + R`` (any leading dims, flattened to global slots), kv_indptr ``[T+1]`` int32, kv_indices flat
     int32 global slot ids (-1 = skip). Any other id outside the cache, or a kv_indptr that falls or leaves
-    ``[0, len(kv_indices)]``, raises BackendError here; the Triton kernel, without a host sync, cannot: it skips
+    ``[0, len(kv_indices)]``, raises BackendError here (and on aiter, :func:`check_sparse_indices`); the Triton
+    kernel, without a host sync, cannot: it skips
     such ids and cuts each token's range to ``[0, len(kv_indices)]``. Scores ``scale * (q_latent . c +
     q_rope . k_rope)``, softmax over the token's valid rows, output ``sum p * c`` -> ``[T, H, L]`` bf16; lse
     ``[T, H]`` float32 natural log (-inf and a zero output for a token with no valid row).
@@ -66,20 +67,7 @@ def sparse_mla(
     rows = kv_cache.reshape(-1, kv_cache.shape[-1]).float()
     out = torch.zeros(T, H, L, dtype=torch.float32, device=q_latent.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q_latent.device)
-    indptr = kv_indptr.tolist()
-    if any(not 0 <= a <= b <= kv_indices.numel() for a, b in zip(indptr, indptr[1:], strict=False)):
-        raise BackendError(
-            f"kv_indptr must rise monotonically within [0, {kv_indices.numel()}] (the length of kv_indices), "
-            f"got {indptr[:8]}{' ...' if len(indptr) > 8 else ''}",
-            tensor="kv_indptr",
-        )
-    bad = ((kv_indices < -1) | (kv_indices >= rows.shape[0])).nonzero()
-    if bad.numel():
-        i = int(bad[0, 0])
-        raise BackendError(
-            f"kv_indices[{i}] = {int(kv_indices[i])} is not a slot of the {rows.shape[0]}-slot cache (nor -1, skip)",
-            tensor="kv_indices",
-        )
+    indptr = check_sparse_indices(kv_indptr, kv_indices, rows.shape[0])
     for t in range(T):
         idx = kv_indices[indptr[t] : indptr[t + 1]].long()
         idx = idx[idx >= 0]
@@ -93,6 +81,26 @@ def sparse_mla(
         lse[t] = torch.logsumexp(scores, dim=-1)
         out[t] = torch.softmax(scores, dim=-1) @ sel[:, :L]
     return out.to(torch.bfloat16), (lse if return_lse else None)
+
+
+def check_sparse_indices(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, slots: int) -> list[int]:
+    """kv_indptr as a list, after checking that it rises within ``[0, len(kv_indices)]`` and that every id is a
+    slot of the ``slots``-slot cache or -1; BackendError naming the tensor otherwise (two host syncs)."""
+    indptr = kv_indptr.tolist()
+    if any(not 0 <= a <= b <= kv_indices.numel() for a, b in zip(indptr, indptr[1:], strict=False)):
+        raise BackendError(
+            f"kv_indptr must rise monotonically within [0, {kv_indices.numel()}] (the length of kv_indices), "
+            f"got {indptr[:8]}{' ...' if len(indptr) > 8 else ''}",
+            tensor="kv_indptr",
+        )
+    bad = ((kv_indices < -1) | (kv_indices >= slots)).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise BackendError(
+            f"kv_indices[{i}] = {int(kv_indices[i])} is not a slot of the {slots}-slot cache (nor -1, skip)",
+            tensor="kv_indices",
+        )
+    return indptr
 
 
 def unabsorbed_mla(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 
 from glm_pack.packing.errors import BackendError
 from glm_pack.packing.manifest import AITER_BMM_CONFIG_KEYS
+from glm_pack.runtime.reference import check_sparse_indices
 
 from .base import Backend, gpu_reason
 
@@ -192,6 +194,8 @@ class AiterBackend(Backend):
             return self.fallback.sparse_mla(
                 q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, return_lse=return_lse
             )
+        # aiter's kernel masks neither ids past the cache nor a falling kv_indptr on its unmasked gather
+        check_sparse_indices(kv_indptr, kv_indices, math.prod(kv_cache.shape[:-1]))
         if kv_cache.stride(-1) != 1:  # aiter passes only the row stride (and does not check)
             raise BackendError("aiter sparse MLA: kv_cache rows must be contiguous (last stride 1)", tensor="kv_cache")
         # aiter's kernel takes q's token and head strides only and reads its last axis unit-stride

@@ -340,3 +340,27 @@ def test_sparse_mla_gets_unit_stride_rows(packed_dirs, fake_aiter):
     torch.testing.assert_close(o, ref.attend(latent, cache, indptr, indices, 0.06))
     with pytest.raises(BackendError, match="kv_cache rows must be contiguous"):
         layer.attend(latent, torch.stack([cache, cache], dim=-1)[..., 0], indptr, indices, 0.06)
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (lambda indptr, indices: indices.__setitem__(3, 64), r"kv_indices\[3\] = 64 is not a slot of the 64-slot"),
+        (lambda indptr, indices: indices.__setitem__(5, -2), r"kv_indices\[5\] = -2 is not a slot"),
+        (lambda indptr, indices: indptr.__setitem__(1, 40), "kv_indptr must rise monotonically"),
+    ],
+)
+def test_out_of_range_indices_are_refused_before_aiter_reads_them(packed_dirs, fake_aiter, edit, says):
+    """aiter's sparse kernel masks neither ids past the cache nor a falling kv_indptr on its unmasked (UNI_TILE)
+    gather (ROCm/aiter @ 048877719964164466bb02c024188783eacf16ff, aiter/ops/triton/_gluon_kernels/gfx950/
+    attention/sparse_mla.py, _slots: only the masked tail tests slot < num_rows), so the backend refuses them as
+    the torch reference does."""
+    rec = fake_aiter()
+    _, out = packed_dirs("glm-5")
+    layer = runtime.open(out, backend="aiter", tp_size=8).mla(0)
+    q, cache, indptr, indices = _inputs(layer.geometry, T=3)
+    edit(indptr, indices)
+    latent = torch.zeros(3, layer.geometry.num_heads, 512, dtype=torch.bfloat16)
+    with pytest.raises(BackendError, match=says):
+        layer.attend(latent, cache, indptr, indices, 0.06, q_rope=q[..., 192:])
+    assert all(c[0] != "sparse" for c in rec.calls)
