@@ -86,17 +86,17 @@ def _sparse_mla() -> tuple[Any | None, bool, bool]:
     """(sparse_mla_fwd or None, rope-free support, takes has_invalid), told apart by signature.
 
     ROCm/aiter ``aiter/ops/triton/attention/sparse_mla.py``: without ``return_lse`` (branch
-    cagri/sparse_pa_optimizations @ 4d86ac59) it returns ``out`` alone, not ``(out, lse)``: unusable here. With
+    cagri/sparse_pa_optimizations @ 4d86ac59) it returns ``out`` alone, not ``(out, lse)``: unusable here (so is
+    one without ``qk_rope_head_dim``, which would assume aiter's default rope width of 64). With
     positional arguments after ``softmax_scale`` (@ d921e5ba) it launches the separated-rope geometry only
     (``ROPE_SEPARATE=True``; ``qk_rope_head_dim=0`` fails inside the kernel build); the revision that made them
     keyword-only (@ 013f408e) passes ``ROPE_SEPARATE = qk_rope_head_dim > 0``: rope-free support.
     """
     fwd = getattr(_import(_SPARSE_MODULE), "sparse_mla_fwd", None)
     params = inspect.signature(fwd).parameters if fwd is not None else {}
-    if "return_lse" not in params:
+    if "return_lse" not in params or "qk_rope_head_dim" not in params:
         return None, False, False
-    rope = params.get("qk_rope_head_dim")
-    return fwd, rope is not None and rope.kind is inspect.Parameter.KEYWORD_ONLY, "has_invalid" in params
+    return fwd, params["qk_rope_head_dim"].kind is inspect.Parameter.KEYWORD_ONLY, "has_invalid" in params
 
 
 def aiter_status(device) -> tuple[bool, str]:
@@ -200,9 +200,7 @@ class AiterBackend(Backend):
             raise BackendError("aiter sparse MLA: kv_cache rows must be contiguous (last stride 1)", tensor="kv_cache")
         # aiter's kernel takes q's token and head strides only and reads its last axis unit-stride
         q = q_latent.contiguous() if q_rope is None else torch.cat([q_latent, q_rope], dim=-1)
-        kwargs = {"kv_lora_rank": q_latent.shape[-1], "return_lse": return_lse}
-        if self.fn.sparse_rope_free:
-            kwargs["qk_rope_head_dim"] = rope
+        kwargs = {"kv_lora_rank": q_latent.shape[-1], "qk_rope_head_dim": rope, "return_lse": return_lse}
         if self.fn.sparse_has_invalid:
             kwargs["has_invalid"] = bool((kv_indices < 0).any())
         indptr, indices = kv_indptr.contiguous(), kv_indices.contiguous()  # aiter documents no strides for them

@@ -7,6 +7,7 @@ the result independently of glm-pack's codec: a per-element Python even-rule qua
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import types
@@ -364,3 +365,23 @@ def test_out_of_range_indices_are_refused_before_aiter_reads_them(packed_dirs, f
     with pytest.raises(BackendError, match=says):
         layer.attend(latent, cache, indptr, indices, 0.06, q_rope=q[..., 192:])
     assert all(c[0] != "sparse" for c in rec.calls)
+
+
+@pytest.mark.parametrize("revision", [_rev_separated, _rev_merged])
+def test_rope_width_is_passed_to_every_usable_revision(packed_dirs, monkeypatch, revision):
+    """Both revisions that return (out, lse) serve a model with rope; the rope width goes to them explicitly,
+    never left to aiter's default of 64."""
+    rec, seen = Recorder(), []
+    fwd = revision(rec)
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs)
+        return fwd(*args, **kwargs)
+
+    recording.__signature__ = inspect.signature(fwd)
+    _install_modules(monkeypatch, rec, recording)
+    _, out = packed_dirs("glm-5")
+    layer = runtime.open(out, backend="aiter", tp_size=8).mla(0)
+    q, cache, indptr, indices = _inputs(layer.geometry, T=2)
+    layer.attend(layer.k_up(q), cache, indptr, indices, 0.06, q_rope=q[..., 192:])
+    assert rec.calls[-1] == ("sparse", 64) and seen[-1]["qk_rope_head_dim"] == 64
