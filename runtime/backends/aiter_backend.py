@@ -27,11 +27,12 @@ from .base import Backend, gpu_reason
 
 log = logging.getLogger(__name__)
 
-_BMM_MODULES = (
-    "aiter.ops.triton.gemm.batched.batched_gemm_a16wfp4",
-    "aiter.ops.triton.batched_gemm_a16wfp4",
+# (module, function, kind), in order of preference; the second path is aiter's backward-compatible alias.
+_BMM_FUNCTIONS = (
+    ("aiter.ops.triton.gemm.batched.batched_gemm_a16wfp4", "batched_gemm_a16wfp4", "a16wfp4"),
+    ("aiter.ops.triton.batched_gemm_a16wfp4", "batched_gemm_a16wfp4", "a16wfp4"),
+    ("aiter.ops.triton.batched_gemm_afp4wfp4_pre_quant", "batched_gemm_afp4wfp4_pre_quant", "pre_quant"),
 )
-_OLD_BMM_MODULE = "aiter.ops.triton.batched_gemm_afp4wfp4_pre_quant"
 _SPARSE_MODULE = "aiter.ops.triton.attention.sparse_mla"
 TARGET_ARCH = "gfx950"
 
@@ -67,19 +68,17 @@ def load_aiter() -> AiterFunctions:
         importlib.import_module("aiter")
     except Exception as err:
         raise BackendError(f"aiter backend unavailable: importing aiter failed ({type(err).__name__}: {err})") from err
-    bmm, kind = None, None
-    for name in _BMM_MODULES:
-        module = _import(name)
-        if module is not None and hasattr(module, "batched_gemm_a16wfp4"):
-            bmm, kind = module.batched_gemm_a16wfp4, "a16wfp4"
-            break
-    if bmm is None:
-        module = _import(_OLD_BMM_MODULE)
-        if module is not None and hasattr(module, "batched_gemm_afp4wfp4_pre_quant"):
-            bmm, kind = module.batched_gemm_afp4wfp4_pre_quant, "pre_quant"
-    if bmm is None:
-        raise BackendError("aiter backend unavailable: the installed aiter has no batched A16WFP4 GEMM")
-    return AiterFunctions(bmm, kind, *_sparse_mla())
+    why = []
+    for name, function, kind in _BMM_FUNCTIONS:
+        try:
+            module = importlib.import_module(name)
+        except Exception as err:  # aiter raises RuntimeError, not ImportError, without ROCm
+            why.append(f"importing {name}: {type(err).__name__}: {err}")
+            continue
+        if hasattr(module, function):
+            return AiterFunctions(getattr(module, function), kind, *_sparse_mla())
+        why.append(f"{name} has no {function}")
+    raise BackendError(f"aiter backend unavailable: no batched A16WFP4 GEMM in the installed aiter ({'; '.join(why)})")
 
 
 def _sparse_mla() -> tuple[Any | None, bool, bool]:

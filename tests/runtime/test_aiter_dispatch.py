@@ -281,7 +281,7 @@ def _rev_merged(rec):
 
 def _install_modules(monkeypatch, rec, sparse_mla_fwd):
     """A stand-in aiter package: the batched GEMM module and the sparse-MLA module, nothing else."""
-    modules = {"aiter": {}, ab._BMM_MODULES[0]: {"batched_gemm_a16wfp4": rec.a16wfp4}}
+    modules = {"aiter": {}, ab._BMM_FUNCTIONS[0][0]: {"batched_gemm_a16wfp4": rec.a16wfp4}}
     modules[ab._SPARSE_MODULE] = {"sparse_mla_fwd": sparse_mla_fwd}
     for name, attrs in modules.items():
         module = types.ModuleType(name)
@@ -385,3 +385,13 @@ def test_rope_width_is_passed_to_every_usable_revision(packed_dirs, monkeypatch,
     q, cache, indptr, indices = _inputs(layer.geometry, T=2)
     layer.attend(layer.k_up(q), cache, indptr, indices, 0.06, q_rope=q[..., 192:])
     assert rec.calls[-1] == ("sparse", 64) and seen[-1]["qk_rope_head_dim"] == 64
+
+
+def test_load_aiter_says_why_it_found_no_gemm(monkeypatch):
+    """A GEMM module that fails to import (aiter raises RuntimeError without ROCm, ImportError on a broken
+    install) is named with its error, not reported as an aiter without the GEMM."""
+    monkeypatch.setitem(sys.modules, "aiter", types.ModuleType("aiter"))
+    new, old = "aiter.ops.triton.gemm.batched.batched_gemm_a16wfp4", "aiter.ops.triton.batched_gemm_afp4wfp4_pre_quant"
+    monkeypatch.setitem(sys.modules, new, None)  # importing it raises, naming it
+    with pytest.raises(BackendError, match=rf"importing {new}: ModuleNotFoundError: import of .* importing {old}: "):
+        ab.load_aiter()
