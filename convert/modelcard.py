@@ -210,6 +210,13 @@ def _precision_text(options: dict, layers) -> str:
     return text
 
 
+def _default_split_is_ragged(k: int) -> bool:
+    """Whether aiter's batched A16WFP4 wrapper, under its default ``BLOCK_SIZE_K=256`` (shrunk to the next power
+    of two >= K when one block covers K), takes its ragged-K path for K (elements)."""
+    block = 256 if k > 256 else 1 << (k - 1).bit_length()
+    return k % block != 0
+
+
 def _kernel_fields(manifest: dict, layers) -> dict:
     kcfg = manifest.get("kernel_configs") or {}
     route = kcfg.get("route", "unpadded")
@@ -219,10 +226,16 @@ def _kernel_fields(manifest: dict, layers) -> dict:
             " ragged-K bug of several aiter versions)."
         )
     else:
-        text = (
-            "w_kc has ragged K: use an aiter with the ragged-K mask fix, or the pinned `BLOCK_SIZE_K=64`"
-            " configs."
-        )
+        k = layers[0].w_kc.k_stored if layers else 0
+        configs = (kcfg.get("configs") or {}).values()
+        blocks = sorted({c["BLOCK_SIZE_K"] for ops in configs for c in ops.get("k_up", {}).values()})
+        text = f"w_kc is stored unpadded (K = {k}); the pinned K-up configs use `BLOCK_SIZE_K` {blocks}."
+        if k and _default_split_is_ragged(k):
+            text += (
+                " aiter's default configs (256-deep K blocks, what engines call it with) split this K raggedly, and"
+                " its batched A16WFP4 kernel gets ragged K wrong (ROCm/aiter main at e4048607, 2026-08-22, still"
+                " masks the activation against the packed K): run K-up with the pinned configs."
+            )
     archs = sorted((kcfg.get("configs") or {}).keys())
     stored = _stored(layers)
     return {
