@@ -9,6 +9,7 @@ The body template uses ``string.Template`` (``$name``) placeholders, no Jinja2.
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from importlib import resources
 from pathlib import Path
 from string import Template
@@ -36,6 +37,14 @@ GEMM = {
     "mxfp4": "aiter's batched A16WFP4 GEMM `aiter.ops.triton.gemm.batched.batched_gemm_a16wfp4` (weights"
     " `[B, N, K/2]` U8 + scales `[B, N, K/32]` U8 E8M0, plain)",
     "bf16": "a plain BF16 batched matmul",
+}
+# What each recorded MXFP4 scale rule (manifest quant.mode) means.
+SCALE_RULES = {
+    "even": "the aiter/Quark rule",
+    "floor": "the OCP text's floor rule",
+    "roundup": "the next power of two >= amax / 6",
+    "mse": "best of three exponents per block",
+    "source": "the source checkpoint's MXFP4 bytes, kept as they are",
 }
 # How a stored projection's values sit in the bmm_nk layout, per stored precision.
 PACKING = {
@@ -157,19 +166,26 @@ def _layout_fields(layers, tensors) -> dict:
     return {"layout_rows": "\n".join(rows), "layout_text": _layout_text(layers), "k_pad_text": _k_pad_text(layers)}
 
 
+def _quant_text(manifest: dict, layers) -> str:
+    """The quantization paragraph: format, then each scale rule the MXFP4 projections were stored with (and how
+    many when they differ, e.g. ``even`` for w_kc and ``source`` for w_vc from an MXFP4 source)."""
+    mxfp4 = [p for p in _projections(layers) if p.precision == "mxfp4"]
+    if not mxfp4:
+        return "No projection is quantized: every w_kc / w_vc is stored in BF16."
+    q = next(e[n]["quant"] for e in manifest["mla"] for n in mf.PROJECTIONS if e[n]["precision"] == "mxfp4")
+    modes = Counter(p.quant_mode for p in mxfp4)
+    rules = " and ".join(
+        f"`{mode}` ({SCALE_RULES[mode]}{f': {n} projections' if len(modes) > 1 else ''})"
+        for mode, n in sorted(modes.items())
+    )
+    rounding = f", rounding `{q['rounding']}`" if set(modes) != {"source"} else ""
+    return (
+        f"MXFP4 (OCP MX): E2M1 codes, one E8M0 power-of-two scale per block of {q['block']} along K; "
+        f"scale rule {rules}{rounding}. {len(mxfp4)} of {2 * len(layers)} projections are MXFP4."
+    )
+
+
 def _quant_fields(manifest: dict, layers) -> dict:
-    quants = [e[n]["quant"] for e in manifest["mla"] for n in mf.PROJECTIONS if e[n]["precision"] == "mxfp4"]
-    n_mxfp4 = len(quants)
-    if quants:
-        q = quants[0]
-        rule = "the aiter/Quark rule" if q["mode"] == "even" else "best of three exponents per block"
-        text = (
-            f"MXFP4 (OCP MX): E2M1 codes, one E8M0 power-of-two scale per block of {q['block']} along K; "
-            f"scale rule `{q['mode']}` ({rule}), rounding `{q['rounding']}`. "
-            f"{n_mxfp4} of {2 * len(layers)} projections are MXFP4."
-        )
-    else:
-        text = "No projection is quantized: every w_kc / w_vc is stored in BF16."
     kc = [lay.w_kc.rel_error for lay in layers]
     vc = [lay.w_vc.rel_error for lay in layers]
     rows = [
@@ -178,7 +194,7 @@ def _quant_fields(manifest: dict, layers) -> dict:
         for lay in layers
     ]
     return {
-        "quant_text": text,
+        "quant_text": _quant_text(manifest, layers),
         "error_rows": "\n".join(rows),
         "kc_max": _fmt(max(kc, default=0.0)),
         "kc_mean": _fmt(statistics.fmean(kc) if kc else 0.0),

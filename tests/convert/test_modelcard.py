@@ -14,6 +14,7 @@ from test_push import SOURCE_README, converted_fixture, out_fixture  # noqa: F40
 
 from glm_pack.convert.cli import main
 from glm_pack.convert.modelcard import render_card, write_card
+from glm_pack.packing.manifest import PROJECTIONS
 
 TAGS = {"glm", "mla", "mxfp4", "rocm", "gfx950"}
 
@@ -275,3 +276,36 @@ def test_unpadded_route_text_says_whether_aiter_defaults_split_k_raggedly(card, 
     text = _kernel_fields(manifest, layers)["route_text"]
     assert f"unpadded (K = {k})" in text and "`BLOCK_SIZE_K` [64]" in text
     assert ("raggedly" in text) == ragged
+
+
+@pytest.fixture(scope="module")
+def quantized_source_outs(synth_ckpt, tmp_path_factory) -> dict:
+    """Conversions of a source whose kv_b_proj is MXFP4: ``mxfp4`` (w_kc requantized with `even`, w_vc the source
+    bytes) and ``auto`` with a bound below every w_kc error (w_kc BF16, w_vc still the source bytes)."""
+    from glm_pack.convert.convert import ConvertOptions, convert
+
+    mx = synth_ckpt("glm-5", "mxfp4-attn", layers=2, experts=1, mtp=False)
+    root = tmp_path_factory.mktemp("quantized-source")
+    convert(mx, root / "mxfp4", ConvertOptions(files="none"))
+    convert(mx, root / "auto", ConvertOptions(files="none", mla_precision="auto", max_rel_error=0.001))
+    return {case: root / case for case in ("mxfp4", "auto")}
+
+
+@pytest.mark.parametrize("case", ["mxfp4", "auto"])
+def test_card_names_each_recorded_scale_rule(quantized_source_outs, case):
+    """Each MXFP4 projection's recorded quant.mode is named with its meaning and count; w_vc kept as source bytes is
+    never described as requantized (the card used to name only the first projection's rule, and called `source`
+    "best of three exponents per block")."""
+    manifest = _manifest(quantized_source_outs[case])
+    modes = [e[p]["quant"]["mode"] for e in manifest["mla"] for p in PROJECTIONS if e[p]["precision"] == "mxfp4"]
+    assert "source" in modes
+    text = " ".join(render_card(quantized_source_outs[case], overlay_only=True).split())
+    para = next(p for p in text.split("## ") if p.startswith("Quantization"))
+    assert "best of three exponents" not in para, para
+    assert "`source` (the source checkpoint's MXFP4 bytes, kept as they are" in para, para
+    if len(set(modes)) > 1:
+        for mode in set(modes):
+            assert f"`{mode}` (" in para and f": {modes.count(mode)} projections)" in para, para
+    else:
+        assert "rounding" not in para, para  # glm-pack rounded nothing: the bytes are the source's
+
