@@ -17,6 +17,7 @@ from string import Template
 from glm_pack.packing import manifest as mf
 from glm_pack.packing.errors import PlanError
 
+from .formats import FLOAT_FORMATS
 from .writer import atomic_write, write_text
 
 CARD_MARKER = (
@@ -185,6 +186,24 @@ def _quant_text(manifest: dict, layers) -> str:
     )
 
 
+def _source_error_text(layers) -> str:
+    """What the errors leave out when the source kv_b_proj was itself quantized (FP8 or MXFP4): its own
+    quantization error, which glm-pack cannot see; w_vc kept as MXFP4 source bytes has error 0 by construction."""
+    quantized = sorted({lay.source_format for lay in layers} - set(FLOAT_FORMATS.values()))
+    if not quantized:
+        return ""
+    text = (
+        f"The source `kv_b_proj` is already quantized ({', '.join(quantized)}): these errors are measured against"
+        " its dequantized values and do not include the error of that quantization, which glm-pack cannot see."
+    )
+    if any(lay.w_vc.quant_mode == "source" for lay in layers):
+        text += (
+            " w_vc keeps the source's MXFP4 bytes (scale rule `source`), so its error here is 0 by construction;"
+            " w_kc is quantized again along its own reduction axis, an error on top of the source's."
+        )
+    return text
+
+
 def _quant_fields(manifest: dict, layers) -> dict:
     kc = [lay.w_kc.rel_error for lay in layers]
     vc = [lay.w_vc.rel_error for lay in layers]
@@ -195,6 +214,7 @@ def _quant_fields(manifest: dict, layers) -> dict:
     ]
     return {
         "quant_text": _quant_text(manifest, layers),
+        "source_error_text": _source_error_text(layers),
         "error_rows": "\n".join(rows),
         "kc_max": _fmt(max(kc, default=0.0)),
         "kc_mean": _fmt(statistics.fmean(kc) if kc else 0.0),

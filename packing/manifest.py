@@ -22,8 +22,9 @@ PROJ (one absorbed projection) is::
 
     {precision "mxfp4"|"bf16", weight <tensor name>, scale <tensor name> | null,
      layout {name, k_logical, k_stored}, quant {format, mode, block, scale, rounding} | {format "bf16"},
-     rel_error (of the stored tensor vs the float source split, Frobenius), mxfp4_rel_error (what MXFP4
-     would give; equals rel_error when MXFP4 was kept)}
+     rel_error (of the stored tensor vs the float source split, Frobenius over all heads and the logical K;
+     the source as dequantized to float32, so an FP8 / MXFP4 source's own error is not in it), mxfp4_rel_error
+     (what MXFP4 would give; equals rel_error when MXFP4 was kept)}
 
 ``w_kc`` is stored ``[H, kv_lora, k_stored]`` (MXFP4 codes ``[H, kv_lora, k_stored/2]``), ``w_vc``
 ``[H, v, kv_lora]``; layout ``bmm_nk`` means row-major, reduction axis last, K padded from ``k_logical`` to

@@ -280,15 +280,18 @@ def test_unpadded_route_text_says_whether_aiter_defaults_split_k_raggedly(card, 
 
 @pytest.fixture(scope="module")
 def quantized_source_outs(synth_ckpt, tmp_path_factory) -> dict:
-    """Conversions of a source whose kv_b_proj is MXFP4: ``mxfp4`` (w_kc requantized with `even`, w_vc the source
-    bytes) and ``auto`` with a bound below every w_kc error (w_kc BF16, w_vc still the source bytes)."""
+    """Conversions of sources whose kv_b_proj is quantized. From MXFP4 attention: ``mxfp4`` (w_kc requantized with
+    `even`, w_vc the source bytes) and ``auto`` with a bound below every w_kc error (w_kc BF16, w_vc still the
+    source bytes); ``fp8`` from an FP8 128x128-block source."""
     from glm_pack.convert.convert import ConvertOptions, convert
 
     mx = synth_ckpt("glm-5", "mxfp4-attn", layers=2, experts=1, mtp=False)
+    fp8 = synth_ckpt("glm-5", "fp8-block", layers=2, experts=1, mtp=False)
     root = tmp_path_factory.mktemp("quantized-source")
     convert(mx, root / "mxfp4", ConvertOptions(files="none"))
     convert(mx, root / "auto", ConvertOptions(files="none", mla_precision="auto", max_rel_error=0.001))
-    return {case: root / case for case in ("mxfp4", "auto")}
+    convert(fp8, root / "fp8", ConvertOptions(files="none"))
+    return {case: root / case for case in ("mxfp4", "auto", "fp8")}
 
 
 @pytest.mark.parametrize("case", ["mxfp4", "auto"])
@@ -309,3 +312,23 @@ def test_card_names_each_recorded_scale_rule(quantized_source_outs, case):
     else:
         assert "rounding" not in para, para  # glm-pack rounded nothing: the bytes are the source's
 
+
+@pytest.mark.parametrize("case", ["bf16-source", "mxfp4", "auto", "fp8"])
+def test_card_says_errors_exclude_a_quantized_sources_own_error(quantized_source_outs, precision_outs, case):
+    """Against an FP8 or MXFP4 source the recorded errors leave out the source's own quantization error (w_vc kept
+    as MXFP4 source bytes reads 0): the card says so, naming the source format; from a BF16 source it says nothing
+    of the kind."""
+    out = precision_outs["mxfp4"] if case == "bf16-source" else quantized_source_outs[case]
+    manifest = _manifest(out)
+    formats = {e["source"]["format"] for e in manifest["mla"]}
+    text = " ".join(render_card(out, overlay_only=True).split())
+    if case == "bf16-source":
+        assert formats == {"bf16"} and "already quantized" not in text
+        return
+    (fmt,) = formats
+    assert f"The source `kv_b_proj` is already quantized ({fmt}): these errors are measured against its" in text
+    kept = any(e["w_vc"]["quant"].get("mode") == "source" for e in manifest["mla"])
+    assert kept == (fmt == "mxfp4")
+    assert ("w_vc keeps the source's MXFP4 bytes" in text) == kept
+    if kept:
+        assert all(e["w_vc"]["rel_error"] == 0 for e in manifest["mla"])  # the 0 the card explains
