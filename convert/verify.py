@@ -5,7 +5,8 @@ mismatch, which tensor changed); stored precisions allowed by the recorded ``mla
 and index (when present, and always when the originals were placed) those the overlay was made from;
 geometry against config.json; the source's config and index untouched; source tensors unchanged (sha256
 against the fingerprint); the MLA layers exactly those of the source; every overlay tensor re-derived from
-its source split and compared byte for byte, its error recomputed.
+its source split as convert does and compared byte for byte, its scale rule and both recorded errors
+(``rel_error``, ``mxfp4_rel_error``) recomputed.
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ def verify(out: str | Path) -> VerifyReport:
         if any(tensors[t].file in bad_files for p in (layer.w_kc, layer.w_vc) for t in (p.weight, p.scale) if t):
             continue
         with _rederiving(report, ckpt, f"MLA layer {layer.layer}", layer.source_tensor):
-            _check_layer(report, ckpt, layer, geom, overlay, tensors)
+            _check_layer(report, ckpt, layer, geom, overlay, tensors, manifest["options"].get("quant_mode"))
             derived += 1
     report.checked.append(f"{derived} MLA layers re-derived from their source and compared byte for byte")
     groups = mf.parse_experts(manifest)
@@ -307,18 +308,18 @@ def _check_layer_set(report: VerifyReport, ckpt, layers: list[mf.MlaLayer]) -> N
             )
 
 
-def _check_layer(report: VerifyReport, ckpt, layer: mf.MlaLayer, geom, overlay: Path, tensors) -> None:
-    """Re-derive the layer's stored tensors from the source with the recorded choices; they must be identical."""
+def _check_layer(report: VerifyReport, ckpt, layer: mf.MlaLayer, geom, overlay: Path, tensors, quant_mode) -> None:
+    """Re-derive the layer's stored tensors from the source as convert does (w_vc of an MXFP4 source from its
+    bytes; a BF16-kept tensor's MXFP4 error with the run's ``quant_mode``); bytes, scale rule and both recorded
+    errors must be what that gives."""
     kv_b, kv_b_mxfp4 = ckpt.read_float_and_mxfp4(layer.source_tensor)
     w_kc, w_vc = split_kv_b(kv_b, geom)
-    vc_source = None
-    if layer.w_vc.quant_mode == "source":  # read_mxfp4 only runs (and raises, naming the format) for a non-MXFP4 source
-        vc_source = split_kv_b_mxfp4_vc(*(kv_b_mxfp4 or ckpt.read_mxfp4(layer.source_tensor)), geom)
+    vc_source = split_kv_b_mxfp4_vc(*kv_b_mxfp4, geom) if kv_b_mxfp4 else None
     for proj, ref, mx_source in ((layer.w_kc, w_kc, None), (layer.w_vc, w_vc, vc_source)):
         expected = store_projection(
             ref,
             k_stored=proj.k_stored,
-            quant_mode=proj.quant_mode if proj.quant_mode in MODES else "even",
+            quant_mode=proj.quant_mode if proj.quant_mode in MODES else quant_mode,
             policy=proj.precision,
             max_rel_error=None,
             mxfp4_source=mx_source,
@@ -331,11 +332,24 @@ def _check_layer(report: VerifyReport, ckpt, layer: mf.MlaLayer, geom, overlay: 
             report.problems.append(
                 f"{proj.weight}: stored bytes differ from those re-derived from {layer.source_tensor}"
             )
+        if proj.quant_mode != expected.quant_mode:
+            report.problems.append(
+                f"{proj.weight}: recorded scale rule {proj.quant_mode!r}, but the source gives {expected.quant_mode!r}"
+            )
         err = rel_error(stored_to_float(proj, overlay, tensors), ref)
-        if not math.isfinite(err) or abs(err - proj.rel_error) > ERROR_TOLERANCE * proj.rel_error + 1e-7:
+        if not _same_error(err, proj.rel_error):
             report.problems.append(
                 f"{proj.weight}: error vs source {err:.6g} differs from the recorded {proj.rel_error:.6g}"
             )
+        if not _same_error(expected.mxfp4_rel_error, proj.mxfp4_rel_error):
+            report.problems.append(
+                f"{proj.weight}: MXFP4 error vs source {expected.mxfp4_rel_error:.6g} differs from the recorded "
+                f"mxfp4_rel_error {proj.mxfp4_rel_error:.6g}"
+            )
+
+
+def _same_error(recomputed: float, recorded: float) -> bool:
+    return math.isfinite(recomputed) and abs(recomputed - recorded) <= ERROR_TOLERANCE * recorded + 1e-7
 
 
 def _check_expert(report: VerifyReport, ckpt, overlay: Path, manifest: dict, tensors, name: str) -> None:

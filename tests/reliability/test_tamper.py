@@ -217,3 +217,70 @@ def test_auto_decisions_within_the_recorded_threshold_pass(out):
     m["options"].update(mla_precision="auto", max_rel_error=0.5)  # every MXFP4 error is below it: all mxfp4
     write_manifest(out, m)
     assert verify(out).ok
+
+
+def test_a_recorded_mxfp4_error_that_is_not_the_tensors_is_caught(out):
+    """mxfp4_rel_error (what decides `auto` and what the card quotes for BF16-kept tensors) is recomputed too: for
+    an MXFP4-stored tensor it must be its error, whatever the policy (verify used to check only rel_error)."""
+    m = manifest(out)
+    _kc(m)["mxfp4_rel_error"] = _kc(m)["rel_error"] / 2
+    write_manifest(out, m)
+    problems = verify(out).problems
+    assert len(problems) == 1 and _kc(m)["weight"] in problems[0] and "MXFP4 error" in problems[0], problems
+
+
+@pytest.fixture(scope="module")
+def bf16_kept(synth_ckpt, tmp_path_factory) -> dict:
+    """BF16-policy outputs whose mxfp4_rel_error verify must re-derive as convert did: with --quant-mode mse from
+    a BF16 source (the rule is only in options), and from an MXFP4-attention source (w_vc from its bytes: 0);
+    ``mxfp4-source-kept``: that source under the MXFP4 policy (w_vc stored as the source's bytes)."""
+    from glm_pack.convert.convert import ConvertOptions, convert
+
+    root = tmp_path_factory.mktemp("bf16-kept")
+    convert(
+        synth_ckpt("glm-5", "bf16", layers=2, experts=1, mtp=False),
+        root / "mse",
+        ConvertOptions(files="none", mla_precision="bf16", quant_mode="mse"),
+    )
+    convert(
+        synth_ckpt("glm-5", "mxfp4-attn", layers=2, experts=1, mtp=False),
+        root / "mxfp4-source",
+        ConvertOptions(files="none", mla_precision="bf16"),
+    )
+    convert(
+        synth_ckpt("glm-5", "mxfp4-attn", layers=2, experts=1, mtp=False),
+        root / "mxfp4-source-kept",
+        ConvertOptions(files="none"),
+    )
+    return {case: root / case for case in ("mse", "mxfp4-source", "mxfp4-source-kept")}
+
+
+@pytest.mark.parametrize("case", ["mse", "mxfp4-source"])
+def test_mxfp4_errors_of_bf16_kept_tensors_are_recomputed(bf16_kept, tmp_path, case):
+    out = tmp_path / case
+    shutil.copytree(bf16_kept[case], out)
+    report = verify(out)
+    assert report.ok and report.source_checked, report.problems
+    m = manifest(out)
+    entry = m["mla"][1]["w_vc"]
+    assert entry["precision"] == "bf16"
+    assert (entry["mxfp4_rel_error"] == 0) == (case == "mxfp4-source")  # the MXFP4 source's own bytes
+    entry["mxfp4_rel_error"] = 0.2  # still above nothing the policy reads: only the recomputation can tell
+    write_manifest(out, m)
+    problems = verify(out).problems
+    assert len(problems) == 1 and entry["weight"] in problems[0] and "MXFP4 error" in problems[0], problems
+
+
+def test_source_bytes_recorded_as_requantized_are_caught(bf16_kept, tmp_path):
+    """A w_vc kept as the MXFP4 source's bytes must say so (quant.mode `source`): recorded as `even` it is named
+    (requantizing the source with `even` gives the same bytes here, so the byte comparison alone passed it)."""
+    out = tmp_path / "out"
+    shutil.copytree(bf16_kept["mxfp4-source-kept"], out)
+    assert verify(out).ok
+    m = manifest(out)
+    entry = m["mla"][0]["w_vc"]
+    assert entry["quant"]["mode"] == "source"
+    entry["quant"]["mode"] = "even"
+    write_manifest(out, m)
+    problems = verify(out).problems
+    assert any(entry["weight"] in p and "recorded scale rule 'even'" in p for p in problems), problems
