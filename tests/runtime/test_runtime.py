@@ -64,7 +64,8 @@ def _layers_prefix(model):
     return model.manifest["mla"][0]["prefix"].rsplit(".", 1)[0]
 
 
-def test_mxfp4_matches_unabsorbed_mla_within_documented_bound(packed_dirs):
+@pytest.mark.parametrize("q_scale, cache_scale", [(1, 1), (10, 3)], ids=["flat", "peaked"])
+def test_mxfp4_matches_unabsorbed_mla_within_documented_bound(packed_dirs, q_scale, cache_scale):
     src, out = packed_dirs("glm-5")
     model = runtime.open(out, backend="torch")
     geom = model.local_geometry
@@ -72,12 +73,14 @@ def test_mxfp4_matches_unabsorbed_mla_within_documented_bound(packed_dirs):
     layer = model.mla(layer_id)
     kv_b = read_source_kv_b(src, layer_id, _layers_prefix(model))
     q, cache, indptr, indices = inputs(geom, seed=1)
+    q, cache = (q.float() * q_scale).bfloat16(), (cache.float() * cache_scale).bfloat16()  # peaked: sharp softmax
     scale = 1 / math.sqrt(geom.qk_nope_head_dim + geom.qk_rope_head_dim)
     y, latent, o = run_absorbed(layer, geom, q, cache, indptr, indices, scale)
     ref = unabsorbed_mla(kv_b, geom, q, cache, indptr, indices, scale)
-    # Bound (docs/accuracy.md): the four relative errors that enter the product chain -- w_kc, w_vc (recorded
+    # Estimate (README, Accuracy): the four relative errors that enter the product chain -- w_kc, w_vc (recorded
     # in the manifest) and the MXFP4 activation quantization of q_nope and of the attention output -- add up
-    # (first order), and the softmax can at most double the score-side part.
+    # (first order), and the softmax is allowed to double the score-side part; sharper attention raises the
+    # error (about 0.17 flat, 0.35 peaked) but stays within it.
     e_q = rel(dequantize(*quantize(q[..., : geom.qk_nope_head_dim].float())).double(), q[..., :192].double())
     e_o = rel(dequantize(*quantize(o.float())).double(), o.double())
     bound = 2 * (layer.w_kc.rel_error + e_q) + layer.w_vc.rel_error + e_o
