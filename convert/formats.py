@@ -1,5 +1,5 @@
-"""Source weight formats: detection from dtypes/shapes (+ ``quantization_config``), exact dequantization to
-float32, and the encoders the synthetic checkpoints use. One module knows each format.
+"""Source weight formats: detection from dtypes/shapes (+ ``quantization_config``), dequantization to float32
+(exact, or the exact value rounded once), and the encoders the synthetic checkpoints use. One module knows each format.
 
 A *module weight* ``<module>.weight`` ``[out, in]`` is stored in one of these formats:
 
@@ -19,7 +19,9 @@ A *module weight* ``<module>.weight`` ``[out, in]`` is stored in one of these fo
     ``[out, in/32]`` (E8M0), grouped along ``in``. Decoded and encoded by :mod:`glm_pack.packing.mxfp4`
     (encoder: ``quantize(mode="even")``, Quark's ``scale_calculation_mode``).
 
-All float32 results are computed in float32 from the stored bits (never through bf16). Quark's
+All float32 results are computed in float32 from the stored bits (never through bf16): exact for the float
+formats and MXFP4; an FP8 value times its float32 scale needs up to 28 significant bits, so that product is
+rounded once to float32 (relative error at most 2**-24). Quark's
 ``exclude`` list (exact module names, or ``re:`` regexes applied with ``re.match``) says which modules
 stay unquantized; a quantized tensor in an excluded module, or one whose Quark spec names another
 format, is a :class:`~glm_pack.packing.errors.FormatError`.
@@ -211,7 +213,8 @@ def _detect_fp8(weight: StoredTensor, scales: dict[str, StoredTensor], quant: Qu
 
 
 def dequantize(fmt: WeightFormat, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """Stored tensors -> float32 ``[out, in]`` module weight, exactly as the format defines it."""
+    """Stored tensors -> float32 ``[out, in]`` module weight as the format defines it (FP8: the exact product
+    rounded once to float32)."""
     if fmt.name in ("bf16", "fp16", "fp32"):
         return weight.to(torch.float32)
     if fmt.name == "fp8-block":

@@ -1,4 +1,5 @@
-"""FP8 (E4M3) weights with float32 scales, dequantized exactly in float32: per 2-D block (DeepSeek-V3 / zai-org
+"""FP8 (E4M3) weights with float32 scales, dequantized in float32 (the exact product rounded once: at most 2**-24
+relative): per 2-D block (DeepSeek-V3 / zai-org
 ``weight_scale_inv``) or per output channel (Quark ``weight_scale``). Pure tensor math, no I/O."""
 
 from __future__ import annotations

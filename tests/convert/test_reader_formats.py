@@ -60,6 +60,25 @@ def test_fp8_block_matches_slow_reference(shape, block):
     assert (got - w).norm() / w.norm() < 0.05  # e4m3 keeps 3 mantissa bits
 
 
+@pytest.mark.parametrize("kind", ["fp8-block", "fp8-channel"])
+def test_fp8_dequantization_is_the_product_rounded_once_to_float32(kind):
+    """FP8 value times a float32 scale needs up to 4 + 24 significant bits: the float32 result is the exact
+    (float64) product rounded once, not the exact value."""
+    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(5)) * 0.02
+    if kind == "fp8-block":
+        fmt = formats.WeightFormat(kind, "m.weight", "m.weight_scale_inv", (128, 128))
+        q, s = formats.encode_fp8_block(x)
+        exact = q.double() * s.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    else:
+        fmt = formats.WeightFormat(kind, "m.weight", "m.weight_scale")
+        q, s = formats.encode_fp8_channel(x)
+        exact = q.double() * s.double()[:, None]
+    got = formats.dequantize(fmt, q, s)
+    assert torch.equal(got, exact.float())
+    assert (got.double() != exact).float().mean() > 0.25  # not exact: a third of these elements are rounded
+    assert ((got.double() - exact).abs() <= exact.abs() * 2.0**-24).all()
+
+
 def test_fp8_channel_hand_checked_and_reference():
     w = _fp8([[0x38, 0x40], [0xC0, 0x7E]])
     fmt = formats.WeightFormat("fp8-channel", "m.weight", "m.weight_scale")
