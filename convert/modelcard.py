@@ -204,9 +204,21 @@ def _source_error_text(layers) -> str:
     return text
 
 
+def _error_summary(layers) -> str:
+    """Max and mean relative error per projection and stored precision, never mixing MXFP4 and BF16 errors."""
+    parts = []
+    for name in mf.PROJECTIONS:
+        for precision in mf.PRECISIONS:
+            errors = [getattr(lay, name).rel_error for lay in layers if getattr(lay, name).precision == precision]
+            if errors:
+                parts.append(
+                    f"{name} {precision.upper()} max {_fmt(max(errors))} (mean {_fmt(statistics.fmean(errors))})"
+                    f" over {len(errors)} layer(s)"
+                )
+    return "; ".join(parts) or "no MLA layers"
+
+
 def _quant_fields(manifest: dict, layers) -> dict:
-    kc = [lay.w_kc.rel_error for lay in layers]
-    vc = [lay.w_vc.rel_error for lay in layers]
     rows = [
         f"| {lay.layer} | {lay.w_kc.precision} | {_fmt(lay.w_kc.rel_error)} | {lay.w_vc.precision} | "
         f"{_fmt(lay.w_vc.rel_error)} |"
@@ -216,10 +228,7 @@ def _quant_fields(manifest: dict, layers) -> dict:
         "quant_text": _quant_text(manifest, layers),
         "source_error_text": _source_error_text(layers),
         "error_rows": "\n".join(rows),
-        "kc_max": _fmt(max(kc, default=0.0)),
-        "kc_mean": _fmt(statistics.fmean(kc) if kc else 0.0),
-        "vc_max": _fmt(max(vc, default=0.0)),
-        "vc_mean": _fmt(statistics.fmean(vc) if vc else 0.0),
+        "error_summary": _error_summary(layers),
     }
 
 

@@ -332,3 +332,21 @@ def test_card_says_errors_exclude_a_quantized_sources_own_error(quantized_source
     assert ("w_vc keeps the source's MXFP4 bytes" in text) == kept
     if kept:
         assert all(e["w_vc"]["rel_error"] == 0 for e in manifest["mla"])  # the 0 the card explains
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_error_summary_is_per_stored_precision(precision_outs, case):
+    """The summary's max / mean never mix MXFP4 and BF16 errors (a mean of 0.113 and 0.0016 is neither); each
+    projection gets one max (mean) per stored precision, over the layers stored so, from the manifest."""
+    manifest = _manifest(precision_outs[case])
+    text = " ".join(render_card(precision_outs[case]).split())
+    summary = text.split("Summary: ", 1)[1].split(" ## ", 1)[0]
+    for name in PROJECTIONS:
+        for precision in ("mxfp4", "bf16"):
+            errors = [e[name]["rel_error"] for e in manifest["mla"] if e[name]["precision"] == precision]
+            if errors:
+                mean, n = sum(errors) / len(errors), len(errors)
+                stated = f"{name} {precision.upper()} max {max(errors):.4f} (mean {mean:.4f}) over {n} layer(s)"
+                assert stated in summary, summary
+            else:
+                assert f"{name} {precision.upper()}" not in summary, summary
