@@ -15,6 +15,7 @@ from rich.table import Table
 from glm_pack.packing.errors import VerifyError
 
 from .convert import FILE_MODES, ConvertOptions, ConvertReport, convert
+from .modelcard import source_error_text
 from .verify import VerifyReport, verify
 
 console = Console(stderr=False)
@@ -36,6 +37,9 @@ def _summary(report: ConvertReport) -> None:
         f"{bf16} tensors kept in BF16; "
         f"rel error w_kc max {max(kc, default=0):.4f}, w_vc max {max(vc, default=0):.4f}; {report.seconds:.1f} s"
     )
+    kept = any(r.w_vc[3] == "source" for r in report.layers)
+    if note := source_error_text({r.source_format for r in report.layers}, kept):
+        console.print(note)
     if report.resumed_items:
         console.print(f"resumed: {report.resumed_items} finished overlay files re-checked by hash and kept")
     if report.hub_bytes is not None:

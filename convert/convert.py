@@ -67,8 +67,9 @@ class ConvertOptions:
 @dataclass
 class LayerReport:
     layer: int
-    w_kc: tuple[str, float, float]  # precision, stored rel error, mxfp4 rel error
-    w_vc: tuple[str, float, float]
+    source_format: str  # of the layer's kv_b_proj, e.g. "bf16", "fp8-block", "mxfp4"
+    w_kc: tuple[str, float, float, str | None]  # precision, stored rel error, mxfp4 rel error, quant mode
+    w_vc: tuple[str, float, float, str | None]
 
 
 @dataclass
@@ -380,7 +381,12 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
         m = entry["mla"]
         report.layers.append(
             LayerReport(
-                m["layer"], *((m[p]["precision"], m[p]["rel_error"], m[p]["mxfp4_rel_error"]) for p in ("w_kc", "w_vc"))
+                m["layer"],
+                m["source"]["format"],
+                *(
+                    (m[p]["precision"], m[p]["rel_error"], m[p]["mxfp4_rel_error"], m[p]["quant"].get("mode"))
+                    for p in ("w_kc", "w_vc")
+                ),
             )
         )
     report.hub_bytes = ckpt.store.transferred if hub else None

@@ -186,17 +186,18 @@ def _quant_text(manifest: dict, layers) -> str:
     )
 
 
-def _source_error_text(layers) -> str:
+def source_error_text(source_formats, vc_source_kept: bool) -> str:
     """What the errors leave out when the source kv_b_proj was itself quantized (FP8 or MXFP4): its own
-    quantization error, which glm-pack cannot see; w_vc kept as MXFP4 source bytes has error 0 by construction."""
-    quantized = sorted({lay.source_format for lay in layers} - set(FLOAT_FORMATS.values()))
+    quantization error, which glm-pack cannot see; ``vc_source_kept``: some w_vc is the MXFP4 source's bytes, whose
+    error is 0 by construction. Empty for float sources. Shared by the card and convert's summary."""
+    quantized = sorted(set(source_formats) - set(FLOAT_FORMATS.values()))
     if not quantized:
         return ""
     text = (
         f"The source `kv_b_proj` is already quantized ({', '.join(quantized)}): these errors are measured against"
         " its dequantized values and do not include the error of that quantization, which glm-pack cannot see."
     )
-    if any(lay.w_vc.quant_mode == "source" for lay in layers):
+    if vc_source_kept:
         text += (
             " w_vc keeps the source's MXFP4 bytes (scale rule `source`), so its error here is 0 by construction;"
             " w_kc is quantized again along its own reduction axis, an error on top of the source's."
@@ -226,7 +227,9 @@ def _quant_fields(manifest: dict, layers) -> dict:
     ]
     return {
         "quant_text": _quant_text(manifest, layers),
-        "source_error_text": _source_error_text(layers),
+        "source_error_text": source_error_text(
+            {lay.source_format for lay in layers}, any(lay.w_vc.quant_mode == "source" for lay in layers)
+        ),
         "error_rows": "\n".join(rows),
         "error_summary": _error_summary(layers),
     }

@@ -515,3 +515,17 @@ def test_verify_says_when_the_source_was_not_reached(synth_ckpt, ckpt_copy, tmp_
     r = CliRunner().invoke(main, ["verify", str(out), "--json"])
     report = json.loads(r.output)
     assert r.exit_code == 0 and report["ok"] is True and report["source_checked"] is False, r.output
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-channel", "mxfp4-attn"])
+def test_summary_says_what_errors_against_a_quantized_source_leave_out(synth_ckpt, tmp_path, fmt):
+    """convert's summary, like the card, says that errors against an FP8 / MXFP4 source leave out that source's own
+    quantization error, and why w_vc from an MXFP4 source reads 0.0000; nothing of the kind for a BF16 source."""
+    src = synth_ckpt("glm-5", fmt, layers=2, experts=1, mtp=False)
+    r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "o"), "--files", "none", "--workers", "1"])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    source_format = {e["source"]["format"] for e in manifest(tmp_path / "o")["mla"]}.pop()
+    quantized = fmt != "bf16"
+    assert (f"already quantized ({source_format})" in text) == quantized, text
+    assert ("w_vc keeps the source's MXFP4 bytes" in text) == (source_format == "mxfp4"), text
