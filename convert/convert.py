@@ -34,7 +34,7 @@ from . import state
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from .items import Settings, plan_items, run_item, run_item_in_worker, worker_init
 from .plan import kernel_route, resolve_k_up
-from .writer import OutputError, clear_directory, fsync_dir, remove, write_text
+from .writer import OutputError, clear_directory, fsync_dir, is_temp, remove, write_text
 
 FILE_MODES = ("link", "copy", "none")
 TOOL_VERSION = "0.1.0"
@@ -145,9 +145,10 @@ def run_differences(previous: dict, run: dict) -> list[str]:
     return found or ["its run record (glm-pack/.run.json) differs from this run's"]
 
 
-def _empty_dir(path: Path) -> bool:
-    """A real folder with nothing in it (what a run killed right after creating ``glm-pack/`` leaves)."""
-    return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
+def _unstarted_dir(path: Path) -> bool:
+    """A real folder with nothing but temp files in it (what a run killed right after creating ``glm-pack/``, or
+    while writing its run record there, leaves)."""
+    return path.is_dir() and not path.is_symlink() and all(is_temp(p) for p in path.iterdir())
 
 
 def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict) -> list[dict]:
@@ -170,7 +171,7 @@ def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict)
             "or --overwrite to start over",
             file=out,
         )
-    leftovers = [p for p in out.iterdir() if p.name != state.LOCK_NAME and not _empty_dir(p)]
+    leftovers = [p for p in out.iterdir() if p.name != state.LOCK_NAME and not _unstarted_dir(p)]
     if leftovers and not options.overwrite:
         raise PlanError(f"output {out} is not empty; pass --overwrite to replace its contents", file=out)
     if leftovers:  # --overwrite: nothing of the old contents may stay beside the new output

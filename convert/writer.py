@@ -53,6 +53,11 @@ def _temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
+def is_temp(path: Path) -> bool:
+    """A temp file's name (``.<name>.tmp``): bytes a killed run left, never a finished file."""
+    return path.name.startswith(".") and path.name.endswith(".tmp")
+
+
 def _write_all(fd: int, data, path: Path) -> None:
     view = memoryview(data).cast("B")
     while view:

@@ -65,6 +65,12 @@ DRIVER = textwrap.dedent(
         def write_run(overlay, run):
             die()
         state.write_run = write_run
+    elif point == "run-record-written":  # the run record's temp file written, not yet renamed into place
+        real = writer._os_write
+        def write(fd, data):
+            real(fd, data)
+            die()
+        writer._os_write = write
     elif point == "with-workers":  # workers running: write their pids, then die (the workers must die too)
         import multiprocessing
         real_append = state.Journal.append
@@ -307,6 +313,20 @@ def test_a_run_killed_before_its_run_record_leaves_a_startable_out(converted, tm
     result = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "copy", "--quiet"])
     assert result.exit_code == 0, result.output
     assert verify(out).ok
+
+
+def test_a_run_killed_while_writing_its_run_record_resumes(converted, tmp_path):
+    """Its only trace is the run record's temp file: --resume (or a plain rerun) must start, not call OUT non-empty."""
+    src, clean = converted
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-c", DRIVER, str(src), str(out), "run-record-written", "aiter-a4w4"]
+    assert subprocess.run(cmd, capture_output=True).returncode == -signal.SIGKILL
+    assert [p.name for p in (out / "glm-pack").iterdir()] == ["..run.json.tmp"] and verify(out).incomplete
+    args = ["convert", str(src), str(out), "--files", "copy", "--repack-experts", "aiter-a4w4", "--resume", "--quiet"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert overlay(out) == overlay(clean) and list(out.rglob(".*.tmp")) == []
+    assert manifest_without_time(out) == manifest_without_time(clean)
 
 
 def _alive(pid: int) -> bool:
