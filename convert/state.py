@@ -48,8 +48,15 @@ class OutputLock:
             raise PlanError(
                 f"another glm-pack run (pid {holder}) is writing this output; wait for it or stop it", file=self.path
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            _write_all(fd, str(os.getpid()).encode(), self.path)  # a full disk: OutputError saying so
+        except OSError as err:
+            os.close(fd)
+            raise OutputError(f"cannot write the output lock: {err.strerror or err}", file=self.path) from err
+        except OutputError:
+            os.close(fd)
+            raise
         self.fd = fd
         return self
 

@@ -68,8 +68,10 @@ DRIVER = textwrap.dedent(
     elif point == "run-record-written":  # the run record's temp file written, not yet renamed into place
         real = writer._os_write
         def write(fd, data):
-            real(fd, data)
-            die()
+            n = real(fd, data)
+            if bytes(data[:1]) == b"{":  # the run record's JSON (the lock's pid is written before it)
+                die()
+            return n
         writer._os_write = write
     elif point == "with-workers":  # workers running: write their pids, then die (the workers must die too)
         import multiprocessing

@@ -134,6 +134,18 @@ def test_disk_full_on_a_real_small_filesystem(source, clean, small_tmpfs):
     assert overlay_bytes(out) == overlay_bytes(clean) and temp_files(out) == []
 
 
+def test_disk_full_before_the_first_output_byte(source, small_tmpfs):
+    """Not even the lock's pid fits: one line (was an OSError traceback from the lock)."""
+    with open(small_tmpfs / "filler", "wb") as f, pytest.raises(OSError, match="No space left"):
+        while True:
+            f.write(b"\0" * (1 << 20))
+            f.flush()
+    out = small_tmpfs / "out"
+    before = tree_digest(source)
+    r, errors = cli(source, out, "--files", "none")
+    assert_failed_cleanly(r, errors, out, source, before, f"no space left on device while writing {out}/.glm-pack.lock")
+
+
 @pytest.fixture
 def read_only_dir(tmp_path):
     """A directory nobody may write to: chmod for ordinary users; root ignores modes, so a read-only tmpfs."""
