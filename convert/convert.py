@@ -34,7 +34,7 @@ from . import state
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from .items import Settings, plan_items, run_item, run_item_in_worker, worker_init
 from .plan import kernel_route, resolve_k_up
-from .writer import OutputError, clear_directory, fsync_dir, is_temp, remove, write_text
+from .writer import OutputError, clear_directory, fsync_path, is_temp, remove, write_text
 
 FILE_MODES = ("link", "copy", "none")
 TOOL_VERSION = "0.1.0"
@@ -218,14 +218,8 @@ def place_original(src_file: Path, dst: Path, mode: str) -> bool:
 
 def fsync_files(paths: list[Path]) -> None:
     """fsync copied files and their directories (after all copies: the kernel writes back meanwhile)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    for folder in sorted({p.parent for p in paths}):
-        fsync_dir(folder)
+    for path in [*paths, *sorted({p.parent for p in paths})]:
+        fsync_path(path)
 
 
 def original_files(root: Path) -> list[Path]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from glm_pack.packing.errors import PlanError
 
-from .writer import OutputError, _write_all, atomic_write
+from .writer import OutputError, _write_all, atomic_write, fsync
 
 LOCK_NAME = ".glm-pack.lock"
 RUN_NAME = ".run.json"
@@ -109,7 +109,7 @@ class Journal:
             raise OutputError(f"cannot write the journal: {err.strerror or err}", file=self.path) from err
         try:
             _write_all(fd, line, self.path)
-            os.fsync(fd)
+            fsync(fd, self.path)
         finally:
             os.close(fd)
 

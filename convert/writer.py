@@ -58,22 +58,39 @@ def is_temp(path: Path) -> bool:
     return path.name.startswith(".") and path.name.endswith(".tmp")
 
 
+def _write_error(err: OSError, path: Path) -> OutputError:
+    if err.errno == errno.ENOSPC:
+        return OutputError(f"no space left on device while writing {path}", file=path)
+    return OutputError(f"cannot write {path}: {err.strerror or err}", file=path)
+
+
 def _write_all(fd: int, data, path: Path) -> None:
     view = memoryview(data).cast("B")
     while view:
         try:
             n = _os_write(fd, view)
         except OSError as err:
-            if err.errno == errno.ENOSPC:
-                raise OutputError(f"no space left on device while writing {path}", file=path) from err
-            raise OutputError(f"cannot write {path}: {err.strerror or err}", file=path) from err
+            raise _write_error(err, path) from err
         view = view[n:]
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def fsync(fd: int, path: Path) -> None:
+    """fsync ``fd``, open on ``path``; a failure (EIO, or ENOSPC / EDQUOT where space is allocated late, as on
+    NFS) is an OutputError naming ``path``."""
     try:
         os.fsync(fd)
+    except OSError as err:
+        raise _write_error(err, path) from err
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or folder by name (a folder: the renames and links in it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as err:
+        raise _write_error(err, path) from err
+    try:
+        fsync(fd, path)
     finally:
         os.close(fd)
 
@@ -92,7 +109,7 @@ def atomic_write(path: Path, chunks: Iterable[bytes | memoryview]) -> int:
             for chunk in chunks:
                 _write_all(fd, chunk, path)
                 size += len(chunk)
-            os.fsync(fd)
+            fsync(fd, path)
         finally:
             os.close(fd)
         try:
@@ -102,7 +119,7 @@ def atomic_write(path: Path, chunks: Iterable[bytes | memoryview]) -> int:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
     return size
 
 

@@ -110,6 +110,37 @@ def test_disk_full_at_the_write_seam_then_resume(source, clean, tmp_path, monkey
     assert temp_files(out) == [] and tree_digest(source) == before
 
 
+@pytest.mark.parametrize(
+    "victim",
+    [
+        "glm-pack/.layer-001.safetensors.tmp",  # an overlay file before its rename
+        "glm-pack/.journal.jsonl",  # a journal line
+        "glm-pack",  # the overlay folder after a rename
+        "config.json",  # a copied original
+        ".",  # OUT, after the originals were copied
+    ],
+)
+def test_a_failing_fsync_is_one_line_naming_the_file(source, clean, tmp_path, monkeypatch, victim):
+    """fsync can fail (EIO; ENOSPC / EDQUOT where space is allocated late, e.g. NFS): it was an OSError traceback."""
+    out = tmp_path / "out"
+    before = tree_digest(source)
+    real = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}") == str((out / victim).resolve()):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    r, errors = cli(source, out, "--files", "copy")
+    named = out / victim.replace(".layer-001.safetensors.tmp", "layer-001.safetensors")
+    assert_failed_cleanly(r, errors, out, source, before, f"cannot write {named}: Input/output error")
+    monkeypatch.undo()
+    r, errors = cli(source, out, "--files", "copy", "--resume")
+    assert r.exit_code == 0, r.output
+    assert overlay_bytes(out) == overlay_bytes(clean) and temp_files(out) == []
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 12 MiB tmpfs (one overlay file of the test source fits, two do not); skipped where mounting is denied."""
