@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
@@ -189,8 +190,8 @@ def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict)
 def place_original(src_file: Path, dst: Path, mode: str) -> bool:
     """Hard-link (falling back to copy across filesystems) or copy one original file, via a temp name.
 
-    Returns True when the bytes were copied: the caller fsyncs copies (all at once, see :func:`fsync_files`)
-    before the manifest claims completeness.
+    Returns True when the bytes were copied: the caller fsyncs copies, and the folders of every placed file (see
+    :func:`fsync_files`), before the manifest claims completeness.
     """
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.tmp")
@@ -216,9 +217,10 @@ def place_original(src_file: Path, dst: Path, mode: str) -> bool:
     return copied
 
 
-def fsync_files(paths: list[Path]) -> None:
-    """fsync copied files and their directories (after all copies: the kernel writes back meanwhile)."""
-    for path in [*paths, *sorted({p.parent for p in paths})]:
+def fsync_files(paths: list[Path], folders: Iterable[Path] = ()) -> None:
+    """fsync copied files, then their folders and ``folders`` (those of hard-linked files: a link's name is on disk
+    only then). Called after all copies: the kernel writes back meanwhile."""
+    for path in [*paths, *sorted({p.parent for p in paths}.union(folders))]:
         fsync_path(path)
 
 
@@ -359,7 +361,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
                 src_file = ckpt.store.download(rel.as_posix()) if hub else ckpt.root / rel
                 if place_original(src_file, out / rel, "link" if hub else options.files):
                     copied.append(out / rel)
-            fsync_files(copied)
+            fsync_files(copied, {(out / rel).parent for rel in originals})
             report.original_files = len(originals)
         if not hub and source_stats(ckpt.root, originals) != stats:
             raise source_changed(ckpt.root)

@@ -141,6 +141,23 @@ def test_a_failing_fsync_is_one_line_naming_the_file(source, clean, tmp_path, mo
     assert overlay_bytes(out) == overlay_bytes(clean) and temp_files(out) == []
 
 
+def test_hard_linked_originals_are_durable_before_the_manifest(source, tmp_path, monkeypatch):
+    """A hard link's name is on disk only once its folder is fsynced; the manifest must not be durable before it
+    (OUT was never fsynced with --files link: a crash could keep the manifest and lose the links)."""
+    out, fsynced = tmp_path / "out", []
+    real = os.fsync
+
+    def fsync(fd):
+        fsynced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    r, _ = cli(source, out, "--files", "link", "--quiet")
+    assert r.exit_code == 0, r.output
+    assert os.stat(out / "config.json").st_ino == os.stat(source / "config.json").st_ino  # linked, not copied
+    assert str(out.resolve()) in fsynced[: fsynced.index(str((out / "glm-pack" / ".manifest.json.tmp").resolve()))]
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 12 MiB tmpfs (one overlay file of the test source fits, two do not); skipped where mounting is denied."""
