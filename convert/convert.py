@@ -118,12 +118,19 @@ def files_mode(ckpt: Checkpoint, files: str | None) -> str:
     return files
 
 
-def check_locations(src: Path | None, out: Path) -> None:
-    """Refuse an OUT that is SRC, inside it, or contains it (``src`` None: a remote source)."""
+def check_locations(src: Path | None, out: Path, files: Iterable[Path] = ()) -> None:
+    """Refuse an OUT that is SRC, inside it, contains it, or contains the file behind one of the source ``files``
+    (a HF cache snapshot's links point into ``blobs/``, which ``--overwrite`` would empty). ``src`` None: a remote
+    source."""
     if src is not None:
         src_r, out_r = src.resolve(), out.resolve()
         if src_r == out_r or src_r in out_r.parents or out_r in src_r.parents:
             raise PlanError(f"output {out} must be outside the source {src} (and not contain it)", file=out)
+        for rel in files:
+            if out_r in (src / rel).resolve().parents:
+                raise PlanError(
+                    f"output {out} must not hold the source's files: {src / rel} is {(src / rel).resolve()}", file=out
+                )
     if out.exists() and not out.is_dir():
         raise PlanError(f"output {out} exists and is not a directory", file=out)
 
@@ -318,11 +325,11 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
     hub = is_hub(ckpt)
     options = replace(options, files=files_mode(ckpt, options.files))
     out = Path(out)
-    check_locations(None if hub else ckpt.root, out)
+    originals, stats = source_files(ckpt)
+    check_locations(None if hub else ckpt.root, out, originals)
     geom = ckpt.geometry
     k_multiple, k_kc = resolve_k_up(ckpt.card, geom, options.k_pad, options.mla_precision)
     settings = Settings(k_kc, options.quant_mode, options.mla_precision, options.max_rel_error)
-    originals, stats = source_files(ckpt)
     run = {
         "tool": TOOL_VERSION,
         "options": options.recorded(k_multiple),

@@ -288,6 +288,22 @@ def test_source_that_is_also_the_output_is_refused(source, tmp_path):
     assert tree_digest(source) == before
 
 
+def test_out_holding_the_files_behind_a_snapshot_is_refused(source, tmp_path):
+    """A HF-cache layout: snapshots/rev/NAME -> ../../blobs/HASH. OUT = blobs/ contains no source *path*, but
+    --overwrite emptied it, deleting every file the snapshot's links point to (the source was gone)."""
+    blobs, snapshot = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "rev"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in sorted(source.iterdir()):
+        os.link(f, blobs / hashlib.sha256(f.name.encode()).hexdigest())  # a hard link: the shared source stays
+        (snapshot / f.name).symlink_to(f"../../blobs/{hashlib.sha256(f.name.encode()).hexdigest()}")
+    before = tree_digest(snapshot)
+    r, errors = cli(snapshot, blobs, "--overwrite")
+    assert r.exit_code == 1 and len(errors) == 1 and "Traceback" not in r.output, r.output
+    assert f"output {blobs} must not hold the source's files: {snapshot / 'config.json'} is" in errors[0], errors
+    assert tree_digest(snapshot) == before and not (blobs / "glm-pack").exists()
+
+
 def test_symlinks_in_out_are_replaced_never_written_through(source, ckpt_copy, tmp_path):
     """With --overwrite, links planted in OUT (to source files, to a victim dir) are replaced, targets kept."""
     src = ckpt_copy(source)  # a HF-cache-like snapshot of links: read through them
