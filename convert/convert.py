@@ -214,8 +214,10 @@ def place_original(src_file: Path, dst: Path, mode: str) -> bool:
             shutil.copyfile(src_file, tmp)
         os.replace(tmp, dst)
         tmp.unlink(missing_ok=True)  # renaming onto a link to the same file (a resumed run) leaves tmp as it is
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
+    except BaseException as err:
+        tmp.unlink(missing_ok=True)  # whatever stopped it: no partial copy stays (a Ctrl-C lands mid-copy)
+        if not isinstance(err, OSError):
+            raise
         if not src_file.is_file():  # the source vanished, not the destination's fault
             raise source_changed(src_file, vanished=True) from err
         if err.errno == errno.ENOSPC:

@@ -291,6 +291,31 @@ def test_ctrl_c_exits_cleanly_and_leaves_a_resumable_state(converted, tmp_path):
     assert overlay(out) == overlay(clean)
 
 
+def test_ctrl_c_while_copying_an_original_leaves_no_partial_copy(converted, tmp_path, monkeypatch):
+    """Copying a multi-GB shard is where a Ctrl-C lands: its half-written temp file stayed in OUT."""
+    import shutil
+
+    src, clean = converted
+    out = tmp_path / "out"
+    real = shutil.copyfile
+
+    def copyfile(a, b):
+        if str(a).endswith("model-00002-of-00005.safetensors"):
+            with open(a, "rb") as f, open(b, "wb") as g:
+                g.write(f.read(1 << 20))
+            raise KeyboardInterrupt
+        return real(a, b)
+
+    monkeypatch.setattr(shutil, "copyfile", copyfile)
+    args = ["convert", str(src), str(out), "--files", "copy", "--repack-experts", "aiter-a4w4", "--workers", "1"]
+    r = CliRunner().invoke(main, [*args, "--quiet"])
+    assert r.exit_code == 130 and "--resume" in r.stderr, r.output
+    assert list(out.rglob(".*.tmp")) == [] and not (out / "glm-pack" / "manifest.json").exists()
+    monkeypatch.undo()
+    assert CliRunner().invoke(main, [*args, "--quiet", "--resume"]).exit_code == 0
+    assert overlay(out) == overlay(clean) and list(out.rglob(".*.tmp")) == []
+
+
 def test_resume_after_placing_linked_originals_leaves_no_temp_files(converted, tmp_path):
     """Placing a hard link onto a link to the same file is a no-op rename that used to leave its temp name."""
     src, clean = converted
