@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from glm_pack.packing import manifest as mf
 from glm_pack.packing.errors import VerifyError
 
 from .convert import FILE_MODES, ConvertOptions, ConvertReport, convert
@@ -150,10 +151,11 @@ def convert_command(
     try:
         run_convert(src, out, options, quiet)
     except KeyboardInterrupt:
-        click.echo(
-            f"glm-pack: interrupted; finished layers are kept: rerun the same command with --resume to complete {out}",
-            err=True,
-        )
+        if (Path(out) / mf.OVERLAY_DIR / mf.MANIFEST_NAME).is_file():  # stopped after the manifest was written
+            what = f"{out} holds a complete conversion (its manifest is written); `glm-pack verify {out}` checks it"
+        else:
+            what = f"finished layers are kept: rerun the same command with --resume to complete {out}"
+        click.echo(f"glm-pack: interrupted; {what}", err=True)
         raise SystemExit(130) from None
 
 

@@ -316,6 +316,23 @@ def test_ctrl_c_while_copying_an_original_leaves_no_partial_copy(converted, tmp_
     assert overlay(out) == overlay(clean) and list(out.rglob(".*.tmp")) == []
 
 
+def test_ctrl_c_after_the_manifest_does_not_ask_for_a_resume(converted, tmp_path, monkeypatch):
+    """Interrupted once the manifest is written (while the run state is cleared): the output is complete and
+    --resume would refuse ('already complete'), so the line must not send the user there."""
+    from glm_pack.convert import state
+
+    src, _ = converted
+    out = tmp_path / "out"
+
+    def clear_run(overlay):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(state, "clear_run", clear_run)
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "none", "--workers", "1", "--quiet"])
+    assert r.exit_code == 130 and "--resume" not in r.stderr, r.stderr
+    assert f"{out} holds a complete conversion" in r.stderr and verify(out).ok
+
+
 def test_resume_after_placing_linked_originals_leaves_no_temp_files(converted, tmp_path):
     """Placing a hard link onto a link to the same file is a no-op rename that used to leave its temp name."""
     src, clean = converted
