@@ -165,6 +165,10 @@ MSE_CASES = [
     ([1.7, 1.7], 125, 125, [0x7, 0x7]),
     # even e=0 is exact for 6 and 0.5; e=-1: 12 -> 6 -> 3 (err 9): worse; e=1: .25 -> 0 (err .25): worse.
     ([6.0, 0.5], 127, 127, [0x7, 0x1]),
+    # a tie with e-1 that the fast path must evaluate (its error sum exceeds amax's alone): even 3.5 -> 4 at
+    # e=0: 3.5 -> 4 (err .25), .125 -> 0 (tie 0 | .5, err .015625): .265625. e=-1: 7 -> 6 -> 3 (err .25),
+    # .25 -> 0 (tie 0 | .5): .265625, a tie, so not better. e=1: 1.75 -> 2 -> 4 (.25), .0625 -> 0: tie too.
+    ([3.5, 0.125], 127, 127, [0x6, 0x0]),
 ]
 
 
