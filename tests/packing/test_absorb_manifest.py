@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from glm_pack.packing import manifest as mf
-from glm_pack.packing.absorb import absorb_layer, rel_error
+from glm_pack.packing.absorb import absorb_layer, rel_error, store_projection
 from glm_pack.packing.errors import FormatError, ManifestError, NonFiniteError, PlanError
 from glm_pack.packing.mla import MlaGeometry
 from glm_pack.packing.mxfp4 import dequantize, quantize
@@ -62,6 +62,20 @@ def test_auto_policy_keeps_outlier_heavy_tensor_in_bf16():
     kc, vc = absorb_layer(w, GEOM, k_stored=128, policy="auto", max_rel_error=0.15)
     assert kc.precision == "mxfp4" and vc.precision == "bf16"
     assert vc.mxfp4_rel_error > 0.15
+
+
+def test_auto_keeps_mxfp4_at_an_error_equal_to_the_threshold():
+    """README: auto goes to BF16 only when the MXFP4 error *exceeds* --max-rel-error (X >= 0), so with X = 0 a
+    projection MXFP4 holds exactly (E2M1 grid values, a 6 in every 32-block: scale 2**0) stays MXFP4."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    g = torch.Generator().manual_seed(3)
+    w = grid[torch.randint(0, 8, (2, 4, 64), generator=g)] * torch.where(torch.rand(2, 4, 64, generator=g) < 0.5, -1, 1)
+    w[..., ::32] = 6.0
+    kc = store_projection(w, k_stored=64, quant_mode="even", policy="auto", max_rel_error=0.0)
+    assert kc.mxfp4_rel_error == 0.0 and kc.precision == "mxfp4"
+    assert torch.equal(dequantize(kc.weight, kc.scale), w)
+    w[0, 0, 1] = 0.7  # off the grid: any error exceeds 0
+    assert store_projection(w, k_stored=64, quant_mode="even", policy="auto", max_rel_error=0.0).precision == "bf16"
 
 
 def test_auto_needs_threshold_and_unknown_policy():
