@@ -152,6 +152,13 @@ def test_manifest_round_trip_and_parse():
     assert layer.w_kc.scale == "model.layers.0.self_attn.w_kc.weight_scale"
 
 
+def _k_stored_200(m):
+    """k_stored 200 >= k_logical 96, not a multiple of 32, with tensors shaped as 200 would give (100, 200 // 32)."""
+    m["mla"][0]["w_kc"]["layout"].update(k_stored=200)
+    m["tensors"]["model.layers.0.self_attn.w_kc.weight"].update(shape=[2, 64, 100])
+    m["tensors"]["model.layers.0.self_attn.w_kc.weight_scale"].update(shape=[2, 64, 6])
+
+
 @pytest.mark.parametrize(
     "edit, match",
     [
@@ -160,6 +167,8 @@ def test_manifest_round_trip_and_parse():
         (lambda m: m["mla"][0]["w_kc"]["layout"].update(name="aiter_shuffle_16x16"), "not a layout the runtime"),
         (lambda m: m["mla"][0]["w_kc"]["layout"].update(k_logical=64), "contradicts the geometry"),
         (lambda m: m["mla"][0]["w_kc"]["layout"].update(k_stored=33), "k_stored % 32"),
+        (_k_stored_200, "k_stored % 32"),
+        (lambda m: m["tensors"]["model.layers.0.self_attn.w_vc.weight_scale"].update(shape=[2, 32, 1]), "must be U8"),
         (lambda m: m["mla"][0]["w_vc"].update(rel_error=float("nan")), "finite non-negative"),
         (lambda m: m["mla"][0]["w_vc"].update(scale=None), "names no scale"),
         (lambda m: m["tensors"].popitem(), "tensors table lacks"),
