@@ -89,6 +89,12 @@ def _kc(m):
     return m["mla"][0]["w_kc"]
 
 
+def _scale_layout_claims_256_more_rows(m):
+    """An e8m0 shuffle whose recorded [R, C] pads to more rows than the stored tensor holds."""
+    scale = next(name for name in m["experts"]["groups"][0]["tensors"] if name.endswith("_scale"))
+    m["tensors"][scale]["layout"]["shape"][-2] += 256
+
+
 @pytest.mark.parametrize(
     "edit, says",
     [
@@ -102,6 +108,7 @@ def _kc(m):
             ),
             "no known shuffle layout",
         ),
+        (_scale_layout_claims_256_more_rows, "no known shuffle layout"),
         (lambda m: m["model"]["geometry"].update(kv_lora_rank=256), "w_kc.weight: mxfp4 tensors must be U8"),
     ],
 )
