@@ -85,6 +85,48 @@ def enospc_when(predicate):
     return write
 
 
+def test_a_failed_rewrite_keeps_the_file_it_would_replace(tmp_path, monkeypatch):
+    """atomic_write goes through a temp file: until the rename the final name holds the old bytes (also while
+    writing), and a write that fails leaves them as they were, with no temp file."""
+    path = tmp_path / "x.bin"
+    path.write_bytes(b"old contents")
+    seen = []
+    fail = enospc_when(lambda call, head: call == 2)
+
+    def write(fd, data):
+        seen.append(path.read_bytes())
+        return fail(fd, data)
+
+    monkeypatch.setattr(writer, "_os_write", write)
+    with pytest.raises(writer.OutputError, match="no space left"):
+        writer.atomic_write(path, [b"new ", b"bytes"])
+    assert seen == [b"old contents", b"old contents"]
+    assert path.read_bytes() == b"old contents" and temp_files(tmp_path) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names fds through /proc")
+def test_atomic_write_syncs_the_file_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
+    """Crash safety needs the data on disk before the final name points at it, and the rename itself on disk."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.realpath(src), os.path.realpath(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    path = tmp_path / "x.bin"
+    writer.atomic_write(path, [b"data"])
+    tmp, final, folder = (os.path.realpath(p) for p in (tmp_path / ".x.bin.tmp", path, tmp_path))
+    assert events == [("fsync", tmp), ("replace", tmp, final), ("fsync", folder)]
+    assert path.read_bytes() == b"data"
+
+
 MANIFEST_START = b'{\n  "created"'  # mf.dumps sorts keys: the manifest text starts so
 
 
