@@ -14,7 +14,7 @@ from safetensors import safe_open
 from glm_pack import runtime
 from glm_pack.packing.errors import BackendError, GlmPackError, ManifestError, VerifyError
 from glm_pack.packing.mxfp4 import dequantize, quantize
-from glm_pack.runtime.reference import unabsorbed_mla
+from glm_pack.runtime.reference import sparse_mla, unabsorbed_mla
 
 
 def read_source_kv_b(src, layer, prefix="model.layers"):
@@ -216,6 +216,22 @@ def test_a_gpu_device_without_a_gpu_is_refused_at_open(packed_dirs, backend):
         runtime.open(out, device="cuda", backend=backend)
     with pytest.raises(BackendError, match="device 'cpu:x' cannot be used here"):
         runtime.open(out, device="cpu:x", backend=backend)
+
+
+def test_reference_sparse_mla_hand_vector_with_lse():
+    """Scores scale * (q_latent . c + q_rope . k_rope) over a token's valid rows (-1 skipped); lse is the natural
+    log-sum-exp of the *scaled* scores; a token without a valid row gives lse -inf and a zero output."""
+    q_latent = torch.tensor([[[1.0, 0, 0, 0]], [[1.0, 0, 0, 0]]]).bfloat16()  # [T=2, H=1, L=4]
+    q_rope = torch.tensor([[[0.0, 1]], [[0.0, 1]]]).bfloat16()  # [T, H, R=2]
+    cache = torch.tensor([[2.0, 0, 0, 0, 0, 0], [0, 0, 3, 0, 0, 1], [0, 1, 0, 0, 0, 0]]).bfloat16()
+    indptr = torch.tensor([0, 3, 4], dtype=torch.int32)
+    indices = torch.tensor([0, 1, -1, -1], dtype=torch.int32)
+    out, lse = sparse_mla(q_latent, q_rope, cache, indptr, indices, 0.5, return_lse=True)
+    # token 0: raw scores 2 (row 0: 1 * 2) and 1 (row 1: rope 1 * 1), scaled by 0.5 -> 1 and 0.5
+    p0 = math.e / (math.e + math.exp(0.5))
+    assert lse[0, 0].item() == pytest.approx(math.log(math.e + math.exp(0.5)), rel=1e-6)
+    assert out[0, 0].float().tolist() == pytest.approx([2 * p0, 0.0, 3 * (1 - p0), 0.0], rel=1e-2)
+    assert lse[1, 0].item() == -math.inf and out[1].float().abs().sum().item() == 0.0
 
 
 def test_out_of_cache_slot_ids_are_named_by_the_torch_backend(packed_dirs):
