@@ -139,6 +139,26 @@ def _inputs(geom, T, seed=0):
     return q, cache, torch.arange(0, T * 16 + 1, 16, dtype=torch.int32), indices
 
 
+def test_auto_order_is_aiter_then_triton_then_torch(fake_aiter, monkeypatch):
+    """auto = aiter on a gfx950 GPU (keeping Triton, where it runs, as its sparse-MLA fallback), else Triton on a
+    GPU, else torch; each is picked only when its status says usable."""
+    from glm_pack.runtime.backends import select_backend
+    from glm_pack.runtime.backends import triton_backend as tb
+
+    fake_aiter()
+    monkeypatch.setattr(tb, "triton_status", lambda device: (True, "ok"))
+    gpu = torch.device("cuda")
+    chosen = select_backend("auto", gpu, {})
+    assert chosen.name == "aiter" and chosen.fallback.name == "triton"
+    monkeypatch.setattr(ab, "detect_arch", lambda: "gfx942")
+    assert select_backend("auto", gpu, {}).name == "triton"
+    monkeypatch.setattr(tb, "triton_status", lambda device: (False, "no triton"))
+    assert select_backend("auto", gpu, {}).name == "torch"
+    monkeypatch.setattr(ab, "detect_arch", lambda: "gfx950")
+    chosen = select_backend("auto", gpu, {})
+    assert chosen.name == "aiter" and chosen.fallback.name == "torch"
+
+
 def test_aiter_is_not_chosen_for_a_cpu_device(packed_dirs, monkeypatch):
     """On a gfx950 machine with aiter, ``device="cpu"`` still gets the torch backend (aiter's kernels take GPU
     tensors only), and forcing aiter there says why."""
