@@ -13,7 +13,10 @@ from safetensors import safe_open
 
 from glm_pack import runtime
 from glm_pack.packing.errors import BackendError, GlmPackError, ManifestError, VerifyError
+from glm_pack.packing.mla import MlaGeometry
 from glm_pack.packing.mxfp4 import dequantize, quantize
+from glm_pack.runtime.backends.base import Backend
+from glm_pack.runtime.layer import MlaLayer, ProjectionWeights
 from glm_pack.runtime.reference import sparse_mla, unabsorbed_mla
 
 
@@ -216,6 +219,31 @@ def test_a_gpu_device_without_a_gpu_is_refused_at_open(packed_dirs, backend):
         runtime.open(out, device="cuda", backend=backend)
     with pytest.raises(BackendError, match="device 'cpu:x' cannot be used here"):
         runtime.open(out, device="cpu:x", backend=backend)
+
+
+def test_a_width_other_than_the_stored_k_never_reaches_the_backend():
+    """aiter checks no K and returns garbage: a w_vc stored padded past kv_lora (a manifest may record k_stored >
+    k_logical for it) meets a kv_lora-wide latent; the layer refuses before any backend call."""
+
+    class Recording(Backend):
+        name, calls = "recording", []
+
+        def bmm_a16wfp4(self, x, w_codes, w_scales, out, *, op, act_quant):
+            self.calls.append(op)
+
+    geom = MlaGeometry(num_heads=2, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=0, v_head_dim=32)
+    kc = ProjectionWeights(
+        "mxfp4", torch.zeros(2, 64, 16, dtype=torch.uint8), torch.zeros(2, 64, 1, dtype=torch.uint8), 32, 32, 0.0
+    )
+    vc = ProjectionWeights(
+        "mxfp4", torch.zeros(2, 32, 48, dtype=torch.uint8), torch.zeros(2, 32, 3, dtype=torch.uint8), 64, 96, 0.0
+    )
+    layer = MlaLayer(0, geom, kc, vc, Recording())
+    layer.k_up(torch.zeros(3, 2, 32, dtype=torch.bfloat16))
+    assert Recording.calls == ["k_up"]
+    with pytest.raises(BackendError, match="v_up: x has K=64, weight stores K=96"):
+        layer.v_up(torch.zeros(3, 2, 64, dtype=torch.bfloat16))
+    assert Recording.calls == ["k_up"]
 
 
 def test_reference_sparse_mla_hand_vector_with_lse():
