@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from glm_pack import runtime
 from glm_pack.packing.errors import BackendError, GlmPackError, ManifestError, VerifyError
@@ -219,6 +220,26 @@ def test_a_gpu_device_without_a_gpu_is_refused_at_open(packed_dirs, backend):
         runtime.open(out, device="cuda", backend=backend)
     with pytest.raises(BackendError, match="device 'cpu:x' cannot be used here"):
         runtime.open(out, device="cpu:x", backend=backend)
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape"])
+def test_an_overlay_tensor_unlike_its_manifest_entry_is_refused_at_load(packed_dirs, tmp_path, change):
+    """Without verify, a layer's file whose w_kc is not the manifest's U8 [H, kv_lora, k_stored/2] (another
+    dtype, or K cut to 192/2) is refused when the layer loads, naming file and tensor."""
+    _, out = packed_dirs("glm-5")
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    name = "model.layers.0.self_attn.w_kc.weight"
+    path = bad / "glm-pack" / "layer-000.safetensors"
+    tensors = load_file(path)
+    w = tensors[name]
+    tensors[name] = w.view(torch.int8) if change == "dtype" else w[..., :96].contiguous()
+    path.unlink()
+    save_file(tensors, path)
+    model = runtime.open(bad, backend="torch")
+    with pytest.raises(ManifestError, match="disagrees with the manifest's shape/dtype") as err:
+        model.mla(0)
+    assert err.value.tensor == name and err.value.file == str(path)
 
 
 def test_a_width_other_than_the_stored_k_never_reaches_the_backend():
