@@ -152,6 +152,16 @@ def test_huge_fp32_block(path):
     assert scales.tolist() == [252] and nibbles(codes)[0] == 0x7
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_finite_values_whose_float32_sum_overflows_are_not_called_non_finite(path):
+    # 64 x 3e38 sums to Inf in float32 although every value is finite: check_finite must count, not trust the sum.
+    # Each block is test_huge_fp32_block's: byte 254, code 0x4.
+    x = torch.full((2, 32), 3e38)
+    mxfp4.check_finite(x)
+    codes, scales = run(path, quantize, x)
+    assert scales.tolist() == [[254], [254]] and nibbles(codes) == [0x4] * 64
+
+
 # mse: (block, even byte, mse byte, mse codes of the listed values), squared errors worked out by hand.
 MSE_CASES = [
     # even: 1.75 rounds up to 2 -> e=-1 (scale .5): 3.5 -> 4 -> 2.0 (err .0625), 0.8 -> 1 -> .5 (err .01 x31):
