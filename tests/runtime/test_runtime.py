@@ -317,6 +317,9 @@ def test_attend_checks(packed_dirs):
     for scale in (float("nan"), float("inf"), None, "0.1"):
         with pytest.raises(BackendError, match="softmax_scale must be a finite number"):
             layer.attend(latent, cache, indptr, indices, scale, q_rope=q[..., 192:])
+    for wrong in (indptr[:-1], torch.cat([indptr, indptr[-1:]])):  # one row pointer short (or extra) for T = 3
+        with pytest.raises(BackendError, match=rf"kv_indptr must be \[T\+1\] = \[4\], got \({len(wrong)},\)"):
+            layer.attend(latent, cache, wrong, indices, 0.1, q_rope=q[..., 192:])
     o, lse = layer.attend(latent, cache, indptr, indices, 0.1, q_rope=q[..., 192:], return_lse=True)
     assert o.shape == (3, 64, 512) and lse.shape == (3, 64)
 
