@@ -231,6 +231,11 @@ def test_contract_violations_raise_before_the_call():
         ab.check_bmm_contract(x, w, s, y)
     with pytest.raises(BackendError, match="u8 weights"):
         ab.check_bmm_contract(torch.zeros(2, 3, 256, dtype=torch.bfloat16), w.float(), s, y)
+    x = torch.zeros(1, 3, 256, dtype=torch.bfloat16).expand(2, 3, 256)  # both batches read one buffer: stride 0
+    with pytest.raises(BackendError, match=r"positive strides; x has \(0, 256, 1\)"):
+        ab.check_bmm_contract(x, w, s, y)
+    with pytest.raises(BackendError, match="positive strides; out has"):
+        ab.check_bmm_contract(x.contiguous(), w, s, torch.zeros(1, 3, 8, dtype=torch.bfloat16).expand(2, 3, 8))
     cfg = {k: 1 for k in ab.AITER_BMM_CONFIG_KEYS}
     with pytest.raises(BackendError, match="lacks BLOCK_SIZE_M"):
         ab.select_config({"any": {k: v for k, v in cfg.items() if k != "BLOCK_SIZE_M"}}, 4)
