@@ -281,6 +281,10 @@ def test_reference_sparse_mla_hand_vector_with_lse():
     assert lse[0, 0].item() == pytest.approx(math.log(math.e + math.exp(0.5)), rel=1e-6)
     assert out[0, 0].float().tolist() == pytest.approx([2 * p0, 0.0, 3 * (1 - p0), 0.0], rel=1e-2)
     assert lse[1, 0].item() == -math.inf and out[1].float().abs().sum().item() == 0.0
+    # a row pointer past the 4 ids (the slice would silently stop at 4) or falling is refused, never cut
+    for wrong in ([0, 3, 5], [0, 3, 2], [-1, 3, 4]):
+        with pytest.raises(BackendError, match=r"kv_indptr must rise monotonically within \[0, 4\]"):
+            sparse_mla(q_latent, q_rope, cache, torch.tensor(wrong, dtype=torch.int32), indices, 0.5)
 
 
 def test_out_of_cache_slot_ids_are_named_by_the_torch_backend(packed_dirs):
