@@ -5,12 +5,14 @@ Each case works on a private copy of one converted output (MLA layers + repacked
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from glm_pack import runtime
@@ -130,6 +132,27 @@ def test_a_manifest_claiming_another_quantization_is_caught(out):
     write_manifest(out, m)
     problems = verify(out).problems
     assert any(_kc(m)["weight"] in p and "re-derived" in p for p in problems), problems
+
+
+def test_a_consistent_overlay_with_other_expert_bytes_is_caught(out):
+    """An expert weight's bytes changed and every hash in the manifest updated to match: only unshuffling it
+    and comparing with the source tensor tells."""
+    m = manifest(out)
+    group = m["experts"]["groups"][0]
+    name = next(n for n in group["tensors"] if not n.endswith("_scale"))
+    path = out / mf.OVERLAY_DIR / group["file"]
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(path)
+    tensors[name].view(-1)[0] ^= 0x11  # both codes of one byte
+    path.unlink()
+    save_file(tensors, path, metadata=metadata)
+    data = path.read_bytes()
+    m["files"][group["file"]].update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    m["tensors"][name]["sha256"] = hashlib.sha256(tensors[name].numpy().tobytes()).hexdigest()
+    write_manifest(out, m)
+    problems = verify(out).problems
+    assert problems == [f"{name}: unshuffled bytes differ from the source tensor"], problems
 
 
 def test_a_source_shard_swapped_for_another_revision(out, synth_ckpt):
