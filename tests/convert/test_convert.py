@@ -186,6 +186,34 @@ def test_auto_keeps_planted_hard_layer_in_bf16(synth_ckpt, tmp_path, ckpt_copy, 
     assert verify(out).ok
 
 
+def test_mxfp4_source_w_vc_keeps_bytes_no_rule_would_write(synth_ckpt, tmp_path, ckpt_copy, edit_tensor):
+    """w_vc of an MXFP4 kv_b_proj is its V rows byte for byte (mode "source"), even where requantizing would
+    write other bytes for the same values: a block of codes 0x1 (0.5) under scale s, which the even rule would
+    store as codes 0x6 (4.0) under s - 3."""
+    src = ckpt_copy(synth_ckpt("glm-5", "mxfp4-attn"))
+    nope = json.loads((src / "config.json").read_text())["qk_nope_head_dim"]
+    weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    name = next(n for n in sorted(weight_map) if n.endswith("kv_b_proj.weight") and n + "_scale" in weight_map)
+
+    def small_block(codes):
+        codes = codes.clone()
+        codes[nope, :16] = 0x11  # head 0's first V row, its first 32 elements
+        return codes
+
+    edit_tensor(src, name, small_block)
+    out = tmp_path / "out"
+    convert(src, out, ConvertOptions(files="none"))
+    entry = next(e for e in manifest(out)["mla"] if e["source"]["tensor"] == name)
+    g = manifest(out)["model"]["geometry"]
+    raw, raw_s = source_kv_b(src, name), source_kv_b(src, name + "_scale")
+    vc, vc_s = overlay_tensor(out, entry["w_vc"]["weight"]), overlay_tensor(out, entry["w_vc"]["scale"])
+    assert vc[0, 0, :16].tolist() == [0x11] * 16
+    assert torch.equal(vc, split(raw, {**g, "kv_lora_rank": g["kv_lora_rank"] // 2})[1])
+    assert torch.equal(vc_s, split(raw_s, {**g, "kv_lora_rank": g["kv_lora_rank"] // 32})[1])
+    assert entry["w_vc"]["quant"]["mode"] == "source" and entry["w_vc"]["rel_error"] == 0.0
+    assert verify(out).ok
+
+
 def test_k_pad_none_keeps_192(synth_ckpt, tmp_path):
     out = tmp_path / "out"
     convert(synth_ckpt("glm-5", "bf16"), out, ConvertOptions(files="none", k_pad="none"))
