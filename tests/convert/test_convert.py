@@ -214,6 +214,28 @@ def test_mxfp4_source_w_vc_keeps_bytes_no_rule_would_write(synth_ckpt, tmp_path,
     assert verify(out).ok
 
 
+@pytest.mark.parametrize("fmt", ["fp8-block", "mxfp4-attn"])
+def test_source_fingerprint_holds_each_kv_b_proj_and_its_scale(synth_ckpt, tmp_path, fmt):
+    """The manifest fingerprints every stored tensor a layer was decoded from, scales included (a changed scale
+    changes the layer): the sha256 of its stored bytes, as the safetensors library reads them."""
+    src = synth_ckpt("glm-5", fmt)
+    out = tmp_path / "out"
+    convert(src, out, ConvertOptions(files="none"))
+    m = manifest(out)
+    weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    expected = {}
+    for entry in m["mla"]:
+        weight = entry["source"]["tensor"]
+        module = weight.removesuffix(".weight")
+        for name in (weight, module + ".weight_scale_inv", module + ".weight_scale"):
+            if name in weight_map:
+                raw = load_file(src / weight_map[name])[name]
+                expected[name] = hashlib.sha256(raw.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    assert any(n.endswith("_scale_inv" if fmt == "fp8-block" else "_scale") for n in expected)
+    assert {n: m["source"]["tensors"].get(n) for n in expected} == expected
+    assert set(m["source"]["tensors"]) == set(expected)
+
+
 def test_k_pad_none_keeps_192(synth_ckpt, tmp_path):
     out = tmp_path / "out"
     convert(synth_ckpt("glm-5", "bf16"), out, ConvertOptions(files="none", k_pad="none"))
