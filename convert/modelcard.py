@@ -186,10 +186,11 @@ def _quant_text(manifest: dict, layers) -> str:
     )
 
 
-def source_error_text(source_formats, vc_source_kept: bool) -> str:
+def source_error_text(source_formats, vc_source_kept: bool, kc_mxfp4: bool) -> str:
     """What the errors leave out when the source kv_b_proj was itself quantized (FP8 or MXFP4): its own
     quantization error, which glm-pack cannot see; ``vc_source_kept``: some w_vc is the MXFP4 source's bytes, whose
-    error is 0 by construction. Empty for float sources. Shared by the card and convert's summary."""
+    error is 0 by construction; ``kc_mxfp4``: some w_kc is stored as MXFP4 (quantized again, unlike a BF16 one).
+    Empty for float sources. Shared by the card and convert's summary."""
     quantized = sorted(set(source_formats) - set(FLOAT_FORMATS.values()))
     if not quantized:
         return ""
@@ -198,9 +199,11 @@ def source_error_text(source_formats, vc_source_kept: bool) -> str:
         " its dequantized values and do not include the error of that quantization, which glm-pack cannot see."
     )
     if vc_source_kept:
+        text += " w_vc keeps the source's MXFP4 bytes (scale rule `source`), so its error here is 0 by construction"
         text += (
-            " w_vc keeps the source's MXFP4 bytes (scale rule `source`), so its error here is 0 by construction;"
-            " w_kc is quantized again along its own reduction axis, an error on top of the source's."
+            "; w_kc stored as MXFP4 is quantized again along its own reduction axis, an error on top of the source's."
+            if kc_mxfp4
+            else "."
         )
     return text
 
@@ -228,7 +231,9 @@ def _quant_fields(manifest: dict, layers) -> dict:
     return {
         "quant_text": _quant_text(manifest, layers),
         "source_error_text": source_error_text(
-            {lay.source_format for lay in layers}, any(lay.w_vc.quant_mode == "source" for lay in layers)
+            {lay.source_format for lay in layers},
+            any(lay.w_vc.quant_mode == "source" for lay in layers),
+            any(lay.w_kc.precision == "mxfp4" for lay in layers),
         ),
         "error_rows": "\n".join(rows),
         "error_summary": _error_summary(layers),

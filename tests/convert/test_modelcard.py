@@ -332,6 +332,11 @@ def test_card_says_errors_exclude_a_quantized_sources_own_error(quantized_source
     assert ("w_vc keeps the source's MXFP4 bytes" in text) == kept
     if kept:
         assert all(e["w_vc"]["rel_error"] == 0 for e in manifest["mla"])  # the 0 the card explains
+    # w_kc is said to be quantized again only where it was: `auto` here keeps every w_kc in BF16
+    kc_mxfp4 = any(e["w_kc"]["precision"] == "mxfp4" for e in manifest["mla"])
+    assert kc_mxfp4 == (case != "auto")
+    assert ("w_kc stored as MXFP4 is quantized again" in text) == (kept and kc_mxfp4), text
+    assert "w_kc is quantized again" not in text, text
 
 
 @pytest.mark.parametrize("case", list(CASES))
