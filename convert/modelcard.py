@@ -278,12 +278,17 @@ def _kernel_fields(manifest: dict, layers) -> dict:
             "w_kc is K-padded, so the K-up GEMM takes the even-K path under default configs (this avoids the"
             " ragged-K bug of several aiter versions)."
         )
+    elif not (kc := [lay.w_kc for lay in layers if lay.w_kc.precision == "mxfp4"]):
+        text = "w_kc is stored unpadded in BF16: K-up is a plain BF16 batched matmul, no aiter K-up GEMM."
     else:
-        k = layers[0].w_kc.k_stored if layers else 0
+        k = kc[0].k_stored
         configs = (kcfg.get("configs") or {}).values()
         blocks = sorted({c["BLOCK_SIZE_K"] for ops in configs for c in ops.get("k_up", {}).values()})
-        text = f"w_kc is stored unpadded (K = {k}); the pinned K-up configs use `BLOCK_SIZE_K` {blocks}."
-        if k and _default_split_is_ragged(k):
+        pinned = ", ".join(f"`BLOCK_SIZE_K={b}`" for b in blocks)
+        text = f"w_kc is stored unpadded (K = {k}); " + (
+            f"the pinned K-up configs use {pinned}." if blocks else "no K-up configs are pinned."
+        )
+        if _default_split_is_ragged(k):
             text += (
                 " aiter's default configs (256-deep K blocks, what engines call it with) split this K raggedly, and"
                 " its batched A16WFP4 kernel gets ragged K wrong (ROCm/aiter main at e4048607, 2026-08-22, still"

@@ -260,22 +260,36 @@ def test_card_and_push_refuse_a_full_card_for_an_out_without_originals(converted
     assert r.exit_code == 1 and f"{linked} lacks its original config.json: write its card with" in r.output
 
 
-@pytest.mark.parametrize(("card", "k", "ragged"), [("glm-5", 192, True), ("deepseek-v3", 128, False)])
-def test_unpadded_route_text_says_whether_aiter_defaults_split_k_raggedly(card, k, ragged):
+@pytest.mark.parametrize(
+    ("card", "k", "kc_precisions", "ragged"),
+    [
+        ("glm-5", 192, ["mxfp4"], True),
+        ("glm-5", 192, ["bf16", "mxfp4"], True),  # auto: layer 0's w_kc in BF16, layer 1's MXFP4
+        ("deepseek-v3", 128, ["mxfp4"], False),
+        ("glm-5", 192, ["bf16", "bf16"], False),  # no MXFP4 w_kc: no aiter K-up GEMM at all
+    ],
+)
+def test_unpadded_route_text_says_whether_aiter_defaults_split_k_raggedly(card, k, kc_precisions, ragged):
     """aiter's batched A16WFP4 wrapper shrinks its default BLOCK_SIZE_K=256 to the next power of two >= K when
     one block covers K (ROCm/aiter e4048607 aiter/ops/triton/gemm/batched/batched_gemm_a16wfp4.py lines
-    153-155): K = 128 takes the even path, K = 192 the ragged one, still wrong there (kernel lines 191-193)."""
+    153-155): K = 128 takes the even path, K = 192 the ragged one, still wrong there (kernel lines 191-193).
+    A w_kc kept in BF16 is a plain BF16 matmul, which the ragged-K warning does not concern."""
     from types import SimpleNamespace
 
     from glm_pack.convert.cards import load_card
     from glm_pack.convert.modelcard import _kernel_fields
 
-    kc = SimpleNamespace(precision="mxfp4", k_stored=k, k_logical=k)
-    layers = [SimpleNamespace(w_kc=kc, w_vc=SimpleNamespace(precision="mxfp4", k_stored=512, k_logical=512))]
+    vc = SimpleNamespace(precision="mxfp4", k_stored=512, k_logical=512)
+    layers = [
+        SimpleNamespace(w_kc=SimpleNamespace(precision=p, k_stored=k, k_logical=k), w_vc=vc) for p in kc_precisions
+    ]
     manifest = {"kernel_configs": {"route": "unpadded", "configs": load_card(card).kernel_configs("unpadded")}}
     text = _kernel_fields(manifest, layers)["route_text"]
-    assert f"unpadded (K = {k})" in text and "`BLOCK_SIZE_K` [64]" in text
-    assert ("raggedly" in text) == ragged
+    assert ("raggedly" in text) == ragged, text
+    if "mxfp4" in kc_precisions:
+        assert f"unpadded (K = {k})" in text and "`BLOCK_SIZE_K=64`" in text, text
+    else:
+        assert "A16WFP4" not in text and "plain BF16 batched matmul" in text, text
 
 
 @pytest.fixture(scope="module")
