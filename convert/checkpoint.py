@@ -243,7 +243,7 @@ class Checkpoint:
         return self.format_of(weight_name).tensors
 
     def read_float(self, weight_name: str, *, digests: dict[str, str] | None = None) -> torch.Tensor:
-        """The module weight dequantized exactly to float32 ``[out, in]`` (never through bf16).
+        """The module weight dequantized to float32 ``[out, in]`` (never through bf16; exact, FP8 rounded once).
 
         ``digests``: filled with the sha256 of each stored tensor read (the same bytes, no second read).
         """
