@@ -27,19 +27,21 @@ def _summary(report: ConvertReport) -> None:
     for col in ("layer", "w_kc", "w_kc rel err", "w_vc", "w_vc rel err"):
         table.add_column(col, justify="right" if "err" in col or col == "layer" else "left")
     for r in report.layers:
-        table.add_row(str(r.layer), r.w_kc[0], f"{r.w_kc[1]:.4f}", r.w_vc[0], f"{r.w_vc[1]:.4f}")
+        table.add_row(
+            str(r.layer), r.w_kc.precision, f"{r.w_kc.rel_error:.4f}", r.w_vc.precision, f"{r.w_vc.rel_error:.4f}"
+        )
     console.print(table)
-    kc = [r.w_kc[1] for r in report.layers]
-    vc = [r.w_vc[1] for r in report.layers]
-    bf16 = sum((r.w_kc[0] == "bf16") + (r.w_vc[0] == "bf16") for r in report.layers)
+    kc = [r.w_kc.rel_error for r in report.layers]
+    vc = [r.w_vc.rel_error for r in report.layers]
+    bf16 = sum((r.w_kc.precision == "bf16") + (r.w_vc.precision == "bf16") for r in report.layers)
     console.print(
         f"{len(report.layers)} MLA layers, overlay {report.overlay_bytes / 2**20:.1f} MiB, "
         f"{report.expert_tensors} expert tensors repacked, {report.original_files} original files placed, "
         f"{bf16} tensors kept in BF16; "
         f"rel error w_kc max {max(kc, default=0):.4f}, w_vc max {max(vc, default=0):.4f}; {report.seconds:.1f} s"
     )
-    kept = any(r.w_vc[3] == "source" for r in report.layers)
-    kc_mxfp4 = any(r.w_kc[0] == "mxfp4" for r in report.layers)
+    kept = any(r.w_vc.quant_mode == "source" for r in report.layers)
+    kc_mxfp4 = any(r.w_kc.precision == "mxfp4" for r in report.layers)
     if note := source_error_text({r.source_format for r in report.layers}, kept, kc_mxfp4):
         console.print(note)
     if report.resumed_items:

@@ -25,6 +25,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
+from typing import NamedTuple
 
 from glm_pack.packing import manifest as mf
 from glm_pack.packing.absorb import check_policy
@@ -65,12 +66,19 @@ class ConvertOptions:
         }
 
 
+class ProjectionReport(NamedTuple):
+    precision: str  # stored: "mxfp4" or "bf16"
+    rel_error: float  # of the stored tensor vs the float source split
+    mxfp4_rel_error: float  # what MXFP4 gives (equals rel_error when MXFP4 was kept)
+    quant_mode: str | None  # the recorded scale rule ("even", ..., "source"); None for BF16
+
+
 @dataclass
 class LayerReport:
     layer: int
     source_format: str  # of the layer's kv_b_proj, e.g. "bf16", "fp8-block", "mxfp4"
-    w_kc: tuple[str, float, float, str | None]  # precision, stored rel error, mxfp4 rel error, quant mode
-    w_vc: tuple[str, float, float, str | None]
+    w_kc: ProjectionReport
+    w_vc: ProjectionReport
 
 
 @dataclass
@@ -390,7 +398,9 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
                 m["layer"],
                 m["source"]["format"],
                 *(
-                    (m[p]["precision"], m[p]["rel_error"], m[p]["mxfp4_rel_error"], m[p]["quant"].get("mode"))
+                    ProjectionReport(
+                        m[p]["precision"], m[p]["rel_error"], m[p]["mxfp4_rel_error"], m[p]["quant"].get("mode")
+                    )
                     for p in ("w_kc", "w_vc")
                 ),
             )
