@@ -36,7 +36,7 @@ from . import state
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from .items import Settings, plan_items, run_item, run_item_in_worker, worker_init
 from .plan import kernel_route, resolve_k_up
-from .writer import OutputError, clear_directory, fsync_path, is_temp, remove, write_text
+from .writer import OutputError, clear_directory, fsync_path, is_temp, remove, temp_path, write_text
 
 FILE_MODES = ("link", "copy", "none")
 TOOL_VERSION = "0.1.0"
@@ -209,7 +209,7 @@ def place_original(src_file: Path, dst: Path, mode: str) -> bool:
     :func:`fsync_files`), before the manifest claims completeness.
     """
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp = temp_path(dst)
     tmp.unlink(missing_ok=True)
     copied = mode != "link"
     try:

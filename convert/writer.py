@@ -49,7 +49,8 @@ def sha256_tensor(t: torch.Tensor) -> str:
     return hashlib.sha256(tensor_bytes(t)).hexdigest()
 
 
-def _temp_path(path: Path) -> Path:
+def temp_path(path: Path) -> Path:
+    """Where ``path`` is written before its rename: ``.<name>.tmp`` beside it (see :func:`is_temp`)."""
     return path.with_name(f".{path.name}.tmp")
 
 
@@ -98,7 +99,7 @@ def fsync_path(path: Path) -> None:
 def atomic_write(path: Path, chunks: Iterable[bytes | memoryview]) -> int:
     """Write ``chunks`` to ``path`` through a temp file + fsync + rename; returns the byte count."""
     path = Path(path)
-    tmp = _temp_path(path)
+    tmp = temp_path(path)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)  # never through a link
     except OSError as err:
