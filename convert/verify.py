@@ -198,6 +198,11 @@ def verify(out: str | Path) -> VerifyReport:
     geom = mf.parse_geometry(manifest)
     bad_files = _check_files(report, overlay, manifest, tensors)
     _check_precisions(report, manifest["options"], layers)
+    quant_mode = manifest["options"].get("quant_mode")  # the run's scale rule, which BF16-kept errors need
+    if quant_mode not in MODES:
+        report.problems.append(
+            f"options.quant_mode {quant_mode!r} is not one of {', '.join(MODES)}: MLA layers not re-derived"
+        )
     _check_out_metadata(report, out, manifest)
 
     src_root = _source_root(out, manifest)
@@ -241,11 +246,11 @@ def verify(out: str | Path) -> VerifyReport:
 
     report.source_checked = True
     derived = unshuffled = 0
-    for layer in layers:
+    for layer in layers if quant_mode in MODES else []:
         if any(tensors[t].file in bad_files for p in (layer.w_kc, layer.w_vc) for t in (p.weight, p.scale) if t):
             continue
         with _rederiving(report, ckpt, f"MLA layer {layer.layer}", layer.source_tensor):
-            _check_layer(report, ckpt, layer, geom, overlay, tensors, manifest["options"].get("quant_mode"))
+            _check_layer(report, ckpt, layer, geom, overlay, tensors, quant_mode)
             derived += 1
     report.checked.append(f"{derived} MLA layers re-derived from their source and compared byte for byte")
     groups = mf.parse_experts(manifest)

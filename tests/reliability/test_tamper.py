@@ -314,3 +314,18 @@ def test_source_bytes_recorded_as_requantized_are_caught(bf16_kept, tmp_path):
     write_manifest(out, m)
     problems = verify(out).problems
     assert any(entry["weight"] in p and "recorded scale rule 'even'" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("value", ["bogus", None])
+def test_an_unknown_recorded_quant_mode_is_named_as_the_manifests(bf16_kept, tmp_path, value):
+    """options.quant_mode is what a BF16-kept tensor's MXFP4 error is recomputed with: an unknown one is named as
+    that manifest field, not as a source tensor that cannot be re-derived (the source is fine)."""
+    out = tmp_path / "out"
+    shutil.copytree(bf16_kept["mse"], out)
+    m = manifest(out)
+    m["options"]["quant_mode"] = value
+    write_manifest(out, m)
+    problems = verify(out).problems
+    assert problems == [
+        f"options.quant_mode {value!r} is not one of even, floor, roundup, mse: MLA layers not re-derived"
+    ], problems
