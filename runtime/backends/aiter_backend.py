@@ -43,7 +43,7 @@ class AiterFunctions:
 
     bmm: Any
     bmm_kind: str
-    sparse_mla_fwd: Any | None  # None also when it lacks return_lse (returns one tensor, not (out, lse))
+    sparse_mla_fwd: Any | None  # None also when it lacks return_lse (one tensor back) or qk_rope_head_dim
     sparse_rope_free: bool  # sparse_mla_fwd runs qk_rope_head_dim=0 (rope-free BF16 caches); see _sparse_mla
     sparse_has_invalid: bool  # sparse_mla_fwd takes has_invalid (-1 sentinels)
 
