@@ -151,15 +151,28 @@ def convert_command(
     options = ConvertOptions(
         quant_mode, k_pad, mla_precision, max_rel_error, files, overwrite, resume, workers, repack_experts
     )
+    manifest = Path(out) / mf.OVERLAY_DIR / mf.MANIFEST_NAME
+    before = _file_identity(manifest)  # an earlier conversion's manifest, which --overwrite replaces
     try:
         run_convert(src, out, options, quiet)
     except KeyboardInterrupt:
-        if (Path(out) / mf.OVERLAY_DIR / mf.MANIFEST_NAME).is_file():  # stopped after the manifest was written
+        if (now := _file_identity(manifest)) is not None and now == before:  # stopped before OUT was touched
+            what = f"{out} was not changed: it still holds its earlier conversion"
+        elif now is not None:  # stopped after this run's manifest was written
             what = f"{out} holds a complete conversion (its manifest is written); `glm-pack verify {out}` checks it"
         else:
             what = f"finished layers are kept: rerun the same command with --resume to complete {out}"
         click.echo(f"glm-pack: interrupted; {what}", err=True)
         raise SystemExit(130) from None
+
+
+def _file_identity(path: Path) -> tuple[int, int, int] | None:
+    """(device, inode, mtime in ns) of a regular file, None if there is none: a file replaced by a rename differs."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns) if path.is_file() else None
 
 
 def print_verify(report: VerifyReport, as_json: bool) -> None:

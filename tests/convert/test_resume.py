@@ -333,6 +333,37 @@ def test_ctrl_c_after_the_manifest_does_not_ask_for_a_resume(converted, tmp_path
     assert f"{out} holds a complete conversion" in r.stderr and verify(out).ok
 
 
+@pytest.mark.parametrize("stage", ["before-output", "after-manifest"])
+def test_ctrl_c_of_an_overwrite_of_a_complete_out(converted, tmp_path, monkeypatch, stage):
+    """--overwrite over a complete OUT, interrupted before OUT is touched (e.g. while a Hub source's headers are
+    read): its earlier conversion is still there, not one this run completed; interrupted once this run's
+    manifest is written: a complete conversion of this run."""
+    from glm_pack.convert import convert as convert_module
+    from glm_pack.convert import state
+
+    src, _ = converted
+    out = tmp_path / "out"
+    args = ["convert", str(src), str(out), "--files", "none", "--workers", "1", "--quiet"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    earlier = (out / "glm-pack" / "manifest.json").read_bytes()
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    target = (convert_module, "plan_items") if stage == "before-output" else (state, "clear_run")
+    monkeypatch.setattr(*target, interrupt)
+    r = CliRunner().invoke(main, [*args, "--overwrite", "--mla-precision", "bf16"])
+    assert r.exit_code == 130 and "--resume" not in r.stderr, r.stderr
+    now = json.loads((out / "glm-pack" / "manifest.json").read_text())
+    if stage == "before-output":
+        assert f"{out} was not changed: it still holds its earlier conversion" in r.stderr, r.stderr
+        assert (out / "glm-pack" / "manifest.json").read_bytes() == earlier
+    else:
+        assert f"{out} holds a complete conversion" in r.stderr, r.stderr
+        assert now["options"]["mla_precision"] == "bf16"
+    assert verify(out).ok
+
+
 def test_resume_after_placing_linked_originals_leaves_no_temp_files(converted, tmp_path):
     """Placing a hard link onto a link to the same file is a no-op rename that used to leave its temp name."""
     src, clean = converted
