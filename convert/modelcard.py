@@ -273,13 +273,14 @@ def _default_split_is_ragged(k: int) -> bool:
 def _kernel_fields(manifest: dict, layers) -> dict:
     kcfg = manifest.get("kernel_configs") or {}
     route = kcfg.get("route", "unpadded")
-    if route == "padded":
+    kc = [lay.w_kc for lay in layers if lay.w_kc.precision == "mxfp4"]  # what aiter's A16WFP4 K-up runs on
+    if not kc:
+        text = "w_kc is stored in BF16: K-up is a plain BF16 batched matmul, no aiter K-up GEMM."
+    elif route == "padded":
         text = (
             "w_kc is K-padded, so the K-up GEMM takes the even-K path under default configs (this avoids the"
             " ragged-K bug of several aiter versions)."
         )
-    elif not (kc := [lay.w_kc for lay in layers if lay.w_kc.precision == "mxfp4"]):
-        text = "w_kc is stored unpadded in BF16: K-up is a plain BF16 batched matmul, no aiter K-up GEMM."
     else:
         k = kc[0].k_stored
         configs = (kcfg.get("configs") or {}).values()

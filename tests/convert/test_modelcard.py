@@ -290,6 +290,9 @@ def test_unpadded_route_text_says_whether_aiter_defaults_split_k_raggedly(card, 
         assert f"unpadded (K = {k})" in text and "`BLOCK_SIZE_K=64`" in text, text
     else:
         assert "A16WFP4" not in text and "plain BF16 batched matmul" in text, text
+        padded = {"kernel_configs": {"route": "padded", "configs": load_card(card).kernel_configs("padded")}}
+        text = _kernel_fields(padded, layers)["route_text"]  # K-padded BF16: still no K-up GEMM to speak of
+        assert "even-K path" not in text and "plain BF16 batched matmul" in text, text
 
 
 @pytest.fixture(scope="module")
