@@ -97,7 +97,9 @@ def fsync_path(path: Path) -> None:
 
 
 def atomic_write(path: Path, chunks: Iterable[bytes | memoryview]) -> int:
-    """Write ``chunks`` to ``path`` through a temp file + fsync + rename; returns the byte count."""
+    """Write ``chunks`` to ``path`` through a temp file + fsync + rename + folder fsync; returns the byte count.
+    A failure before the rename leaves a file already at ``path`` as it was; one of the folder fsync after it removes
+    ``path`` (its new name may never reach the disk), so no failed write leaves a file that claims to be written."""
     path = Path(path)
     tmp = temp_path(path)
     try:
@@ -120,7 +122,11 @@ def atomic_write(path: Path, chunks: Iterable[bytes | memoryview]) -> int:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_path(path.parent)
+    try:
+        fsync_path(path.parent)
+    except BaseException:  # the new name may never reach the disk: claim nothing (a manifest would look complete)
+        path.unlink(missing_ok=True)
+        raise
     return size
 
 

@@ -183,6 +183,30 @@ def test_a_failing_fsync_is_one_line_naming_the_file(source, clean, tmp_path, mo
     assert overlay_bytes(out) == overlay_bytes(clean) and temp_files(out) == []
 
 
+def test_a_failing_fsync_after_the_manifest_rename_leaves_no_manifest(source, clean, tmp_path, monkeypatch):
+    """The manifest's name is on disk only once its folder is fsynced: if that fails, convert fails and OUT must not
+    look complete (the renamed manifest stayed, and --resume then said 'already complete')."""
+    out = tmp_path / "out"
+    before = tree_digest(source)
+    real = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}") == str((out / "glm-pack").resolve()) and (
+            out / "glm-pack" / "manifest.json"
+        ).exists():
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    r, errors = cli(source, out, "--files", "copy")
+    assert_failed_cleanly(r, errors, out, source, before, f"cannot write {out / 'glm-pack'}: Input/output error")
+    assert not verify(out).ok
+    monkeypatch.undo()
+    r, errors = cli(source, out, "--files", "copy", "--resume")
+    assert r.exit_code == 0, r.output
+    assert overlay_bytes(out) == overlay_bytes(clean) and temp_files(out) == [] and verify(out).ok
+
+
 def test_hard_linked_originals_are_durable_before_the_manifest(source, tmp_path, monkeypatch):
     """A hard link's name is on disk only once its folder is fsynced; the manifest must not be durable before it
     (OUT was never fsynced with --files link: a crash could keep the manifest and lose the links)."""
