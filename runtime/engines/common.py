@@ -207,6 +207,8 @@ def _engine_kup_problem(fn, proj: ProjectionWeights, engine: str) -> str:
                 fn.bmm(x, w, scale, dtype=torch.bfloat16, y=y, config=None, prequant=True)
             else:
                 fn.bmm(x, w, scale, torch.bfloat16, y)
+        except torch.OutOfMemoryError:  # says nothing about aiter's K-up: not cached as its failure
+            raise
         except Exception as err:  # the engine's own calls raise the same
             return f"fails on K-up with K={k} ({type(err).__name__}: {err}), and so would {engine}'s own calls"
         ref = bmm_a16wfp4(x, w, scale).float()

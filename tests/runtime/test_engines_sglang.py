@@ -133,6 +133,28 @@ def test_an_aiter_whose_gemm_raises_is_refused_in_one_line_before_any_weight_is_
     assert attn.w_kc is None and attn.w_scale_k is None
 
 
+def test_running_out_of_memory_in_the_k_up_check_is_not_blamed_on_aiter(tmp_path, monkeypatch):
+    """Out of memory says nothing about aiter's K-up: it propagates as itself and is not cached, so the same shape is
+    checked again (and passes) once memory is free; it used to be cached as 'aiter fails on K-up' for the process."""
+    calls = []
+
+    def short_of_memory_once(x, w, w_scales, dtype=torch.bfloat16, y=None, config=None):
+        calls.append(x.shape)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return sglang_mla.batched_gemm_afp4wfp4_pre_quant(x, w, w_scales, dtype, y)
+
+    weights = make_served(tmp_path)
+    monkeypatch.setattr(aiter_backend, "load_aiter", lambda: aiter_functions(short_of_memory_once, "pre_quant"))
+    kv_b = weights["model.layers.0.self_attn.kv_b_proj.weight"]
+    attn = sglang_mla.SelfAttn(GEOM, kv_b)
+    with pytest.raises(torch.OutOfMemoryError):
+        sglang.apply(attn, 0, overlay(tmp_path), fp4_path=True)
+    assert attn.w_kc is None
+    attn = sglang_mla.SelfAttn(GEOM, kv_b)
+    assert sglang.apply(attn, 0, overlay(tmp_path), fp4_path=True) and attn.w_kc is not None
+
+
 def test_wrong_slice_is_refused(tmp_path):
     weights = make_served(tmp_path)
     attn = sglang_mla.SelfAttn(GEOM, weights["model.layers.0.self_attn.kv_b_proj.weight"], tp_rank=1, tp_size=2)
