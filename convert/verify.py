@@ -314,9 +314,8 @@ def _check_layer_set(report: VerifyReport, ckpt, layers: list[mf.MlaLayer]) -> N
 
 
 def _check_layer(report: VerifyReport, ckpt, layer: mf.MlaLayer, geom, overlay: Path, tensors, quant_mode) -> None:
-    """Re-derive the layer's stored tensors from the source as convert does (w_vc of an MXFP4 source from its
-    bytes; a BF16-kept tensor's MXFP4 error with the run's ``quant_mode``); bytes, scale rule and both recorded
-    errors must be what that gives."""
+    """Re-derive the layer's stored tensors from the source as convert does (with the run's ``quant_mode``; w_vc of
+    an MXFP4 source from its bytes); bytes, scale rule and both recorded errors must be what that gives."""
     kv_b, kv_b_mxfp4 = ckpt.read_float_and_mxfp4(layer.source_tensor)
     w_kc, w_vc = split_kv_b(kv_b, geom)
     vc_source = split_kv_b_mxfp4_vc(*kv_b_mxfp4, geom) if kv_b_mxfp4 else None
@@ -324,7 +323,7 @@ def _check_layer(report: VerifyReport, ckpt, layer: mf.MlaLayer, geom, overlay: 
         expected = store_projection(
             ref,
             k_stored=proj.k_stored,
-            quant_mode=proj.quant_mode if proj.quant_mode in MODES else quant_mode,
+            quant_mode=quant_mode,
             policy=proj.precision,
             max_rel_error=None,
             mxfp4_source=mx_source,

@@ -126,12 +126,12 @@ def test_a_manifest_claiming_another_layout_is_refused(out, edit, says):
 
 
 def test_a_manifest_claiming_another_quantization_is_caught(out):
-    """Consistent in itself, but the stored bytes are not what the recorded scale rule gives."""
+    """Consistent in itself, but the stored bytes are not what the recorded scale rule gives (nor is it the run's)."""
     m = manifest(out)
     _kc(m)["quant"]["mode"] = "roundup"
     write_manifest(out, m)
     problems = verify(out).problems
-    assert any(_kc(m)["weight"] in p and "re-derived" in p for p in problems), problems
+    assert any(_kc(m)["weight"] in p and "recorded scale rule 'roundup'" in p for p in problems), problems
 
 
 def test_a_consistent_overlay_with_other_expert_bytes_is_caught(out):
@@ -314,6 +314,22 @@ def test_source_bytes_recorded_as_requantized_are_caught(bf16_kept, tmp_path):
     write_manifest(out, m)
     problems = verify(out).problems
     assert any(entry["weight"] in p and "recorded scale rule 'even'" in p for p in problems), problems
+
+
+def test_a_run_rule_the_tensors_do_not_follow_is_caught(bf16_kept, tmp_path):
+    """options.quant_mode is the rule convert applied to every projection it quantized (the card quotes it): an
+    `even` output whose options claim `mse` is named (each tensor was re-derived with its own recorded rule, so
+    it passed)."""
+    out = tmp_path / "out"
+    shutil.copytree(bf16_kept["mxfp4-source-kept"], out)
+    m = manifest(out)
+    assert m["options"]["quant_mode"] == "even" and _kc(m)["quant"]["mode"] == "even"
+    m["options"]["quant_mode"] = "mse"
+    write_manifest(out, m)
+    problems = verify(out).problems
+    rule = "recorded scale rule 'even', but the source gives 'mse'"
+    assert any(_kc(m)["weight"] in p and rule in p for p in problems), problems
+    assert not any("w_vc" in p for p in problems), problems  # the source's own bytes follow no run rule
 
 
 @pytest.mark.parametrize("value", ["bogus", None])
