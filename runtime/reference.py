@@ -103,6 +103,27 @@ def check_sparse_indices(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, slot
     return indptr
 
 
+def cache_rows(kv_cache: torch.Tensor, who: str) -> torch.Tensor:
+    """kv_cache ``[slots, W]``, ``[blocks, block, W]`` or ``[slots, 1, 1, W]`` as a ``[slots, W]`` view, for a
+    kernel that reads each row unit-stride at one row stride; BackendError naming kv_cache (and ``who``) for a
+    layout no such view has: a copy would detach the kernel from the engine's cache."""
+    width = kv_cache.shape[-1]
+    if kv_cache.dim() == 4 and tuple(kv_cache.shape[1:3]) != (1, 1):
+        raise BackendError(
+            f"{who}: a 4-D kv_cache must be [slots, 1, 1, {width}], got {tuple(kv_cache.shape)}", tensor="kv_cache"
+        )
+    if kv_cache.stride(-1) != 1:
+        raise BackendError(f"{who}: kv_cache rows must be contiguous (last stride 1)", tensor="kv_cache")
+    try:
+        return kv_cache.view(-1, width)
+    except RuntimeError as exc:
+        raise BackendError(
+            f"{who}: kv_cache leading dims cannot be flattened to slots without a copy "
+            f"(shape {tuple(kv_cache.shape)}, strides {kv_cache.stride()})",
+            tensor="kv_cache",
+        ) from exc
+
+
 def unabsorbed_mla(
     kv_b: torch.Tensor,
     geometry,

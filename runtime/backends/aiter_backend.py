@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch
 
 from glm_pack.packing.errors import BackendError
 from glm_pack.packing.manifest import AITER_BMM_CONFIG_KEYS
-from glm_pack.runtime.reference import check_sparse_indices
+from glm_pack.runtime.reference import cache_rows, check_sparse_indices
 
 from .base import Backend, gpu_reason
 
@@ -193,15 +192,14 @@ class AiterBackend(Backend):
             return self.fallback.sparse_mla(
                 q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, return_lse=return_lse
             )
+        rows = cache_rows(kv_cache, "aiter sparse MLA")  # aiter passes only a row stride (and checks nothing)
         # aiter's kernel masks neither ids past the cache nor a falling kv_indptr on its unmasked gather
-        check_sparse_indices(kv_indptr, kv_indices, math.prod(kv_cache.shape[:-1]))
-        if kv_cache.stride(-1) != 1:  # aiter passes only the row stride (and does not check)
-            raise BackendError("aiter sparse MLA: kv_cache rows must be contiguous (last stride 1)", tensor="kv_cache")
+        check_sparse_indices(kv_indptr, kv_indices, rows.shape[0])
         # aiter's kernel takes q's token and head strides only and reads its last axis unit-stride
         q = q_latent.contiguous() if q_rope is None else torch.cat([q_latent, q_rope], dim=-1)
         kwargs = {"kv_lora_rank": q_latent.shape[-1], "qk_rope_head_dim": rope, "return_lse": return_lse}
         if self.fn.sparse_has_invalid:
             kwargs["has_invalid"] = bool((kv_indices < 0).any())
         indptr, indices = kv_indptr.contiguous(), kv_indices.contiguous()  # aiter documents no strides for them
-        out, lse = self.fn.sparse_mla_fwd(q, kv_cache, indptr, indices, softmax_scale, **kwargs)
+        out, lse = self.fn.sparse_mla_fwd(q, rows, indptr, indices, softmax_scale, **kwargs)
         return out, (lse if return_lse else None)

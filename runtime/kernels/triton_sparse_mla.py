@@ -24,6 +24,7 @@ import torch
 from glm_pack.packing.errors import BackendError
 from glm_pack.runtime.kernels._triton import IMPORT_ERROR as _TRITON_ERROR
 from glm_pack.runtime.kernels._triton import availability, interpreted, sm_count, tl, triton
+from glm_pack.runtime.reference import cache_rows
 
 _LOG2E = 1.4426950408889634
 _INTERPRETED = interpreted()  # read at import: Triton picks interpreter or compiler when a kernel is defined
@@ -253,20 +254,7 @@ def _validate(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, 
             f"triton sparse MLA: kv_cache rows must be L + R = {L} + {R} = {L + R} wide, got {kv_cache.shape[-1]}",
             tensor="kv_cache",
         )
-    if kv_cache.dim() == 4 and tuple(kv_cache.shape[1:3]) != (1, 1):
-        raise BackendError(
-            f"triton sparse MLA: a 4-D kv_cache must be [slots, 1, 1, {L + R}], got {tuple(kv_cache.shape)}",
-            tensor="kv_cache",
-        )
-    if kv_cache.stride(-1) != 1:
-        raise BackendError("triton sparse MLA: kv_cache rows must be contiguous (last stride 1)", tensor="kv_cache")
-    try:
-        rows = kv_cache.view(-1, L + R)
-    except RuntimeError as exc:
-        raise BackendError(
-            f"triton sparse MLA: kv_cache leading dims cannot be flattened to slots without a copy: {exc}",
-            tensor="kv_cache",
-        ) from exc
+    rows = cache_rows(kv_cache, "triton sparse MLA")
     _check_tensor(kv_indptr, "kv_indptr", torch.int32, (1,))
     if kv_indptr.numel() != T + 1:
         raise BackendError(

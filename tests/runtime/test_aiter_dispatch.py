@@ -7,6 +7,7 @@ the result independently of glm-pack's codec: a per-element Python even-rule qua
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import sys
@@ -366,6 +367,31 @@ def test_sparse_mla_gets_unit_stride_rows(packed_dirs, fake_aiter):
     torch.testing.assert_close(o, ref.attend(latent, cache, indptr, indices, 0.06))
     with pytest.raises(BackendError, match="kv_cache rows must be contiguous"):
         layer.attend(latent, torch.stack([cache, cache], dim=-1)[..., 0], indptr, indices, 0.06)
+
+
+def test_a_paged_cache_reaches_aiter_as_one_row_stride(packed_dirs, fake_aiter, monkeypatch):
+    """aiter's kernel takes one row stride for the whole cache: a paged ``[blocks, block, R]`` cache reaches it as the
+    ``[slots, R]`` view of the same memory (the reference's answer), and a cache whose rows are padded inside each
+    block, or a 4-D cache other than ``[slots, 1, 1, R]``, has no such view and is refused before the call (aiter
+    read the padded one at the wrong row stride, or raised its own ValueError)."""
+    fake_aiter()
+    fns, seen = ab.load_aiter(), []
+    spy = lambda q, kv_buffer, *a, **k: seen.append(kv_buffer) or fns.sparse_mla_fwd(q, kv_buffer, *a, **k)  # noqa: E731
+    monkeypatch.setattr(ab, "load_aiter", lambda: dataclasses.replace(fns, sparse_mla_fwd=spy))
+    _, out = packed_dirs("glm-5")
+    layer = runtime.open(out, backend="aiter", tp_size=8).mla(0)
+    ref = runtime.open(out, backend="torch", tp_size=8).mla(0)
+    q, cache, indptr, indices = _inputs(layer.geometry, T=3)
+    latent, rope = ref.k_up(q), q[..., 192:]
+    paged = cache.view(4, 16, -1)
+    o = layer.attend(latent, paged, indptr, indices, 0.06, q_rope=rope)
+    torch.testing.assert_close(o, ref.attend(latent, cache, indptr, indices, 0.06, q_rope=rope))
+    assert seen[-1].shape == cache.shape and seen[-1].data_ptr() == paged.data_ptr()
+    padded = torch.cat([paged, paged[:, :1]], dim=1)[:, :16]  # rows of a block 16 apart, blocks 17 rows apart
+    for bad, says in ((padded, "cannot be flattened to slots"), (cache.view(32, 2, 1, -1), "must be .slots, 1, 1")):
+        with pytest.raises(BackendError, match=says):
+            layer.attend(latent, bad, indptr, indices, 0.06, q_rope=rope)
+    assert len(seen) == 1
 
 
 @pytest.mark.parametrize(

@@ -343,3 +343,25 @@ def test_open_verify_detects_a_changed_source_tensor(packed_dirs, tmp_path, edit
     with pytest.raises(VerifyError, match="source tensor differs") as err:
         runtime.open(bad, verify=True)
     assert err.value.tensor == name and shard.name in str(err.value)
+
+
+def test_cache_rows_views_every_layout_with_one_row_stride():
+    """The Triton and aiter sparse MLA read the cache as ``[slots, W]`` rows at one row stride: the view shares the
+    cache's memory, and layouts without such a view are refused by name (a copy would not be the engine's cache)."""
+    from glm_pack.runtime.reference import cache_rows
+
+    flat = torch.arange(64 * 8, dtype=torch.float32).view(64, 8)
+    for cache in (flat, flat.view(4, 16, 8), flat.view(64, 1, 1, 8), torch.zeros(64, 12)[:, :8]):
+        rows = cache_rows(cache, "k")
+        assert rows.shape == (64, 8) and rows.data_ptr() == cache.data_ptr()
+        assert rows.stride() == (cache.stride(-2) if cache.dim() < 4 else cache.stride(0), 1)
+        assert torch.equal(rows, cache.reshape(64, 8))
+    padded = torch.zeros(4, 17, 8)[:, :16]  # rows of a block 8 apart, blocks 136 apart, not 128
+    for cache, says in (
+        (padded, r"k: kv_cache leading dims cannot be flattened to slots without a copy \(shape \(4, 16, 8\)"),
+        (flat.view(32, 2, 1, 8), r"k: a 4-D kv_cache must be \[slots, 1, 1, 8\], got \(32, 2, 1, 8\)"),
+        (flat.t().contiguous().t(), r"k: kv_cache rows must be contiguous \(last stride 1\)"),
+    ):
+        with pytest.raises(BackendError, match=says) as err:
+            cache_rows(cache, "k")
+        assert err.value.tensor == "kv_cache"
