@@ -34,7 +34,7 @@ from glm_pack.packing.experts import moe_layout_description
 
 from . import state
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
-from .items import Settings, plan_items, run_item, run_item_in_worker, worker_init
+from .items import Settings, is_entry_of, plan_items, run_item, run_item_in_worker, worker_init
 from .plan import kernel_route, resolve_k_up
 from .writer import OutputError, clear_directory, fsync_path, is_temp, remove, temp_path, write_text
 
@@ -282,13 +282,17 @@ def source_stats(root: Path, files: list[Path]) -> dict[str, list[int]]:
     return out
 
 
-def _kept(entries: list[dict], overlay: Path, wanted: set[str]) -> dict[str, dict]:
-    """Journalled items whose file still hashes to the journalled sha256 (others are redone)."""
+def _kept(entries: list, overlay: Path, items) -> dict[str, dict]:
+    """Journalled items whose line is the entry their item wrote and whose file still hashes to its sha256; the
+    others (a changed file, a line edited by hand) are redone."""
+    planned = {item.file: item for item in items}
     kept = {}
     for entry in entries:
-        path = overlay / entry["file"]
-        if entry["file"] in wanted and path.is_file() and file_sha256(path) == entry["sha256"]:
-            kept[entry["file"]] = entry
+        file = entry.get("file") if isinstance(entry, dict) else None
+        item = planned.get(file) if isinstance(file, str) else None
+        if item and is_entry_of(entry, item) and (overlay / file).is_file():
+            if file_sha256(overlay / file) == entry["sha256"]:
+                kept[file] = entry
     return kept
 
 
@@ -352,7 +356,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
     with state.OutputLock(out):
         journal_entries = prepare_output(out, overlay, options, run)
         journal = state.Journal(overlay)
-        results = _kept(journal_entries, overlay, {i.file for i in items})
+        results = _kept(journal_entries, overlay, items)
         journal.rewrite(list(results.values()))
         report.resumed_items = len(results)
         todo = [i for i in items if i.file not in results]

@@ -10,6 +10,7 @@ number of workers.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 from dataclasses import asdict, dataclass
@@ -106,6 +107,21 @@ def _locate(err: GlmPackError, ckpt: Checkpoint, name: str) -> GlmPackError:
     if err.file is None:
         err.file = str(ckpt.root / ckpt.info(name).file)
     return err
+
+
+def is_entry_of(entry, item: WorkItem) -> bool:
+    """Whether a journal line (parsed JSON) is an entry :func:`write_item` returned for ``item``: its item, its file,
+    and every key with the type the manifest needs (a line edited by hand may be none of these)."""
+    return (
+        isinstance(entry, dict)
+        and entry.get("item") == json.loads(json.dumps(asdict(item)))  # as the journal holds it: lists for tuples
+        and entry.get("file") == item.file
+        and type(entry.get("size")) is int
+        and isinstance(entry.get("sha256"), str)
+        and isinstance(entry.get("tensors"), dict)
+        and isinstance(entry.get("source_tensors"), dict)
+        and isinstance(entry.get("mla" if item.kind == "mla" else "experts"), dict)
+    )
 
 
 def write_item(overlay: Path, item: WorkItem, tensors: dict, layouts: dict, source: dict, **fragment) -> dict:

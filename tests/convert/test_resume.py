@@ -171,6 +171,33 @@ def test_resume_redoes_a_corrupted_finished_file(converted, tmp_path):
     assert verify(out).ok
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda e: e.pop("sha256"),
+        lambda e: e.pop("tensors"),
+        lambda e: e.update(item={**e["item"], "layer": e["item"]["layer"] + 1}),
+        lambda e: e.clear(),
+    ],
+    ids=["no-sha256", "no-tensors", "another-item", "empty"],
+)
+def test_resume_redoes_an_edited_journal_entry(converted, tmp_path, edit):
+    """A journal line that is JSON but not the entry its item wrote (edited by hand: a key dropped, another item) is
+    redone like a changed file; it was a KeyError traceback, or its item taken as done."""
+    src, clean = converted
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(src), str(out), "manifest", "none"], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    journal = out / "glm-pack" / ".journal.jsonl"
+    entries = [json.loads(line) for line in journal.read_text().splitlines()]
+    edit(entries[0])
+    journal.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    report = convert(src, out, ConvertOptions(files="copy", resume=True))
+    assert report.resumed_items == len(entries) - 1
+    assert overlay(out) == {name: data for name, data in overlay(clean).items() if name.startswith("layer-")}
+    assert verify(out).ok
+
+
 def test_resume_with_other_options_is_refused_naming_each_difference(converted, tmp_path, ckpt_copy):
     src = ckpt_copy(converted[0])
     out = tmp_path / "out"
