@@ -15,6 +15,7 @@ from rich.table import Table
 from glm_pack.packing import manifest as mf
 from glm_pack.packing.errors import VerifyError
 
+from . import state
 from .convert import FILE_MODES, ConvertOptions, ConvertReport, convert
 from .modelcard import source_error_text
 from .verify import VerifyReport, verify
@@ -160,8 +161,10 @@ def convert_command(
             what = f"{out} was not changed: it still holds its earlier conversion"
         elif now is not None:  # stopped after this run's manifest was written
             what = f"{out} holds a complete conversion (its manifest is written); `glm-pack verify {out}` checks it"
-        else:
+        elif (manifest.parent / state.RUN_NAME).is_file():  # this run's record: --resume continues it
             what = f"finished layers are kept: rerun the same command with --resume to complete {out}"
+        else:  # e.g. while --overwrite emptied OUT
+            what = f"nothing of this run is finished: rerun the same command to convert into {out}"
         click.echo(f"glm-pack: interrupted; {what}", err=True)
         raise SystemExit(130) from None
 

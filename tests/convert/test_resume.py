@@ -391,6 +391,29 @@ def test_ctrl_c_of_an_overwrite_of_a_complete_out(converted, tmp_path, monkeypat
     assert verify(out).ok
 
 
+def test_ctrl_c_while_overwrite_clears_out_says_to_rerun_the_same_command(converted, tmp_path, monkeypatch):
+    """--overwrite interrupted while emptying OUT (its manifest already removed, no run record yet): nothing of this
+    run is finished, so the line says to rerun the same command, which works; it used to advise --resume, which
+    then refused (no interrupted conversion to resume)."""
+    from glm_pack.convert import convert as convert_module
+
+    src, clean = converted
+    out = tmp_path / "out"
+    args = ["convert", str(src), str(out), "--files", "none", "--workers", "1", "--quiet"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert_module, "clear_directory", interrupt)
+    r = CliRunner().invoke(main, [*args, "--overwrite"])
+    assert r.exit_code == 130 and "--resume" not in r.stderr, r.stderr
+    assert f"nothing of this run is finished: rerun the same command to convert into {out}" in r.stderr, r.stderr
+    assert not (out / "glm-pack" / "manifest.json").exists()
+    monkeypatch.undo()
+    assert CliRunner().invoke(main, [*args, "--overwrite"]).exit_code == 0 and verify(out).ok
+
+
 def test_resume_after_placing_linked_originals_leaves_no_temp_files(converted, tmp_path):
     """Placing a hard link onto a link to the same file is a no-op rename that used to leave its temp name."""
     src, clean = converted
