@@ -7,6 +7,7 @@ nothing else. Expected byte counts come from the local files (header length pref
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import struct
@@ -19,12 +20,14 @@ from fake_hub import FakeHub
 from huggingface_hub import constants
 from huggingface_hub.utils import _http
 
+from glm_pack.convert import hub_source
 from glm_pack.convert.checkpoint import open_checkpoint
 from glm_pack.convert.cli import main
 from glm_pack.convert.convert import ConvertOptions, convert
+from glm_pack.convert.hub_common import resolve_endpoint
 from glm_pack.convert.hub_source import parse_repo_spec
 from glm_pack.convert.verify import verify
-from glm_pack.packing.errors import PlanError
+from glm_pack.packing.errors import HubError, PlanError
 
 REPO = "org/glm-5-small"
 
@@ -100,6 +103,14 @@ def test_repo_spec_parsing(tmp_path, monkeypatch):
         assert parse_repo_spec(local) is None, local
 
 
+def test_endpoint_resolution(monkeypatch):
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    assert resolve_endpoint(None) == "https://huggingface.co"
+    monkeypatch.setenv("HF_ENDPOINT", "http://mirror.local:8080/")
+    assert resolve_endpoint(None) == "http://mirror.local:8080"  # read now; no trailing slash to double up
+    assert resolve_endpoint("https://hub.example//") == "https://hub.example"  # --endpoint wins
+
+
 def test_inspect_reads_headers_only(hub, src):
     result = run_cli("inspect", REPO, "--json")
     assert result.exit_code == 0, result.output
@@ -116,6 +127,8 @@ def test_inspect_reads_headers_only(hub, src):
         assert parse_range(rng)[1] <= header_end(src / file)
     expected = sum(header_end(src / f) for f in shards) + small_files(src)
     assert report["hub"] == {"repo_id": REPO, "revision": hub.sha, "bytes_transferred": expected}
+    again = json.loads(run_cli("inspect", REPO, "--json").stdout)["hub"]  # config and index now in the HF cache
+    assert again["bytes_transferred"] == sum(header_end(src / f) for f in shards)
 
 
 def test_convert_reads_only_needed_tensors_and_matches_local(hub, src, tmp_path):
@@ -152,6 +165,8 @@ def test_convert_reads_only_needed_tensors_and_matches_local(hub, src, tmp_path)
     assert checked.ok, checked.problems
     assert any("re-derived" in line for line in checked.checked)
     assert all(hub.sha in r.path for r in hub.requests if r.kind)  # pinned to the recorded commit
+    rereads = [(f, *parse_range(rng)) for f, rng in shard_reads(hub) if parse_range(rng)[1] > header_end(src / f)]
+    assert sorted(rereads) == sorted(needed)  # hashed, then re-derived: each tensor fetched once (recent ranges)
 
 
 def test_files_copy_downloads_originals_then_offline_works_from_cache(hub, src, tmp_path, monkeypatch):
@@ -211,6 +226,45 @@ def test_link_refused_for_hub_source(hub, tmp_path):
         convert(REPO, tmp_path / "api", ConvertOptions(files="link"))
 
 
+def test_recent_ranges_evict_the_least_recently_used(hub, src, monkeypatch):
+    """Re-reads of kept ranges cost nothing; past RECENT_BYTES the range used longest ago goes first."""
+    monkeypatch.setattr(hub_source, "RECENT_BYTES", 100)
+    store = hub_source.HubStore(REPO)
+    shard = store.safetensors_files()[0]
+    f = store.open(shard)
+    assert isinstance(f, hub_source.RangeFile)  # not in the HF cache: read by ranges
+    data = (src / shard).read_bytes()
+
+    def fetched(offset):  # bytes fetched from the Hub by one read of 40 bytes at offset
+        before = store.transferred
+        assert bytes(f.read(offset, 40)) == data[offset : offset + 40]
+        return store.transferred - before
+
+    assert [fetched(0), fetched(40), fetched(0)] == [40, 40, 0]  # A, B, A again: kept (and now newest)
+    assert fetched(80) == 40  # C: 120 bytes > 100, B (least recently used) goes
+    assert [fetched(0), fetched(80), fetched(40)] == [0, 0, 40]
+
+
+def test_short_range_read_is_refused(hub, monkeypatch):
+    """A range answered with fewer bytes than asked is an error, never short data."""
+    store = hub_source.HubStore(REPO)
+    f = store.open(store.safetensors_files()[0])
+    monkeypatch.setattr(store, "filesystem", lambda: types.SimpleNamespace(open=lambda *a, **k: io.BytesIO(bytes(50))))
+    assert len(f.read(0, 50)) == 50
+    with pytest.raises(HubError, match="short read from the Hub: wanted 40 bytes at offset 30, got 20"):
+        f.read(30, 40)
+
+
+def test_store_lists_files_without_hidden_or_overlay(hub, src):
+    files = {p.name: p.read_bytes() for p in src.iterdir()}
+    extra = {".gitattributes": b"a", "sub/.hidden": b"bb", "sub/x.safetensors": b"ccc", "glm-pack/manifest.json": b"{}"}
+    hub.seed("org/extra", {**files, **extra})
+    store = hub_source.HubStore("org/extra")
+    expected = [(name, len(body)) for name, body in files.items()] + [("sub/x.safetensors", 3)]
+    assert store.list_files() == sorted(expected)
+    assert store.safetensors_files() == sorted(p.name for p in src.glob("*.safetensors"))  # top level only
+
+
 def test_transient_drop_mid_read_is_retried(hub, src, tmp_path):
     convert(src, tmp_path / "local", ConvertOptions(files="none", workers=1))
     assert run_cli("inspect", REPO).exit_code == 0  # config and index now cached: the next resolves are ranges
@@ -238,6 +292,7 @@ def _closed_port() -> int:
         ("refused", "cannot connect to http://127.0.0.1:"),
         ("cut", "connection to http://127.0.0.1:"),
         ("offline-empty-cache", "HF_HUB_OFFLINE is set and the local Hugging Face cache has no org/glm-5-small"),
+        ("offline-shards-not-cached", "not in the local Hugging Face cache and HF_HUB_OFFLINE is set"),
     ],
 )
 def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected):
@@ -255,6 +310,10 @@ def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected
     elif case == "cut":  # config and index cached by a first run; then every range read is cut short
         assert run_cli("inspect", REPO).exit_code == 0
         hub.fail("resolve", cut=True)
+    elif case == "offline-shards-not-cached":  # config and index cached by a first run, the shards never
+        assert run_cli("inspect", REPO).exit_code == 0
+        set_offline(monkeypatch, True)
+        hub.reset_requests()
     else:
         set_offline(monkeypatch, True)
     args = [command, src, "--json"]
@@ -266,6 +325,9 @@ def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected
     if case == "cut":
         cut = [r for r in hub.requests if r.status == -2 and r.method == "GET"]
         assert len(cut) == 6 and len({(r.path, r.range) for r in cut}) == 1  # 1 try + 5 retries of one read
+    if case == "offline-shards-not-cached":
+        assert lines[0].endswith(f"{REPO}@{hub.sha}/model-00001-of-00003.safetensors)")
+        assert [r for r in hub.requests if r.kind] == []  # nothing reached the Hub
 
 
 def test_index_entry_outside_the_repo_is_refused(hub, src, tmp_path):
