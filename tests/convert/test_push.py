@@ -21,8 +21,9 @@ from fake_hub import Blob as FakeBlob
 from fake_hub import FakeHub
 from huggingface_hub import CommitOperationAdd, HfApi, constants
 
+from glm_pack.convert import push as push_module
 from glm_pack.convert.cli import main
-from glm_pack.convert.push import LocalFile, PushPlan, Upload, group_commits, stale_manifest
+from glm_pack.convert.push import LocalFile, PushPlan, Upload, group_commits, local_files, stale_manifest
 
 REPO = "tester/glm-5-small-gfx950"
 LFS_THRESHOLD = 64 * 1024  # the text files (json, md) stay regular, every safetensors file goes through LFS
@@ -132,6 +133,15 @@ def test_repush_of_unchanged_out_uploads_nothing(hub, out):
     assert "up to date" in result.output
     assert not hub.kinds("commit") and not hub.kinds("lfs_put") and not hub.kinds("preupload")
     assert len(hub.repos[REPO].commits) == commits
+
+
+def test_repush_compares_every_file_when_paths_info_takes_several_requests(hub, out, monkeypatch):
+    monkeypatch.setattr(push_module, "PATHS_INFO_CHUNK", 2)
+    assert run_cli("push", out, REPO).exit_code == 0
+    hub.reset_requests()
+    result = run_cli("push", out, REPO)
+    assert result.exit_code == 0 and "up to date" in result.output, result.output
+    assert not hub.kinds("commit") and len(hub.kinds("paths_info")) == -(-len(published(out)) // 2)
 
 
 def test_changed_file_is_uploaded_again(hub, out):
@@ -373,6 +383,16 @@ def _upload(path: str, size: int, reason: str = "new") -> Upload:
     return Upload(LocalFile(path, Path(path), size), reason)
 
 
+@pytest.mark.parametrize("overlay_only", [False, True], ids=["full", "overlay-only"])
+def test_files_in_hidden_folders_are_not_published(out, overlay_only):
+    """``hf download --local-dir`` leaves ``.cache/huggingface/``; a hidden folder's files stay local."""
+    for folder in (out / ".cache" / "huggingface" / "download", out / "glm-pack" / ".staging"):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors.metadata").write_text("x")
+    listed = sorted(f.path_in_repo for f in local_files(out, overlay_only))
+    assert listed == sorted(published(out, overlay_only)) and not any("/." in p for p in listed)
+
+
 def test_group_commits_bounds_and_order():
     uploads = [
         _upload("README.md", 10),
@@ -390,6 +410,9 @@ def test_group_commits_bounds_and_order():
         ["d.safetensors", "glm-pack/layer-000.safetensors"],
         ["README.md", "glm-pack/manifest.json"],
     ]
+    names = [f"glm-pack/layer-{i:03d}.safetensors" for i in range(5)]
+    small = group_commits([_upload(n, 1) for n in names], max_bytes=100, max_files=2)
+    assert [[u.file.path_in_repo for u in c] for c in small] == [names[:2], names[2:4], names[4:]]  # files bound
 
 
 @pytest.mark.parametrize(
