@@ -53,6 +53,11 @@ def test_card_body_reports_the_manifest(out):
     assert "glm_pack.runtime.open(" in text
     assert "stock engines" in text.lower() and "original" in text
     assert manifest["source"]["config_sha256"] in text
+    config = json.loads((out / "config.json").read_text())  # the source's own geometry, not the manifest's
+    h, rank = config["num_attention_heads"], config["kv_lora_rank"]
+    assert f"`[{h}, {rank}, {config['qk_nope_head_dim']}]`" in text  # w_kc [heads, kv_lora_rank, nope]
+    assert f"`[{h}, {config['v_head_dim']}, {rank}]`" in text  # w_vc [heads, v_head_dim, kv_lora_rank]
+    assert f"weight of {len(manifest['mla'])} layer(s) (" in text
 
 
 def test_source_readme_kept_and_source_untouched(out, converted):
