@@ -82,6 +82,26 @@ def test_values_are_realistic(synth_ckpt):
     assert 0.019 < float(plain.std()) < 0.021
     norm = ck.read_float("model.layers.0.input_layernorm.weight")
     assert abs(float(norm.mean()) - 1.0) < 0.01
+    bias = ck.read_raw("model.layers.0.self_attn.indexer.k_norm.bias").float()  # a LayerNorm bias starts near 0
+    assert abs(float(bias.mean())) < 0.01
+
+
+def test_tensors_of_one_shape_get_their_own_values(synth_ckpt):
+    """Values are seeded by (seed, tensor name): two layers' kv_b_proj must differ, or a wrong-layer mix-up
+    downstream (overlay layer vs served layer) could not be told apart on a synthetic checkpoint."""
+    ck = open_checkpoint(synth_ckpt("glm-5", "bf16"))
+    a, b = (ck.read_float(f"model.layers.{i}.self_attn.kv_b_proj.weight") for i in (0, 2))
+    assert a.shape == b.shape and not torch.equal(a, b)
+
+
+def test_shards_stay_within_the_shard_size(tmp_path):
+    limit = 4 << 20
+    path = synth.synthesize(tmp_path / "s", card="glm-5", layers=1, experts=2, fmt="bf16", shard_bytes=limit)
+    shards = sorted(path.glob("model-*.safetensors"))
+    assert len(shards) >= 3
+    for shard in shards:  # a tensor larger than the limit alone; otherwise the tensors fit the limit
+        sizes = [e.nbytes for e in parse_header(LocalFile(shard)).tensors.values()]
+        assert len(sizes) == 1 or sum(sizes) <= limit, (shard.name, sum(sizes), len(sizes))
 
 
 def test_small_profile_keeps_the_mla_geometry(synth_ckpt):
@@ -111,6 +131,12 @@ def test_shards_index_and_scale_split(synth_ckpt):
     assert index["metadata"]["total_size"] == total
     weight = "model.layers.0.self_attn.kv_b_proj"
     assert wm[f"{weight}.weight"] != wm[f"{weight}.weight_scale"]
+
+
+@pytest.mark.parametrize("mtp, count", [(True, 1), (False, 0)])
+def test_config_counts_the_mtp_layer_only_when_written(mtp, count):
+    config = synth.synth_config(cards.load_card("glm-5"), layers=2, experts=2, fmt="bf16", profile="small", mtp=mtp)
+    assert config["num_nextn_predict_layers"] == count
 
 
 def test_per_layer_config_lists():
