@@ -289,6 +289,7 @@ def _closed_port() -> int:
         ("no-repo", "repository org/nope not found"),
         ("no-revision", "revision 'nope' not found in org/glm-5-small"),
         ("gated", "org/glm-5-small is gated"),
+        ("rate-limited", "rate limited (429) by http://127.0.0.1:"),
         ("refused", "cannot connect to http://127.0.0.1:"),
         ("cut", "connection to http://127.0.0.1:"),
         ("offline-empty-cache", "HF_HUB_OFFLINE is set and the local Hugging Face cache has no org/glm-5-small"),
@@ -305,6 +306,8 @@ def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected
         src = f"{REPO}@nope"
     elif case == "gated":
         hub.fail("repo_info", 403, error_code="GatedRepo")
+    elif case == "rate-limited":
+        hub.fail("repo_info", 429)
     elif case == "refused":
         monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
     elif case == "cut":  # config and index cached by a first run; then every range read is cut short
