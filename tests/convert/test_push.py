@@ -23,7 +23,16 @@ from huggingface_hub import CommitOperationAdd, HfApi, constants
 
 from glm_pack.convert import push as push_module
 from glm_pack.convert.cli import main
-from glm_pack.convert.push import LocalFile, PushPlan, Upload, group_commits, local_files, stale_manifest
+from glm_pack.convert.push import (
+    LocalFile,
+    PushPlan,
+    PushReport,
+    Upload,
+    group_commits,
+    hub_error,
+    local_files,
+    stale_manifest,
+)
 
 REPO = "tester/glm-5-small-gfx950"
 LFS_THRESHOLD = 64 * 1024  # the text files (json, md) stay regular, every safetensors file goes through LFS
@@ -391,6 +400,20 @@ def test_files_in_hidden_folders_are_not_published(out, overlay_only):
         (folder / "model.safetensors.metadata").write_text("x")
     listed = sorted(f.path_in_repo for f in local_files(out, overlay_only))
     assert listed == sorted(published(out, overlay_only)) and not any("/." in p for p in listed)
+
+
+@pytest.mark.parametrize("committed", [0, 1])
+def test_refused_connection_after_a_commit_says_what_is_kept(committed):
+    """Refused before any commit: the Hub is unreachable; after one: the push was interrupted, rerun it."""
+    uploads = [_upload(f"f{i}", 1) for i in range(3)]
+    report = PushReport(PushPlan(REPO, "main", uploads=uploads), False, "http://hub.test", uploaded_files=committed)
+    err = hub_error(ConnectionRefusedError(111, "Connection refused"), REPO, "http://hub.test", "main", report)
+    assert str(err) == (
+        "cannot connect to http://hub.test: connection refused or unreachable"
+        if committed == 0
+        else "upload interrupted (connection to http://hub.test lost) after 1 of 3 files were committed; "
+        "run the same command again to upload the rest"
+    )
 
 
 def test_group_commits_bounds_and_order():
