@@ -131,7 +131,15 @@ def test_k_pad_refused_where_pinned_configs_would_split_k_raggedly(synth_ckpt, k
 
 
 def test_inspect_table_for_people(synth_ckpt):
-    result = CliRunner().invoke(main, ["inspect", str(synth_ckpt("glm-5", "fp8-block"))], env={"COLUMNS": "120"})
+    src = synth_ckpt("glm-5", "fp8-block")
+    result = CliRunner().invoke(main, ["inspect", str(src)], env={"COLUMNS": "120"})
     assert result.exit_code == 0, result.output
     out = result.stdout
     assert "GLM-5 / GLM-5.1" in out and "fp8-block" in out and "U8 64x512x128" in out and "route padded" in out
+    weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    for layer in (0, 1, 2):  # the shard column: the 1-based numbers in the shard file names, from the index
+        kv_b = f"model.layers.{layer}.self_attn.kv_b_proj."
+        files = {f for name, f in weight_map.items() if name.startswith(kv_b)}
+        shards = ",".join(str(int(f.split("-")[1])) for f in sorted(files))
+        row = next(line for line in out.splitlines() if line.startswith(f"│ {layer} "))
+        assert f"│ {shards} " in row, row
