@@ -245,6 +245,21 @@ def test_recent_ranges_evict_the_least_recently_used(hub, src, monkeypatch):
     assert [fetched(0), fetched(80), fetched(40)] == [0, 0, 40]
 
 
+def test_revision_that_moves_while_being_resolved_is_refused(hub, monkeypatch):
+    """main is resolved to a commit, then moves before config.json is fetched by name: refused, not mixed."""
+    resolve = hub_source.HubStore._from_hub
+    moved = "f" * 40
+
+    def resolve_then_move(store):
+        found = resolve(store)
+        hub.repos[REPO].heads["main"] = moved  # a push lands between the two requests
+        return found
+
+    monkeypatch.setattr(hub_source.HubStore, "_from_hub", resolve_then_move)
+    with pytest.raises(HubError, match=f"revision 'main' of {REPO} moved from {hub.sha} to {moved} while being read"):
+        hub_source.HubStore(REPO)
+
+
 def test_short_range_read_is_refused(hub, monkeypatch):
     """A range answered with fewer bytes than asked is an error, never short data."""
     store = hub_source.HubStore(REPO)
