@@ -167,6 +167,27 @@ def test_changed_kv_b_tensor_is_refused(tmp_path):
         vllm.apply(layer, overlay(tmp_path, level="fast"), torch.bfloat16)
 
 
+def test_served_index_without_a_source_tensor_is_refused(tmp_path):
+    make_served(tmp_path)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"][kv_b_name(1)]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(VerifyError, match="index lacks a source tensor") as err:
+        overlay(tmp_path, level="full")
+    assert kv_b_name(1) in str(err.value)
+
+
+def test_each_rank_of_one_process_gets_its_own_slice(tmp_path):
+    make_served(tmp_path)
+    full = overlay(tmp_path).model.mla(0).w_vc.weight  # [heads, ...]
+    ranks = [overlay(tmp_path, tp_rank=r, tp_size=2) for r in (0, 1)]
+    assert ranks[0] is overlay(tmp_path, tp_rank=0, tp_size=2)  # opened once per rank
+    half = full.shape[0] // 2
+    assert torch.equal(ranks[0].model.mla(0).w_vc.weight, full[:half])
+    assert torch.equal(ranks[1].model.mla(0).w_vc.weight, full[half:])
+
+
 def test_wrong_tp_slice_and_tp_size_are_refused(tmp_path):
     weights = make_served(tmp_path)
     _, layer = engine_pair(weights, 0, fp4=True, tp_rank=0, tp_size=2)
