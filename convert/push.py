@@ -44,7 +44,7 @@ class PushOptions:
     dry_run: bool = False
     commit_message: str | None = None
     endpoint: str | None = None  # default: HF_ENDPOINT, else https://huggingface.co
-    base_model: str | None = None  # card base_model when the manifest does not know the source repo
+    base_model: str | None = None  # card base_model; wins over the manifest's source repo (needed for a local one)
     max_commit_bytes: int = MAX_COMMIT_BYTES
     max_commit_files: int = MAX_COMMIT_FILES
 

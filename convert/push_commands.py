@@ -90,6 +90,9 @@ def _finite_positive(ctx, param, value: float) -> float:
     return value
 
 
+BASE_MODEL_HELP = "Card base_model (the source repo): needed for a local source; wins over the manifest's."
+
+
 @click.command("push")
 @click.argument("out", type=click.Path(file_okay=False, exists=True))
 @click.argument("repo_id")
@@ -107,7 +110,7 @@ def _finite_positive(ctx, param, value: float) -> float:
 @click.option(
     "--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT, else https://huggingface.co)."
 )
-@click.option("--base-model", default=None, help="Card base_model (source repo) for a local source.")
+@click.option("--base-model", default=None, help=BASE_MODEL_HELP)
 @click.option(
     "--max-commit-gib", type=float, default=8.0, show_default=True, callback=_finite_positive, help="Commit size bound."
 )
@@ -181,7 +184,7 @@ def _progress(done: int, total: int, nbytes: int) -> None:
 @click.command("card")
 @click.argument("out", type=click.Path(file_okay=False, exists=True))
 @click.option("--overlay-only", is_flag=True, help="Write glm-pack/README.md instead of README.md.")
-@click.option("--base-model", default=None, help="base_model when the source was a local copy of a Hub repo.")
+@click.option("--base-model", default=None, help=BASE_MODEL_HELP)
 @click.option("--repo-id", default=None, help="The repo the card will live in (used in the loading example).")
 def card_command(out, overlay_only, base_model, repo_id):
     """Write or refresh the model card of a converted OUT without pushing.

@@ -100,6 +100,9 @@ def test_base_model_from_the_manifest_and_no_source_card(out):
     assert "license" not in data
     assert "`zai-org/GLM-5` at revision `abc123`" in card.text
     assert "README.source.md" not in card.text
+    # An explicit --base-model wins over the manifest's source repo (e.g. a fine-tune converted from its base's repo).
+    explicit = ModelCard(render_card(out, base_model="someone/GLM-5-tuned")).data.to_dict()
+    assert explicit["base_model"] == "someone/GLM-5-tuned"
 
 
 
