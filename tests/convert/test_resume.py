@@ -286,24 +286,23 @@ def test_stale_lock_of_a_killed_process_is_recovered(converted, tmp_path):
 def test_ctrl_c_exits_cleanly_and_leaves_a_resumable_state(converted, tmp_path):
     src, clean = converted
     out = tmp_path / "out"
+    # The CLI, held for a minute after its first journalled item, so the Ctrl-C lands mid-run on a loaded machine too.
+    held = textwrap.dedent(
+        """
+        import sys, time
+        from glm_pack.convert import state
+        from glm_pack.convert.cli import main
+        real = state.Journal.append
+        def append(self, entry):
+            real(self, entry)
+            time.sleep(60)
+        state.Journal.append = append
+        main(sys.argv[1:], prog_name="glm-pack")
+        """
+    )
+    args = ["convert", str(src), str(out), "--files", "copy", "--workers", "1", "--repack-experts", "aiter-a4w4"]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "glm_pack.convert.cli",
-            "convert",
-            str(src),
-            str(out),
-            "--files",
-            "copy",
-            "--workers",
-            "1",
-            "--repack-experts",
-            "aiter-a4w4",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-c", held, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     journal = out / "glm-pack" / ".journal.jsonl"
     deadline = time.monotonic() + 120
