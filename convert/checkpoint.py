@@ -172,7 +172,8 @@ class Checkpoint:
             if not store.exists(rel):
                 raise CheckpointError("shard named by the index is missing", file=store.where(rel), tensor=first[rel])
             self.headers[rel] = parse_header(store.open(rel))
-        _tensor_files(store, self.headers)
+        if not headers:  # without an index, _weight_map built the map from these headers with this very check
+            _tensor_files(store, self.headers)
         for tensor, rel in weight_map.items():
             if tensor not in self.headers[rel].tensors:
                 raise CheckpointError(

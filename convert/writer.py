@@ -118,7 +118,7 @@ def atomic_write(path: Path, chunks: Iterable[bytes | memoryview]) -> int:
         try:
             os.replace(tmp, path)
         except OSError as err:  # e.g. a folder where the file goes
-            raise OutputError(f"cannot write {path}: {err.strerror or err}", file=path) from err
+            raise _write_error(err, path) from err
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
