@@ -126,19 +126,18 @@ def files_mode(ckpt: Checkpoint, files: str | None) -> str:
     return files
 
 
-def check_locations(src: Path | None, out: Path, files: Iterable[Path] = ()) -> None:
-    """Refuse an OUT that is SRC, inside it, contains it, or contains the file behind one of the source ``files``
-    (a HF cache snapshot's links point into ``blobs/``, which ``--overwrite`` would empty). ``src`` None: a remote
-    source."""
-    if src is not None:
-        src_r, out_r = src.resolve(), out.resolve()
-        if src_r == out_r or src_r in out_r.parents or out_r in src_r.parents:
-            raise PlanError(f"output {out} must be outside the source {src} (and not contain it)", file=out)
-        for rel in files:
-            if out_r in (src / rel).resolve().parents:
-                raise PlanError(
-                    f"output {out} must not hold the source's files: {src / rel} is {(src / rel).resolve()}", file=out
-                )
+def check_locations(src: Path, out: Path, files: Iterable[Path] = (), what: str = "the source") -> None:
+    """Refuse an OUT that is ``src``, inside it, contains it, or contains the file behind one of the source ``files``
+    (a HF cache snapshot's links point into ``blobs/``, which ``--overwrite`` would empty). For a Hub source ``src``
+    is the repo's folder in the local HF cache, ``what`` says so."""
+    src_r, out_r = src.resolve(), out.resolve()
+    if src_r == out_r or src_r in out_r.parents or out_r in src_r.parents:
+        raise PlanError(f"output {out} must be outside {what} {src} (and not contain it)", file=out)
+    for rel in files:
+        if out_r in (src / rel).resolve().parents:
+            raise PlanError(
+                f"output {out} must not hold the source's files: {src / rel} is {(src / rel).resolve()}", file=out
+            )
     if out.exists() and not out.is_dir():
         raise PlanError(f"output {out} exists and is not a directory", file=out)
 
@@ -242,7 +241,10 @@ def fsync_files(paths: list[Path], folders: Iterable[Path] = ()) -> None:
 
 
 def original_files(root: Path) -> list[Path]:
-    """Every regular file of the source (through symlinks), relative, skipping hidden and glm-pack/ entries."""
+    """Every regular file of the source (through symlinks), relative, skipping hidden and glm-pack/ entries.
+
+    A symlink that resolves to nothing (a HF cache snapshot whose blob never finished downloading) is refused: the
+    output would silently lack that file."""
     found = []
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root)
@@ -250,6 +252,12 @@ def original_files(root: Path) -> list[Path]:
             continue
         if path.is_file():
             found.append(rel)
+        elif path.is_symlink() and not path.exists():
+            raise CheckpointError(
+                f"broken symlink in the source: it points to {os.readlink(path)}, which is missing or cannot be "
+                "resolved (an unfinished download?); restore the file or remove the link",
+                file=str(path),
+            )
     return found
 
 
@@ -340,7 +348,10 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
     options = replace(options, files=files_mode(ckpt, options.files))
     out = Path(out)
     originals, stats = source_files(ckpt)
-    check_locations(None if hub else ckpt.root, out, originals)
+    if hub:  # --overwrite must not empty the cached files a Hub source is read from (and linked into OUT)
+        check_locations(ckpt.store.cache_folder(), out, what=f"the Hugging Face cache of {ckpt.store.repo_id}")
+    else:
+        check_locations(ckpt.root, out, originals)
     geom = ckpt.geometry
     k_multiple, k_kc = resolve_k_up(ckpt.card, geom, options.k_pad, options.mla_precision)
     settings = Settings(k_kc, options.quant_mode, options.mla_precision, options.max_rel_error)

@@ -167,6 +167,13 @@ class HubStore:
             if not any(p.startswith(".") for p in name.split("/")) and name.split("/")[0] != "glm-pack"
         ]
 
+    def cache_folder(self) -> Path:
+        """This repo's folder in the local HF cache (``models--ORG--NAME``: ``blobs/``, ``snapshots/``, ``refs/``)."""
+        from huggingface_hub import constants
+        from huggingface_hub.file_download import repo_folder_name
+
+        return Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=self.repo_id, repo_type="model")
+
     # ---- whole files ---------------------------------------------------------------------------
     def _cached(self, rel: str) -> str | None:
         from huggingface_hub import try_to_load_from_cache

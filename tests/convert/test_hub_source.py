@@ -215,6 +215,22 @@ def test_files_copy_refused_offline(hub, src, tmp_path, monkeypatch):
     assert [r for r in hub.requests if r.kind] == []
 
 
+def test_out_in_the_hf_cache_of_the_source_is_refused(hub, src, tmp_path):
+    """--files copy caches the repo's files (blobs/ behind snapshots/); an OUT there, or around the cache, would have
+    --overwrite delete them, and a later run or engine reading the cache would find them gone."""
+    convert(REPO, tmp_path / "first", ConvertOptions(files="copy", workers=1))
+    repo_cache = Path(constants.HF_HUB_CACHE) / "models--org--glm-5-small"
+    cached = {p: p.read_bytes() for p in (repo_cache / "blobs").iterdir()}
+    assert len(cached) == len(list(src.iterdir()))
+    for out in (repo_cache / "blobs", repo_cache, Path(constants.HF_HUB_CACHE), repo_cache / "snapshots" / "new"):
+        result = run_cli("convert", REPO, out, "--overwrite", "--files", "copy", "--workers", "1")
+        assert result.exit_code == 1, (out, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"output {out} must be outside the Hugging Face cache of {REPO}" in lines[0], lines
+    assert {p: p.read_bytes() for p in (repo_cache / "blobs").iterdir()} == cached
+    assert not list(Path(constants.HF_HUB_CACHE).rglob("manifest.json"))
+
+
 def test_link_refused_for_hub_source(hub, tmp_path):
     result = run_cli("convert", REPO, tmp_path / "out", "--files", "link")
     assert result.exit_code == 1

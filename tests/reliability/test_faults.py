@@ -370,6 +370,20 @@ def test_out_holding_the_files_behind_a_snapshot_is_refused(source, tmp_path):
     assert tree_digest(snapshot) == before and not (blobs / "glm-pack").exists()
 
 
+@pytest.mark.parametrize("files", ["link", "copy", "none"])
+def test_broken_symlink_in_the_source_is_refused(source, ckpt_copy, tmp_path, files):
+    """A snapshot link whose blob never arrived (tokenizer.json -> a missing blob): the output would silently lack
+    that file, and the manifest's source list omit it. One line naming the link; nothing written."""
+    src = ckpt_copy(source)
+    (src / "tokenizer.json").symlink_to(tmp_path / "blobs" / "never-downloaded")
+    before = tree_digest(source)
+    out = tmp_path / "out"
+    r, errors = cli(src, out, "--files", files)
+    assert_failed_cleanly(r, errors, out, source, before, f"broken symlink in the source: it points to {tmp_path}")
+    assert f"file {src / 'tokenizer.json'}" in errors[0], errors
+    assert not out.exists()
+
+
 def test_symlinks_in_out_are_replaced_never_written_through(source, ckpt_copy, tmp_path):
     """With --overwrite, links planted in OUT (to source files, to a victim dir) are replaced, targets kept."""
     src = ckpt_copy(source)  # a HF-cache-like snapshot of links: read through them
