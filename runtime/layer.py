@@ -43,9 +43,22 @@ class MlaLayer:
         self.w_kc = w_kc
         self.w_vc = w_vc
         self.backend = backend
+        self.device = w_kc.weight.device  # where the weights are; every tensor argument must be there too
+
+    def _check_device(self, t: torch.Tensor, name: str) -> None:
+        """``t`` is a tensor on the layer's device (no backend checks it before its kernels run: the torch backend
+        raised deep inside an op, or returned zeros for a cache on the meta device)."""
+        if not isinstance(t, torch.Tensor):
+            raise BackendError(f"layer {self.layer}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != self.device:
+            raise BackendError(
+                f"layer {self.layer}: {name} is on {t.device}, but the layer's weights are on {self.device} "
+                "(the device given to open())"
+            )
 
     def _check_act(self, t: torch.Tensor, name: str, width: int | None = None) -> None:
         g = self.geometry
+        self._check_device(t, name)
         if t.dim() != 3 or t.shape[1] != g.num_heads or t.dtype != torch.bfloat16:
             raise BackendError(
                 f"layer {self.layer}: {name} must be bf16 [T, {g.num_heads}, ...], got {t.dtype} {tuple(t.shape)}"
@@ -98,8 +111,12 @@ class MlaLayer:
         shape = (latent.shape[0], g.num_heads, g.v_head_dim)
         if out is None:
             out = torch.empty(shape, dtype=torch.bfloat16, device=latent.device)
-        elif tuple(out.shape) != shape or out.dtype != torch.bfloat16:
-            raise BackendError(f"layer {self.layer}: out must be bf16 {shape}, got {out.dtype} {tuple(out.shape)}")
+        else:
+            self._check_device(out, "out")
+            if tuple(out.shape) != shape or out.dtype != torch.bfloat16:
+                raise BackendError(
+                    f"layer {self.layer}: out must be bf16 {shape}, got {out.dtype} {tuple(out.shape)}"
+                )
         self._bmm(self.w_vc, latent, out, "v_up", act_quant)
         return out
 
@@ -120,6 +137,8 @@ class MlaLayer:
                 )
         elif q_rope is not None:
             raise BackendError(f"layer {self.layer}: this model is rope-free; q_rope must be None")
+        for name, t in (("kv_cache", kv_cache), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
+            self._check_device(t, name)
         if kv_cache.dtype != torch.bfloat16:
             raise BackendError(f"kv_cache must be bf16 (FP8 caches are not supported yet), got {kv_cache.dtype}")
         if kv_cache.shape[-1] != g.cache_row:

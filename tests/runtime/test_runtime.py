@@ -328,6 +328,33 @@ def test_attend_checks(packed_dirs):
     assert o.shape == (3, 64, 512) and lse.shape == (3, 64)
 
 
+def test_tensors_off_the_layers_device_are_refused_by_name(packed_dirs):
+    """Every tensor argument must be on the device the layer was opened on (no GPU here: the meta device stands in
+    for another one; a torch-backend attend with a meta cache used to return zeros, a meta q a meta latent)."""
+    _, out = packed_dirs("glm-5")
+    layer = runtime.open(out, backend="torch").mla(0)
+    q, cache, indptr, indices = inputs(layer.geometry)
+    latent = layer.k_up(q)
+    meta = lambda t: t.to("meta")  # noqa: E731
+    calls = {
+        "q": lambda: layer.k_up(meta(q)),
+        "latent": lambda: layer.v_up(meta(latent)),
+        "out": lambda: layer.v_up(latent, out=torch.empty(3, 64, 256, dtype=torch.bfloat16, device="meta")),
+        "q_latent": lambda: layer.attend(meta(latent), cache, indptr, indices, 0.1, q_rope=q[..., 192:]),
+        "q_rope": lambda: layer.attend(latent, cache, indptr, indices, 0.1, q_rope=meta(q[..., 192:])),
+        "kv_cache": lambda: layer.attend(latent, meta(cache), indptr, indices, 0.1, q_rope=q[..., 192:]),
+        "kv_indptr": lambda: layer.attend(latent, cache, meta(indptr), indices, 0.1, q_rope=q[..., 192:]),
+        "kv_indices": lambda: layer.attend(latent, cache, indptr, meta(indices), 0.1, q_rope=q[..., 192:]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(BackendError, match=rf"layer 0: {name} is on meta, but the layer's weights are on cpu"):
+            call()
+    with pytest.raises(BackendError, match="layer 0: q must be a torch.Tensor, got ndarray"):
+        layer.k_up(q.float().numpy())
+    with pytest.raises(BackendError, match="layer 0: kv_cache must be a torch.Tensor, got list"):
+        layer.attend(latent, [cache], indptr, indices, 0.1, q_rope=q[..., 192:])
+
+
 def test_open_verify_detects_a_changed_source_tensor(packed_dirs, tmp_path, edit_tensor):
     _, out = packed_dirs("glm-5")
     bad = tmp_path / "bad"
