@@ -32,6 +32,20 @@ class ProjectionWeights:
     rel_error: float
 
 
+def _spans_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges from ``a``'s and ``b``'s first to last element intersect: shared memory, or views of
+    one buffer whose elements interleave (pointer and stride arithmetic on the host, no sync)."""
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        if not t.numel():
+            return 0, 0
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 class MlaLayer:
     """Absorbed-MLA operations of one layer for one tensor-parallel rank."""
 
@@ -105,19 +119,25 @@ class MlaLayer:
         return out
 
     def v_up(self, latent: torch.Tensor, out: torch.Tensor | None = None, *, act_quant: str = "mxfp4") -> torch.Tensor:
-        """Attention output in latent space ``[T, H, L]`` -> ``[T, H, V]`` bf16, written into ``out`` if given."""
+        """Attention output in latent space ``[T, H, L]`` -> ``[T, H, V]`` bf16, written into ``out`` if given (an
+        ``out`` sharing memory with ``latent``, e.g. a view of it, is written through a temporary copy)."""
         g = self.geometry
         self._check_act(latent, "latent", g.kv_lora_rank)
         shape = (latent.shape[0], g.num_heads, g.v_head_dim)
-        if out is None:
-            out = torch.empty(shape, dtype=torch.bfloat16, device=latent.device)
-        else:
+        if out is not None:
             self._check_device(out, "out")
             if tuple(out.shape) != shape or out.dtype != torch.bfloat16:
                 raise BackendError(
                     f"layer {self.layer}: out must be bf16 {shape}, got {out.dtype} {tuple(out.shape)}"
                 )
-        self._bmm(self.w_vc, latent, out, "v_up", act_quant)
+        # an out sharing latent's memory is not written directly: a kernel's programs would read others' results
+        direct = out is not None and not _spans_overlap(out, latent)
+        y = out if direct else torch.empty(shape, dtype=torch.bfloat16, device=latent.device)
+        self._bmm(self.w_vc, latent, y, "v_up", act_quant)
+        if out is None:
+            return y
+        if not direct:
+            out.copy_(y)
         return out
 
     def attend(

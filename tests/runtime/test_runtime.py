@@ -139,6 +139,34 @@ def test_v_up_writes_into_out(packed_dirs):
         layer.v_up(latent, out=torch.empty(5, 64, 128, dtype=torch.bfloat16))
 
 
+def test_v_up_into_a_view_of_its_own_input_is_right():
+    """An ``out`` that is a view of ``latent`` (reusing its buffer) gets the result of a separate ``out`` on the
+    Triton kernel (interpreted here), whose programs would otherwise read the columns other programs already
+    overwrote; so does an ``out`` beside ``latent`` in one buffer."""
+    from tests.runtime.kernel_modules import kernel_module
+
+    ok, why = kernel_module("triton_bmm").available()
+    if not ok:
+        pytest.skip(f"triton bmm unavailable: {why}")
+    from glm_pack.runtime.backends.triton_backend import TritonBackend
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    geom = MlaGeometry(num_heads=2, kv_lora_rank=256, qk_nope_head_dim=32, qk_rope_head_dim=0, v_head_dim=128)
+    gen = torch.Generator().manual_seed(0)
+    codes, scales = quantize(torch.randn(2, 128, 256, generator=gen))
+    vc = ProjectionWeights("mxfp4", codes.to(dev), scales.to(dev), 256, 256, 0.0)
+    kc = ProjectionWeights("bf16", torch.zeros(2, 256, 32, dtype=torch.bfloat16, device=dev), None, 32, 32, 0.0)
+    latent = torch.randn(3, 2, 256, generator=gen).bfloat16().to(dev)
+    layer = MlaLayer(0, geom, kc, vc, TritonBackend())
+    want = layer.v_up(latent)
+    x = latent.clone()
+    assert torch.equal(layer.v_up(x, out=x[..., :128]), want)
+    buf = torch.empty(3, 2, 384, dtype=torch.bfloat16, device=dev)
+    buf[..., :256] = latent
+    assert torch.equal(layer.v_up(buf[..., :256], out=buf[..., 256:]), want)
+    assert torch.equal(buf[..., :256], latent)
+
+
 @pytest.mark.parametrize("tp_size", [2, 8])
 def test_tp_rank_gets_its_head_slice(packed_dirs, tp_size):
     _, out = packed_dirs("glm-5")
