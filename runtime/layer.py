@@ -167,8 +167,9 @@ class MlaLayer:
             raise BackendError("kv_indptr and kv_indices must be int32")
         if kv_indices.dim() != 1:
             raise BackendError(f"kv_indices must be flat (1-D) global slot ids, got {tuple(kv_indices.shape)}")
-        if not isinstance(softmax_scale, numbers.Real) or not math.isfinite(softmax_scale):
-            raise BackendError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+        real = isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
+        if not real or not math.isfinite(softmax_scale) or softmax_scale <= 0:  # 0 would flatten every softmax
+            raise BackendError(f"softmax_scale must be a finite positive number, got {softmax_scale!r}")
         if kv_indptr.shape != (q_latent.shape[0] + 1,):
             raise BackendError(f"kv_indptr must be [T+1] = [{q_latent.shape[0] + 1}], got {tuple(kv_indptr.shape)}")
         out, lse = self.backend.sparse_mla(
