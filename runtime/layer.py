@@ -92,20 +92,20 @@ class MlaLayer:
             self.backend.bmm_bf16(x, proj.weight, out)
 
     def k_input(self, q: torch.Tensor) -> torch.Tensor:
-        """The x the K-up kernel gets (K == k_stored): q itself when it already has that width (zero copy: the
-        full row against a w_kc padded to nope+rope, whose zero weights meet the rope part), else q_nope (a
-        view when w_kc is unpadded) zero-padded to k_stored."""
+        """The x the K-up kernel gets (K == k_stored) from q ``[T, H, P]`` or ``[T, H, P+R]``: q itself when it has
+        that width (zero copy: the full row against a w_kc padded to nope+rope, whose zero weights meet the rope
+        part), else q_nope (a view when w_kc is unpadded) zero-padded to k_stored."""
         g, kc = self.geometry, self.w_kc
         P = g.qk_nope_head_dim
         self._check_act(q, "q")
         width = q.shape[-1]
-        if width == kc.k_stored:
-            return q
-        if width not in (P, P + g.qk_rope_head_dim):
+        if width not in (P, P + g.qk_rope_head_dim):  # also a width equal to a padded K (a latent against K 512)
             raise BackendError(
                 f"layer {self.layer}: q must be [T, H, {P}] (nope) or [T, H, {P + g.qk_rope_head_dim}] (nope+rope), "
                 f"got width {width}"
             )
+        if width == kc.k_stored:
+            return q
         nope = q[..., :P]
         return nope if kc.k_stored == P else torch.nn.functional.pad(nope, (0, kc.k_stored - P))
 

@@ -126,6 +126,8 @@ def test_k_padded_past_the_rope_part_takes_both_row_widths(packed_dirs):
     assert x.shape[-1] == 512 and torch.equal(x[..., :192], q[..., :192]) and not x[..., 192:].any()
     want = plain.k_up(q)
     assert torch.equal(layer.k_up(q), want) and torch.equal(layer.k_up(q[..., :192]), want)
+    with pytest.raises(BackendError, match="got width 512"):  # the stored K, but no q width: e.g. the latent
+        layer.k_up(torch.zeros(3, 64, 512, dtype=torch.bfloat16))
 
 
 def test_v_up_writes_into_out(packed_dirs):
