@@ -163,8 +163,9 @@ class MlaLayer:
             raise BackendError(f"kv_cache must be bf16 (FP8 caches are not supported yet), got {kv_cache.dtype}")
         if kv_cache.shape[-1] != g.cache_row:
             raise BackendError(f"kv_cache rows must be {g.cache_row} wide, got {kv_cache.shape[-1]}")
-        if kv_indptr.dtype != torch.int32 or kv_indices.dtype != torch.int32:
-            raise BackendError("kv_indptr and kv_indices must be int32")
+        for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
+            if t.dtype != torch.int32:  # e.g. torch.topk's int64 ids
+                raise BackendError(f"layer {self.layer}: {name} must be int32, got {t.dtype}")
         if kv_indices.dim() != 1:
             raise BackendError(f"kv_indices must be flat (1-D) global slot ids, got {tuple(kv_indices.shape)}")
         real = isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)

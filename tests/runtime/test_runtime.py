@@ -348,6 +348,10 @@ def test_attend_checks(packed_dirs):
         layer.attend(latent, cache, indptr, indices, 0.1, q_rope=q[:2, :, 192:])
     with pytest.raises(BackendError, match=r"kv_indices must be flat \(1-D\) global slot ids, got \(3, 8\)"):
         layer.attend(latent, cache, indptr, indices[:24].reshape(3, 8), 0.1, q_rope=q[..., 192:])
+    with pytest.raises(BackendError, match="layer 0: kv_indices must be int32, got torch.int64"):
+        layer.attend(latent, cache, indptr, indices.long(), 0.1, q_rope=q[..., 192:])
+    with pytest.raises(BackendError, match="layer 0: kv_indptr must be int32, got torch.int64"):
+        layer.attend(latent, cache, indptr.long(), indices, 0.1, q_rope=q[..., 192:])
     for scale in (float("nan"), float("inf"), None, "0.1", 0.0, -0.1, True):  # 0: every row weighs the same
         with pytest.raises(BackendError, match="softmax_scale must be a finite positive number"):
             layer.attend(latent, cache, indptr, indices, scale, q_rope=q[..., 192:])
