@@ -7,6 +7,7 @@ Shapes (H = this rank's heads, T = tokens, L = kv_lora, P = nope, R = rope, V = 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from dataclasses import dataclass
@@ -70,6 +71,13 @@ class MlaLayer:
                 "(the device given to open())"
             )
 
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """The layer's GPU made the current device for a backend call, when it is not already: Triton and aiter
+        launch on the current device (and its current stream) whatever device the tensors are on."""
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
+
     def _check_act(self, t: torch.Tensor, name: str, width: int | None = None) -> None:
         g = self.geometry
         self._check_device(t, name)
@@ -86,10 +94,11 @@ class MlaLayer:
         if x_thk.shape[-1] != proj.k_stored:  # aiter does not check this and returns garbage
             raise BackendError(f"layer {self.layer} {op}: x has K={x_thk.shape[-1]}, weight stores K={proj.k_stored}")
         x, out = x_thk.transpose(0, 1), out_thn.transpose(0, 1)
-        if proj.precision == "mxfp4":
-            self.backend.bmm_a16wfp4(x, proj.weight, proj.scale, out, op=op, act_quant=act_quant)
-        else:
-            self.backend.bmm_bf16(x, proj.weight, out)
+        with self._on_device():
+            if proj.precision == "mxfp4":
+                self.backend.bmm_a16wfp4(x, proj.weight, proj.scale, out, op=op, act_quant=act_quant)
+            else:
+                self.backend.bmm_bf16(x, proj.weight, out)
 
     def k_input(self, q: torch.Tensor) -> torch.Tensor:
         """The x the K-up kernel gets (K == k_stored) from q ``[T, H, P]`` or ``[T, H, P+R]``: q itself when it has
@@ -173,7 +182,8 @@ class MlaLayer:
             raise BackendError(f"softmax_scale must be a finite positive number, got {softmax_scale!r}")
         if kv_indptr.shape != (q_latent.shape[0] + 1,):
             raise BackendError(f"kv_indptr must be [T+1] = [{q_latent.shape[0] + 1}], got {tuple(kv_indptr.shape)}")
-        out, lse = self.backend.sparse_mla(
-            q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, return_lse=return_lse
-        )
+        with self._on_device():
+            out, lse = self.backend.sparse_mla(
+                q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, return_lse=return_lse
+            )
         return (out, lse) if return_lse else out

@@ -297,6 +297,69 @@ def test_a_width_other_than_the_stored_k_never_reaches_the_backend():
     assert Recording.calls == ["k_up"]
 
 
+def test_backend_calls_run_with_the_layers_gpu_current(monkeypatch):
+    """Triton and aiter launch on the current CUDA device: a layer on cuda:1 called while cuda:0 is current makes
+    cuda:1 current for each backend call, then restores cuda:0 (CUDA's device state stands in for a fake here; the
+    two-GPU run is test_triton_backend.py::test_layer_on_a_gpu_other_than_the_current_one)."""
+    current = [0]
+
+    class FakeDevice:  # torch.cuda.device: makes idx current inside the block
+        def __init__(self, device):
+            self.idx = torch.device(device).index
+
+        def __enter__(self):
+            self.prev, current[0] = current[0], self.idx
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
+    seen = []
+
+    class Recording(Backend):
+        name = "recording"
+
+        def bmm_a16wfp4(self, x, w_codes, w_scales, out, *, op, act_quant):
+            seen.append((op, current[0]))
+
+        def sparse_mla(self, q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, *, return_lse):
+            seen.append(("attend", current[0]))
+            return torch.zeros(q_latent.shape, dtype=torch.bfloat16), None
+
+    geom = MlaGeometry(num_heads=2, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=0, v_head_dim=32)
+    kc = ProjectionWeights(
+        "mxfp4", torch.zeros(2, 64, 16, dtype=torch.uint8), torch.zeros(2, 64, 1, dtype=torch.uint8), 32, 32, 0.0
+    )
+    vc = ProjectionWeights(
+        "mxfp4", torch.zeros(2, 32, 32, dtype=torch.uint8), torch.zeros(2, 32, 2, dtype=torch.uint8), 64, 64, 0.0
+    )
+    layer = MlaLayer(0, geom, kc, vc, Recording())
+    latent = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
+    calls = lambda: (  # noqa: E731
+        layer.k_up(torch.zeros(3, 2, 32, dtype=torch.bfloat16)),
+        layer.v_up(latent),
+        layer.attend(
+            latent,
+            torch.zeros(8, 64, dtype=torch.bfloat16),
+            torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+            torch.zeros(3, dtype=torch.int32),
+            0.1,
+        ),
+    )
+    calls()  # a CPU layer: no device switch, CUDA never asked
+    assert seen == [("k_up", 0), ("v_up", 0), ("attend", 0)]
+    seen.clear()
+    monkeypatch.setattr(layer, "device", torch.device("cuda", 1))
+    monkeypatch.setattr(layer, "_check_device", lambda t, name: None)  # the inputs stay on the CPU here
+    calls()
+    assert seen == [("k_up", 1), ("v_up", 1), ("attend", 1)] and current == [0]
+    seen.clear()
+    current[0] = 1  # already current: used as it is
+    calls()
+    assert seen == [("k_up", 1), ("v_up", 1), ("attend", 1)] and current == [1]
+
+
 def test_reference_sparse_mla_hand_vector_with_lse():
     """Scores scale * (q_latent . c + q_rope . k_rope) over a token's valid rows (-1 skipped); lse is the natural
     log-sum-exp of the *scaled* scores; a token without a valid row gives lse -inf and a zero output."""
