@@ -197,6 +197,7 @@ def verify_command(out, as_json):
 
     Exit code 0 when every check passed; an interrupted output (no manifest) is reported incomplete. When the
     source cannot be reached only OUT's own files are checked: the verdict says so, exit code still 0.
+    Refused while a convert, card or push writes OUT; other verifies may run beside it.
     """
     report = verify(out)
     print_verify(report, as_json)

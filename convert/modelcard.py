@@ -18,6 +18,7 @@ from glm_pack.packing import manifest as mf
 from glm_pack.packing.errors import PlanError
 
 from .formats import FLOAT_FORMATS
+from .state import OutputLock
 from .writer import atomic_write, write_text
 
 CARD_MARKER = (
@@ -451,8 +452,17 @@ def write_card(
     rendered before anything is written, already names it).
 
     Files are replaced by rename, never written through: an original README.md hard-linked from the
-    source stays untouched in the source.
+    source stays untouched in the source. Holds OUT's lock (exclusive): refused while another glm-pack run
+    writes OUT or a verify reads it.
     """
+    with OutputLock(Path(out), create=False):
+        return write_card_unlocked(out, overlay_only=overlay_only, base_model=base_model, repo_id=repo_id)
+
+
+def write_card_unlocked(
+    out: str | Path, *, overlay_only: bool = False, base_model: str | None = None, repo_id: str | None = None
+) -> Path:
+    """:func:`write_card` without taking OUT's lock: for a caller that holds it (push)."""
     out = Path(out)
     target = card_path(out, overlay_only)
     text = render_card(out, overlay_only=overlay_only, base_model=base_model, repo_id=repo_id)

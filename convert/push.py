@@ -28,7 +28,8 @@ from glm_pack.packing.errors import HubError, VerifyError
 
 from .convert import file_sha256
 from .hub_common import exception_chain, first_line, is_kind, resolve_endpoint
-from .modelcard import SOURCE_README, require_originals, write_card
+from .modelcard import SOURCE_README, require_originals, write_card_unlocked
+from .state import OutputLock
 
 MAX_COMMIT_BYTES = 8 << 30  # per commit: a failed commit loses at most this much upload work
 MAX_COMMIT_FILES = 64
@@ -210,9 +211,9 @@ def _token() -> str | None:
 
 
 def _check_out(out: Path, overlay_only: bool) -> None:
-    from .verify import read_manifest, verify
+    from .verify import read_manifest, verify_unlocked
 
-    report = verify(out)
+    report = verify_unlocked(out)
     if not report.ok:
         first = report.problems[0] if report.problems else "unknown problem"
         more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
@@ -249,18 +250,28 @@ def push(
     """Verify OUT, refresh its card, upload what the revision lacks; raises HubError/VerifyError/PlanError.
 
     ``progress(files_done, files_total, bytes_done)`` is called after each commit. A dry run refreshes the
-    local card and plans, but creates and uploads nothing (it needs no token for a public repo).
+    local card and plans, but creates and uploads nothing (it needs no token for a public repo). OUT's lock
+    is held (exclusive) from the verify through the last commit: refused while another glm-pack run writes
+    OUT or a verify reads it, and no convert or card changes OUT under the upload.
     """
-    from huggingface_hub import HfApi
-
     out = Path(out)
     endpoint = resolve_endpoint(options.endpoint)
     from huggingface_hub import constants
 
     if constants.is_offline_mode():
         raise HubError("HF_HUB_OFFLINE is set: unset it to push")
+    with OutputLock(out, create=False):
+        return _push_held(out, repo_id, options, endpoint, progress)
+
+
+def _push_held(
+    out: Path, repo_id: str, options: PushOptions, endpoint: str, progress: Callable[[int, int, int], None] | None
+) -> PushReport:
+    """:func:`push`'s work, under OUT's lock."""
+    from huggingface_hub import HfApi
+
     _check_out(out, options.overlay_only)
-    card = write_card(out, overlay_only=options.overlay_only, base_model=options.base_model, repo_id=repo_id)
+    card = write_card_unlocked(out, overlay_only=options.overlay_only, base_model=options.base_model, repo_id=repo_id)
     token = _token()
     if token is None and not options.dry_run:
         raise HubError("no Hugging Face token: set HF_TOKEN or run `hf auth login`")

@@ -133,7 +133,8 @@ def push_command(
     OUT must pass `glm-pack verify`. The model card is refreshed first. Files already on the revision with
     the same size and hash are skipped, the rest goes in commits of bounded size with the manifest and the
     card last, so a re-run after an interruption finishes the job. Files under the revision's glm-pack/ that
-    OUT lacks are deleted in the last commit. Token: HF_TOKEN or `hf auth login`.
+    OUT lacks are deleted in the last commit. OUT stays locked from the verify through the last commit: a
+    convert, card or verify of it is refused meanwhile. Token: HF_TOKEN or `hf auth login`.
 
     \b
     Examples:
@@ -190,7 +191,8 @@ def card_command(out, overlay_only, base_model, repo_id):
     """Write or refresh the model card of a converted OUT without pushing.
 
     The root README.md becomes the glm-pack card; a source model card found there is kept as
-    README.source.md (its license is carried over).
+    README.source.md (its license is carried over). Refused while a convert or push writes OUT or a verify
+    reads it.
 
     \b
     Examples:

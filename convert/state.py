@@ -1,8 +1,10 @@
 """Run state of a conversion in progress: the lock, the run descriptor and the progress journal.
 
-* ``OUT/.glm-pack.lock``: an ``flock``-held lock file; a second run on the same OUT is refused while the
-  first holds it. The kernel drops the lock when its process dies, so a crashed run's lock is stale by
-  construction and the next run takes it (the pid inside is only for the message).
+* ``OUT/.glm-pack.lock``: an ``flock``-held lock file, held exclusively by a writer (``convert``, ``card``,
+  ``push``) and shared by a reader (``verify``; readers coexist). Nobody waits: a writer is refused while
+  anyone holds it, a reader while a writer does. The kernel drops the lock when its process dies, so a crashed
+  run's lock is stale by construction and the next run takes it (the pid a writer puts inside is only for the
+  message).
 * ``OUT/glm-pack/.run.json``: what the interrupted run was doing (options, source fingerprint). Its presence
   without a manifest means "interrupted": a new run must say ``--resume`` (or ``--overwrite``).
 * ``OUT/glm-pack/.journal.jsonl``: one fsynced JSON line per finished work item (file, size, sha256 and its
@@ -26,44 +28,84 @@ RUN_NAME = ".run.json"
 JOURNAL_NAME = ".journal.jsonl"
 
 
-class OutputLock:
-    """Exclusive lock on an output directory for the duration of a ``with`` block."""
+# Why the lock file cannot be opened: OUT missing, or read-only to this user (a folder or mount).
+_UNLOCKABLE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS})
 
-    def __init__(self, out: Path):
+
+class OutputLock:
+    """``flock`` on ``OUT/.glm-pack.lock`` for the duration of a ``with`` block; never waits.
+
+    Exclusive (a writer, which writes its pid into the file) or ``shared`` (a reader). A conflicting holder
+    makes ``__enter__`` raise a PlanError saying which kind holds it. ``create`` (convert): OUT is made if
+    missing and no lock is an OutputError. Without it (card, push, verify) OUT is not made, and where it is
+    missing or this user cannot create or open the lock file in it (a read-only folder or mount) the block
+    runs without the lock: no glm-pack run of this user can write there either, and the command itself then
+    reports what it cannot read or write.
+    """
+
+    def __init__(self, out: Path, *, shared: bool = False, create: bool = True):
         self.path = Path(out) / LOCK_NAME
+        self.shared = shared
+        self.create = create
         self.fd: int | None = None
 
     def __enter__(self) -> OutputLock:
+        mode = os.O_RDONLY if self.shared else os.O_RDWR  # a reader writes nothing: a read-only file will do
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # never write through a link
+            if self.create:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, mode | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # never write through a link
         except OSError as err:
+            if not self.create and err.errno in _UNLOCKABLE:
+                return self
             why = "it is a symlink" if err.errno == errno.ELOOP else err.strerror or str(err)
             raise OutputError(f"cannot create the output lock: {why}", file=self.path) from err
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise PlanError(
-                f"another glm-pack run (pid {holder}) is writing this output; wait for it or stop it", file=self.path
-            ) from None
-        try:
-            os.ftruncate(fd, 0)
-            _write_all(fd, str(os.getpid()).encode(), self.path)  # a full disk: OutputError saying so
+            self._take(fd)
+            if not self.shared:
+                os.ftruncate(fd, 0)
+                _write_all(fd, str(os.getpid()).encode(), self.path)  # a full disk: OutputError saying so
         except OSError as err:
             os.close(fd)
             raise OutputError(f"cannot write the output lock: {err.strerror or err}", file=self.path) from err
-        except OutputError:
+        except (OutputError, PlanError):
             os.close(fd)
             raise
         self.fd = fd
         return self
 
+    def _take(self, fd: int) -> None:
+        """flock ``fd`` without waiting, or raise the PlanError naming what holds it."""
+        if _flock(fd, fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX):
+            return
+        if not self.shared and _flock(fd, fcntl.LOCK_SH):  # granted only when no writer holds it
+            if _flock(fd, fcntl.LOCK_EX):
+                return  # its holders all left meanwhile: it is ours after all
+            raise PlanError(
+                "a glm-pack verify is reading this output; run this again after it finishes", file=self.path
+            )
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"  # the writer's own pid
+        if self.shared:
+            raise PlanError(
+                f"a glm-pack run (pid {holder}) is writing this output; verify after it finishes", file=self.path
+            )
+        raise PlanError(
+            f"another glm-pack run (pid {holder}) is writing this output; wait for it or stop it", file=self.path
+        )
+
     def __exit__(self, *exc) -> None:
         if self.fd is not None:
             os.close(self.fd)  # releases the flock; the file itself may stay (it is not a lock without the flock)
             self.fd = None
+
+
+def _flock(fd: int, op: int) -> bool:
+    """``flock(fd, op)`` without waiting; False when another open file holds a conflicting lock."""
+    try:
+        fcntl.flock(fd, op | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def read_run(overlay: Path) -> dict | None:

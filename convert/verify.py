@@ -30,6 +30,7 @@ from .checkpoint import INDEX_NAME
 from .convert import file_sha256, store_sha256
 from .modelcard import SOURCE_README
 from .safetensors_io import LocalFile, parse_header, read_tensor
+from .state import OutputLock
 from .writer import sha256_tensor
 
 # Recomputed errors may differ from the recorded ones only by float32 summation order (thread count).
@@ -183,7 +184,17 @@ def _source_root(out: Path, manifest: dict) -> Path | str | None:
 
 def verify(out: str | Path) -> VerifyReport:
     """Verify a converted output; never raises for a bad output, reports problems instead. ``ok`` with
-    ``source_checked`` false: OUT's own files passed, but the source could not be reached to re-derive them."""
+    ``source_checked`` false: OUT's own files passed, but the source could not be reached to re-derive them.
+
+    Holds OUT's lock shared (other verifies may run beside it) and raises PlanError while a glm-pack run
+    writes OUT; an OUT this user cannot write (no lock file there, none can be made) is verified without it.
+    """
+    with OutputLock(Path(out), shared=True, create=False):
+        return verify_unlocked(out)
+
+
+def verify_unlocked(out: str | Path) -> VerifyReport:
+    """:func:`verify` without taking OUT's lock: for a caller that holds it (push)."""
     out = Path(out)
     report = VerifyReport(out=out)
     try:

@@ -6,13 +6,18 @@ read-only; to corrupt one, take ``ckpt_copy(src)``: a fresh directory of symlink
 Hugging Face cache snapshot), in which a file can be replaced (unlink the link, write a new file) without
 touching the shared original. ``converted`` is a finished conversion of a small MXFP4 (Quark) checkpoint
 with repacked experts, so its manifest has every section; also read-only. Defined here, once, so the
-convert and reliability suites share one cache and one conversion per session.
+convert and reliability suites share one cache and one conversion per session. ``lock_holder(out,
+shared=False)`` starts a second process that holds OUT's lock until the test ends (or it is killed);
+``read_only(out)`` gives a view of OUT nobody may write to.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -79,3 +84,60 @@ def converted(synth_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("reliability") / "out"
     convert(src, out, ConvertOptions(files="copy", repack_experts="aiter-a4w4"))
     return src, out
+
+
+_HOLD_LOCK = textwrap.dedent(
+    """
+    import sys, time
+    from glm_pack.convert.state import OutputLock
+    with OutputLock(sys.argv[1], shared=True) if sys.argv[2:] == ["shared"] else OutputLock(sys.argv[1]):
+        print("locked", flush=True)
+        time.sleep(600)
+    """
+)
+
+
+@pytest.fixture
+def lock_holder():
+    """``hold(out, shared=False) -> Popen``: another process holding OUT's lock, exclusive (a writer: its pid
+    goes into the lock file) or shared (a reader), until the test ends or it is killed."""
+    holders = []
+
+    def hold(out: Path, shared: bool = False) -> subprocess.Popen:
+        args = [sys.executable, "-c", _HOLD_LOCK, str(out), *(["shared"] if shared else [])]
+        holder = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        holders.append(holder)
+        assert holder.stdout.readline().strip() == "locked"
+        return holder
+
+    yield hold
+    for holder in holders:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """``read_only(out) -> view``: OUT behind a view nobody may write: OUT itself chmod 555 for an ordinary
+    user; root ignores modes, so a read-only bind mount of OUT."""
+    undo = []
+
+    def make(out):
+        if os.geteuid() != 0:
+            out.chmod(0o555)
+            undo.append(lambda: out.chmod(0o755))
+            return out
+        view = tmp_path / "view"
+        view.mkdir()
+        for args in (["--bind", out, view], ["-o", "remount,ro,bind", view]):
+            r = subprocess.run(["mount", *map(str, args)], capture_output=True, text=True)
+            if r.returncode:
+                pytest.skip(f"running as root and cannot mount a read-only view ({r.stderr.strip() or 'mount failed'})")
+            if not undo:
+                undo.append(lambda: subprocess.run(["umount", "-l", str(view)], check=False))
+        return view
+
+    yield make
+    for step in undo:
+        step()

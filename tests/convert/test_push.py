@@ -316,6 +316,70 @@ def test_push_refuses_an_out_verify_rejects(hub, out):
     assert not hub.requests
 
 
+@pytest.mark.parametrize("holder", ["writer", "reader"])
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_push_refuses_an_out_whose_lock_is_held(hub, out, lock_holder, holder, dry_run):
+    """push took no lock: it refreshed the card and uploaded while a convert --overwrite rewrote OUT. A held
+    lock now refuses it (the dry run too: it refreshes the card) before the card or the Hub is touched."""
+    held = lock_holder(out, shared=holder == "reader")
+    card = out / "README.md"  # the source's, which a push would replace by the glm-pack card
+    before = card.read_bytes()
+    result = run_cli("push", out, REPO, *(["--dry-run"] if dry_run else []))
+    errors = [line for line in result.output.splitlines() if line.startswith("glm-pack: error:")]
+    assert result.exit_code == 1 and len(errors) == 1, result.output
+    assert f"file {out / '.glm-pack.lock'}" in errors[0]
+    if holder == "writer":
+        assert f"another glm-pack run (pid {held.pid}) is writing this output" in errors[0]
+    else:
+        assert "a glm-pack verify is reading this output" in errors[0] and "pid" not in errors[0]
+    assert card.read_bytes() == before == SOURCE_README and not (out / "README.source.md").exists()
+    assert not hub.requests
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_push_holds_the_lock_from_the_card_through_the_last_commit(hub, out, converted, monkeypatch, dry_run):
+    """A convert --overwrite, a card or a verify started during a push is refused, once the card is refreshed
+    and after every commit: the files the manifest describes are the files uploaded."""
+    src = converted.parent / "src"
+    refusals = []
+
+    def others_refused(*_):
+        runs = [
+            ["convert", src, out, "--overwrite", "--quiet"],
+            ["card", out, "--overlay-only"],
+            ["verify", out],
+        ]
+        results = [CliRunner().invoke(main, [str(a) for a in args]) for args in runs]
+        refusals.append([r.exit_code == 1 and "is writing this output" in r.output for r in results])
+
+    real_files = push_module.local_files
+
+    def files(*args):  # listed after the card refresh, before the first commit
+        others_refused()
+        return real_files(*args)
+
+    monkeypatch.setattr(push_module, "local_files", files)
+    options = push_module.PushOptions(dry_run=dry_run, max_commit_bytes=int(SMALL_COMMIT_GIB * 2**30))
+    report = push_module.push(out, REPO, options, progress=others_refused)
+    assert len(report.commit_urls) == (0 if dry_run else len(report.plan.commits)) and len(report.plan.commits) >= 3
+    assert refusals == [[True, True, True]] * (1 + len(report.commit_urls))
+    if not dry_run:
+        assert hub.files(REPO) == published(out)
+    assert run_cli("verify", out).exit_code == 0  # released: OUT is free again
+
+
+def test_push_of_a_read_only_out_with_an_up_to_date_card_still_works(hub, out, read_only):
+    """A push writes nothing but a card that changed: as before the lock, a read-only OUT whose card is
+    already current pushes (without the lock: no glm-pack run can write there), one that is not is one line."""
+    assert run_cli("push", out, REPO).exit_code == 0
+    view = read_only(out)
+    result = run_cli("push", view, REPO)
+    assert result.exit_code == 0 and "up to date" in result.output, result.output
+    result = run_cli("push", view, REPO + "-other")  # its card names the other repo: it must be rewritten
+    errors = [line for line in result.output.splitlines() if line.startswith("glm-pack: error:")]
+    assert result.exit_code == 1 and len(errors) == 1 and "cannot create" in errors[0], result.output
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

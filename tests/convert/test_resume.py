@@ -1,9 +1,11 @@
-"""Interrupted conversions: SIGKILL at several points, --resume, refusal without it, locking, Ctrl-C."""
+"""Interrupted conversions: SIGKILL at several points, --resume, refusal without it, locking (convert, card,
+verify; push's in test_push.py), Ctrl-C."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
+from glm_pack.convert import state
 from glm_pack.convert.cli import main
 from glm_pack.convert.convert import ConvertOptions, convert
 from glm_pack.convert.state import OutputLock
@@ -255,25 +258,10 @@ def test_second_concurrent_run_is_refused(converted, tmp_path):
         assert r.exit_code == 1 and f"pid {os.getpid()}" in r.output and "another glm-pack run" in r.output
 
 
-def test_stale_lock_of_a_killed_process_is_recovered(converted, tmp_path):
+def test_stale_lock_of_a_killed_process_is_recovered(converted, tmp_path, lock_holder):
     src, _ = converted
     out = tmp_path / "out"
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent(f"""
-        import time
-        from glm_pack.convert.state import OutputLock
-        with OutputLock({str(out)!r}):
-            print("locked", flush=True)
-            time.sleep(60)
-    """),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert holder.stdout.readline().strip() == "locked"
+    holder = lock_holder(out)
     with pytest.raises(PlanError, match="another glm-pack run"):
         convert(src, out, ConvertOptions(files="none"))
     holder.kill()
@@ -281,6 +269,100 @@ def test_stale_lock_of_a_killed_process_is_recovered(converted, tmp_path):
     assert (out / ".glm-pack.lock").exists()  # the file stays, the lock died with its process
     convert(src, out, ConvertOptions(files="none"))
     assert verify(out).ok
+
+
+def private_out(clean, dst):
+    """A private copy of a converted OUT (hard links: a card is written by rename, never through them); its
+    lock file is left out, as in a downloaded OUT."""
+    shutil.copytree(clean, dst, copy_function=os.link, ignore=shutil.ignore_patterns(state.LOCK_NAME))
+    return dst
+
+
+def files_state(out):
+    """(inode, size, mtime in ns) of every file under OUT: a write or a replacement changes it."""
+    return {p: (p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def refusal(r, out):
+    """The one error line of a refused command: exit code 1, no traceback, naming OUT's lock file."""
+    errors = [line for line in r.output.splitlines() if line.startswith("glm-pack: error:")]
+    assert r.exit_code == 1 and len(errors) == 1 and "Traceback" not in r.output, r.output
+    assert f"file {out / state.LOCK_NAME}" in errors[0], errors[0]
+    return errors[0]
+
+
+LOCKING_COMMANDS = {
+    "convert": lambda src, out: ["convert", src, out, "--overwrite", "--files", "none", "--quiet"],
+    "card": lambda src, out: ["card", out],
+    "verify": lambda src, out: ["verify", out],
+}
+
+
+@pytest.mark.parametrize("command", list(LOCKING_COMMANDS))
+def test_a_writer_holding_the_lock_refuses_every_command(converted, tmp_path, lock_holder, command):
+    """card and verify took no lock: a card could land in an OUT a convert --overwrite was emptying, and a
+    verify read half-written files. Now each is refused, naming the writer's pid, and writes nothing."""
+    src, clean = converted
+    out = private_out(clean, tmp_path / "out")
+    holder = lock_holder(out)
+    before = files_state(out)
+    line = refusal(CliRunner().invoke(main, [str(a) for a in LOCKING_COMMANDS[command](src, out)]), out)
+    if command == "verify":
+        assert f"a glm-pack run (pid {holder.pid}) is writing this output; verify after it finishes" in line
+    else:
+        assert f"another glm-pack run (pid {holder.pid}) is writing this output" in line
+    assert files_state(out) == before
+
+
+@pytest.mark.parametrize("command", ["convert", "card"])
+def test_a_verify_holding_the_lock_refuses_writers_without_naming_a_stale_pid(
+    converted, tmp_path, lock_holder, command
+):
+    src, clean = converted
+    out = private_out(clean, tmp_path / "out")
+    assert CliRunner().invoke(main, ["card", str(out)]).exit_code == 0  # leaves this (live) process's pid inside
+    assert (out / state.LOCK_NAME).read_text() == str(os.getpid())
+    lock_holder(out, shared=True)
+    before = files_state(out)
+    line = refusal(CliRunner().invoke(main, [str(a) for a in LOCKING_COMMANDS[command](src, out)]), out)
+    assert "a glm-pack verify is reading this output" in line and "pid" not in line
+    assert files_state(out) == before
+
+
+def test_verifies_share_the_lock(converted, tmp_path, lock_holder):
+    src, clean = converted
+    out = private_out(clean, tmp_path / "out")
+    lock_holder(out, shared=True)
+    with OutputLock(out, shared=True):  # another open file of this process: as good as a third reader
+        r = CliRunner().invoke(main, ["verify", str(out)])
+        assert r.exit_code == 0 and f"verify {out}: OK" in r.output, r.output
+        with pytest.raises(PlanError, match="a glm-pack verify is reading this output"):
+            convert(src, out, ConvertOptions(files="none", overwrite=True))
+
+
+def test_verify_of_a_read_only_out_without_a_lock_file_runs_unlocked(converted, tmp_path, read_only):
+    """A downloaded overlay on a read-only mount has no lock file and none can be made there: verify checks it
+    all the same, and so does a card that is already up to date (it writes nothing)."""
+    src, clean = converted
+    out = private_out(clean, tmp_path / "out")
+    assert CliRunner().invoke(main, ["card", str(out)]).exit_code == 0
+    (out / state.LOCK_NAME).unlink(missing_ok=True)  # the card's
+    view = read_only(out)
+    r = CliRunner().invoke(main, ["verify", str(view)])
+    assert r.exit_code == 0 and f"verify {view}: OK" in r.output, r.output
+    r = CliRunner().invoke(main, ["card", str(view)])
+    assert r.exit_code == 0 and "model card written" in r.output, r.output
+    assert not (view / state.LOCK_NAME).exists()
+
+
+def test_verify_of_a_read_only_view_still_sees_a_writer(converted, tmp_path, lock_holder, read_only):
+    """A lock file that is there is locked through a read-only view too: a writer on OUT refuses the verify."""
+    src, clean = converted
+    out = private_out(clean, tmp_path / "out")
+    holder = lock_holder(out)
+    view = read_only(out)
+    line = refusal(CliRunner().invoke(main, ["verify", str(view)]), view)
+    assert f"a glm-pack run (pid {holder.pid}) is writing this output" in line
 
 
 def test_ctrl_c_exits_cleanly_and_leaves_a_resumable_state(converted, tmp_path):
