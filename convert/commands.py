@@ -92,7 +92,8 @@ def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> Conve
     "--k-pad",
     default="card",
     show_default=True,
-    help="K padding of w_kc: 'card' (family default: 192 -> 256 for GLM-5), 'none', or a multiple.",
+    help="K padding of w_kc: 'card' (family default: 192 -> 256 for GLM-5), 'none', or N, a multiple of 32 "
+    "(K rounded up to a multiple of N).",
 )
 @click.option(
     "--mla-precision",

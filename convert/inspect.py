@@ -211,7 +211,9 @@ def _overlay_size(plan: dict) -> str:
 @click.command("inspect")
 @click.argument("src")
 @click.option("--json", "as_json", is_flag=True, help="Print the stable JSON report (schema glm-pack.inspect/1).")
-@click.option("--k-pad", default="card", show_default=True, help="As for convert: 'card', 'none' or a multiple.")
+@click.option(
+    "--k-pad", default="card", show_default=True, help="As for convert: 'card', 'none' or N, a multiple of 32."
+)
 @click.option("--mla-precision", type=click.Choice(["mxfp4", "bf16", "auto"]), default="mxfp4", show_default=True)
 @click.option("--quant-mode", type=click.Choice(["even", "mse"]), default="even", show_default=True, help="As convert.")
 @click.option(

@@ -99,7 +99,7 @@ def resolve_k_multiple(k_pad, card_default: int | None) -> int | None:
     except (TypeError, ValueError):
         value = 0
     if value <= 0 or value % mxfp4.BLOCK:
-        raise PlanError(f"k_pad must be 'card', 'none' or a positive multiple of 32, got {k_pad!r}")
+        raise PlanError(f"--k-pad must be 'card', 'none' or a positive multiple of 32, got {k_pad!r}")
     return value
 
 

@@ -287,6 +287,17 @@ def test_ragged_k_pad_is_refused_before_any_output(synth_ckpt, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("k_pad", ["48", "foo"])
+def test_bad_k_pad_is_one_line_naming_the_option(synth_ckpt, tmp_path, k_pad):
+    """The user typed --k-pad: the error names it and what it takes (it named the internal `k_pad`)."""
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(synth_ckpt("glm-5", "bf16")), str(out), "--k-pad", k_pad])
+    assert r.exit_code == 1 and r.output.strip().splitlines() == [
+        f"glm-pack: error: --k-pad must be 'card', 'none' or a positive multiple of 32, got '{k_pad}'"
+    ], r.output
+    assert not out.exists()
+
+
 def test_refusals(synth_ckpt, tmp_path):
     src = synth_ckpt("glm-5", "bf16")
     runner = CliRunner()
