@@ -214,8 +214,16 @@ def _overlay_size(plan: dict) -> str:
 @click.option(
     "--k-pad", default="card", show_default=True, help="As for convert: 'card', 'none' or N, a multiple of 32."
 )
-@click.option("--mla-precision", type=click.Choice(["mxfp4", "bf16", "auto"]), default="mxfp4", show_default=True)
-@click.option("--quant-mode", type=click.Choice(["even", "mse"]), default="even", show_default=True, help="As convert.")
+@click.option(
+    "--mla-precision",
+    type=click.Choice(["mxfp4", "bf16", "auto"]),
+    default="mxfp4",
+    show_default=True,
+    help="As for convert; with auto the overlay size is a range (every tensor MXFP4 to every tensor BF16).",
+)
+@click.option(
+    "--quant-mode", type=click.Choice(["even", "mse"]), default="even", show_default=True, help="As for convert."
+)
 @click.option(
     "--files", type=click.Choice(FILE_MODES), default=None, help="As for convert (default: link; none for a Hub SRC)."
 )

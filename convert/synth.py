@@ -313,8 +313,16 @@ def assumptions(card: str) -> dict[str, str]:
 @click.option("--layers", type=int, required=True, help="Decoder layers (the MTP layer comes on top).")
 @click.option("--experts", type=int, required=True, help="Routed experts per MoE layer.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), required=True, help="Source format to imitate.")
-@click.option("--profile", type=click.Choice(PROFILES), default="small", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--profile",
+    type=click.Choice(PROFILES),
+    default="small",
+    show_default=True,
+    help="small: the true MLA geometry, everything else shrunk; full: every dimension of the family.",
+)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Weight seed; the same arguments give the same bytes."
+)
 @click.option("--mtp/--no-mtp", default=True, show_default=True, help="Write the MTP layer.")
 @click.option(
     "--shard-mb",

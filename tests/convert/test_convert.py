@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 
+import click
 import pytest
 import torch
 from click.testing import CliRunner
@@ -285,6 +286,18 @@ def test_ragged_k_pad_is_refused_before_any_output(synth_ckpt, tmp_path):
     r = CliRunner().invoke(main, ["convert", str(synth_ckpt("glm-5", "bf16")), str(tmp_path / "out"), "--k-pad", "224"])
     assert r.exit_code == 1 and "K=224" in r.output and "ragged" in r.output
     assert not (tmp_path / "out").exists()
+
+
+def test_every_option_of_every_command_has_help():
+    """README: `glm-pack COMMAND --help` shows every option (synth's --profile / --seed, inspect's
+    --mla-precision had none)."""
+    bare = [
+        f"{name} {'/'.join(p.opts)}"
+        for name, command in main.commands.items()
+        for p in command.params
+        if isinstance(p, click.Option) and not p.help
+    ]
+    assert bare == []
 
 
 @pytest.mark.parametrize("k_pad", ["48", "foo"])
