@@ -60,19 +60,25 @@ def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> Conve
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=console, disable=quiet, transient=False) as bar:
-        task = bar.add_task("overlay files", total=None, rate="", visible=False)  # shown once work starts
-        written = [0]
-        elapsed = console.get_time
+    # The bar starts with the work: a run refused before it prints nothing but its error line.
+    bar = Progress(*columns, console=console, disable=quiet, transient=False)
+    task = bar.add_task("overlay files", total=None, rate="")
+    written = [0]
+    elapsed = console.get_time
+    start = elapsed()
 
-        start = elapsed()
+    def progress(done: int, total: int, nbytes: int) -> None:
+        if not bar.live.is_started:
+            bar.start()
+        written[0] += nbytes
+        rate = written[0] / max(elapsed() - start, 1e-9) / 2**20
+        bar.update(task, completed=done, total=total, rate=f"{rate:.0f} MiB/s")
 
-        def progress(done: int, total: int, nbytes: int) -> None:
-            written[0] += nbytes
-            rate = written[0] / max(elapsed() - start, 1e-9) / 2**20
-            bar.update(task, completed=done, total=total, rate=f"{rate:.0f} MiB/s", visible=True)
-
+    try:
         report = convert(src, out, options, progress=progress)
+    finally:
+        if bar.live.is_started:
+            bar.stop()
     if not quiet:
         _summary(report)
     return report

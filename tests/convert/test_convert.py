@@ -311,6 +311,14 @@ def test_bad_k_pad_is_one_line_naming_the_option(synth_ckpt, tmp_path, k_pad):
     assert not out.exists()
 
 
+def test_a_refused_convert_prints_its_error_line_and_nothing_else(synth_ckpt, tmp_path):
+    """The progress bar starts with the work: stopping it unstarted printed an empty line on stdout."""
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    r = CliRunner().invoke(main, ["convert", str(synth_ckpt("glm-5", "bf16")), str(tmp_path / "full")])
+    assert r.exit_code == 1 and r.stdout == "" and r.stderr.count("\n") == 1, (r.stdout, r.stderr)
+
+
 def test_refusals(synth_ckpt, tmp_path):
     src = synth_ckpt("glm-5", "bf16")
     runner = CliRunner()
