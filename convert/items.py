@@ -62,10 +62,16 @@ def expert_groups(ckpt: Checkpoint) -> dict[int, list[str]]:
 
 
 def plan_items(ckpt: Checkpoint, repack_experts: str = "none", file_bytes: int = EXPERT_FILE_BYTES) -> list[WorkItem]:
-    """MLA items (one per MLA layer), then expert items (per layer, split to stay under ``file_bytes``)."""
+    """MLA items (one per MLA layer), then expert items (per layer, split to stay under ``file_bytes``); PlanError
+    when the checkpoint holds no MLA layer."""
     if repack_experts not in REPACK_MODES:
         raise PlanError(f"--repack-experts must be one of {', '.join(REPACK_MODES)}, got {repack_experts!r}")
     items = [WorkItem("mla", layer, f"layer-{layer:03d}.safetensors") for layer in ckpt.mla_layers()]
+    if not items:
+        raise PlanError(
+            f"the checkpoint holds no MLA layer (card {ckpt.card.name}): there is no w_kc / w_vc to write",
+            file=ckpt.root,
+        )
     if repack_experts == "none":
         return items
     # Only MXFP4 experts are repacked; others (e.g. an MTP layer left in BF16 by Quark's exclude list) stay as
