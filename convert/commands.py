@@ -193,7 +193,7 @@ def print_verify(report: VerifyReport, as_json: bool) -> None:
         console.print(f"[green]checked[/green] {line}", soft_wrap=True)
     for line in report.problems:
         console.print(f"[red]problem[/red] {line}", soft_wrap=True)
-    console.print(f"verify {report.out}: {report.verdict}")
+    console.print(f"verify {report.out}: {report.verdict}", soft_wrap=True)  # one line, whatever the width
 
 
 @click.command("verify")
