@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -24,7 +25,7 @@ console = Console(stderr=False)
 
 
 def _summary(report: ConvertReport) -> None:
-    table = Table(title=f"MLA overlay in {report.out}", show_lines=False)
+    table = Table(title=f"MLA overlay in {escape(str(report.out))}", show_lines=False)
     for col in ("layer", "w_kc", "w_kc rel err", "w_vc", "w_vc rel err"):
         table.add_column(col, justify="right" if "err" in col or col == "layer" else "left")
     for r in report.layers:
@@ -190,10 +191,10 @@ def print_verify(report: VerifyReport, as_json: bool) -> None:
         click.echo(json.dumps(report.as_dict(), indent=2))
         return
     for line in report.checked:
-        console.print(f"[green]checked[/green] {line}", soft_wrap=True)
+        console.print(f"[green]checked[/green] {escape(line)}", soft_wrap=True)
     for line in report.problems:
-        console.print(f"[red]problem[/red] {line}", soft_wrap=True)
-    console.print(f"verify {report.out}: {report.verdict}", soft_wrap=True)  # one line, whatever the width
+        console.print(f"[red]problem[/red] {escape(line)}", soft_wrap=True)
+    console.print(f"verify {report.out}: {report.verdict}", markup=False, soft_wrap=True)  # one line at any width
 
 
 @click.command("verify")
@@ -225,9 +226,9 @@ def demo_command(workdir, layers):
 
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="glm-pack-demo-"))
     src, out = root / "glm-5-small", root / "glm-5-small-gfx950"
-    console.print(f"[bold]1/4 synthesize[/bold] GLM-5 (true MLA geometry, small everything else) -> {src}")
+    console.print(f"[bold]1/4 synthesize[/bold] GLM-5 (true MLA geometry, small everything else) -> {escape(str(src))}")
     synthesize(src, card="glm-5", layers=layers, experts=4, fmt="bf16", profile="small", seed=0, overwrite=True)
-    console.print(f"[bold]2/4 convert[/bold] -> {out}")
+    console.print(f"[bold]2/4 convert[/bold] -> {escape(str(out))}")
     run_convert(src, out, ConvertOptions(overwrite=True))
     console.print("[bold]3/4 verify[/bold]")
     report = verify(out)

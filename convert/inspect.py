@@ -39,6 +39,7 @@ from collections import Counter
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .checkpoint import Checkpoint, open_checkpoint
@@ -149,7 +150,7 @@ def _shard(name: str) -> str:
 def render(report: dict, console: Console) -> None:
     """The human view of an inspect report."""
     g, layers, plan = report["geometry"], report["layers"], report["plan"]
-    console.print(f"[bold]{report['source']}[/]: {report['card']['title']} (card {report['card']['name']})")
+    console.print(f"[bold]{escape(report['source'])}[/]: {report['card']['title']} (card {report['card']['name']})")
     console.print(
         f"geometry: {g['num_heads']} heads, kv_lora {g['kv_lora_rank']}, nope {g['qk_nope_head_dim']}, "
         f"rope {g['qk_rope_head_dim']}, v {g['v_head_dim']}"

@@ -200,4 +200,4 @@ def card_command(out, overlay_only, base_model, repo_id):
       glm-pack card /models/GLM-5-gfx950 --overlay-only
     """
     path = write_card(out, overlay_only=overlay_only, base_model=base_model, repo_id=repo_id)
-    console.print(f"model card written: {path}")
+    console.print(f"model card written: {path}", markup=False, soft_wrap=True)
