@@ -77,6 +77,11 @@ def read_manifest(out: Path) -> dict:
     if not Path(out).is_dir():
         raise GlmPackError(f"{out} is not a directory: there is no converted output to check")
     path = Path(out) / mf.OVERLAY_DIR / mf.MANIFEST_NAME
+    if not path.is_file() and (Path(out) / mf.MANIFEST_NAME).is_file():
+        raise GlmPackError(
+            f"{out} is the {mf.OVERLAY_DIR}/ folder of a converted output: pass the output itself, "
+            f"{Path(out).parent}"
+        )
     if not path.is_file():
         raise IncompleteOutputError(
             f"incomplete output: {path} is missing (the conversion did not finish); it is not a valid glm-pack output",

@@ -628,6 +628,18 @@ def test_verify_says_when_the_source_was_not_reached(synth_ckpt, ckpt_copy, tmp_
     assert r.exit_code == 0 and report["ok"] is True and report["source_checked"] is False, r.output
 
 
+def test_verify_of_the_overlay_folder_points_at_its_output(synth_ckpt, tmp_path):
+    """`verify OUT/glm-pack` reported an interrupted conversion (INCOMPLETE, 'the conversion did not finish') of a
+    complete output; it now says which folder to pass."""
+    out = tmp_path / "out"
+    convert(synth_ckpt("glm-5", "bf16"), out, ConvertOptions(files="none"))
+    r = CliRunner().invoke(main, ["verify", str(out / "glm-pack")])
+    assert r.exit_code == 1 and r.output.splitlines() == [
+        f"problem {out / 'glm-pack'} is the glm-pack/ folder of a converted output: pass the output itself, {out}",
+        f"verify {out / 'glm-pack'}: FAILED",
+    ], r.output
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8-channel", "mxfp4-attn"])
 def test_summary_says_what_errors_against_a_quantized_source_leave_out(synth_ckpt, tmp_path, fmt):
     """convert's summary, like the card, says that errors against an FP8 / MXFP4 source leave out that source's own
