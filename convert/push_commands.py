@@ -101,7 +101,8 @@ BASE_MODEL_HELP = "Card base_model (the source repo): needed for a local source;
 @click.option(
     "--overlay-only",
     is_flag=True,
-    help="Upload only glm-pack/ (its card at glm-pack/README.md); the repo's root README is left alone.",
+    help="Upload only glm-pack/ (its card at glm-pack/README.md); the repo's root README is left alone. Required "
+    "for an OUT converted with --files none.",
 )
 @click.option(
     "--dry-run", is_flag=True, help="List what would be uploaded, with sizes, and what deleted; upload nothing."
@@ -184,7 +185,11 @@ def _progress(done: int, total: int, nbytes: int) -> None:
 
 @click.command("card")
 @click.argument("out", type=click.Path(file_okay=False, exists=True))
-@click.option("--overlay-only", is_flag=True, help="Write glm-pack/README.md instead of README.md.")
+@click.option(
+    "--overlay-only",
+    is_flag=True,
+    help="Write glm-pack/README.md instead of README.md. Required for an OUT converted with --files none.",
+)
 @click.option("--base-model", default=None, help=BASE_MODEL_HELP)
 @click.option("--repo-id", default=None, help="The repo the card will live in (used in the loading example).")
 def card_command(out, overlay_only, base_model, repo_id):
