@@ -9,6 +9,7 @@ import math
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .modelcard import write_card
@@ -32,12 +33,12 @@ def _print_report(report: PushReport, repo_id: str) -> None:
         for col in ("commit", "file", "size", "why"):
             table.add_column(col, justify="right" if col in ("commit", "size") else "left")
         for path in plan.deletes:
-            table.add_row("1", path, "-", "deleted first: the remote's manifest differs")
+            table.add_row("1", escape(path), "-", "deleted first: the remote's manifest differs")
         for i, commit in enumerate(plan.commits):
             for u in commit:
-                table.add_row(str(i + 1), u.file.path_in_repo, _mib(u.file.size), u.reason)
+                table.add_row(str(i + 1), escape(u.file.path_in_repo), _mib(u.file.size), u.reason)
         for path in plan.stale:
-            table.add_row(str(len(plan.commits)), path, "-", "deleted: stale")
+            table.add_row(str(len(plan.commits)), escape(path), "-", "deleted: stale")
         console.print(table)
         console.print(
             f"{len(plan.uploads)} files ({_mib(plan.upload_bytes)}) in {len(plan.commits)} commits would be "
