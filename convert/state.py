@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 from glm_pack.packing.errors import PlanError
+from glm_pack.packing.manifest import OVERLAY_DIR
 
 from .writer import OutputError, _write_all, atomic_write, fsync
 
@@ -40,7 +41,8 @@ class OutputLock:
     missing and no lock is an OutputError. Without it (card, push, verify) OUT is not made, and where it is
     missing or this user cannot create or open the lock file in it (a read-only folder or mount) the block
     runs without the lock: no glm-pack run of this user can write there either, and the command itself then
-    reports what it cannot read or write.
+    reports what it cannot read or write. Nor do they create a lock file in a folder that has none and no
+    ``glm-pack/`` folder (not an output: e.g. ``OUT/glm-pack`` itself, or a wrong path), which they refuse anyway.
     """
 
     def __init__(self, out: Path, *, shared: bool = False, create: bool = True):
@@ -51,6 +53,8 @@ class OutputLock:
 
     def __enter__(self) -> OutputLock:
         mode = os.O_RDONLY if self.shared else os.O_RDWR  # a reader writes nothing: a read-only file will do
+        if not (self.create or os.path.lexists(self.path) or (self.path.parent / OVERLAY_DIR).is_dir()):
+            return self
         try:
             if self.create:
                 self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -638,6 +638,10 @@ def test_verify_of_the_overlay_folder_points_at_its_output(synth_ckpt, tmp_path)
         f"problem {out / 'glm-pack'} is the glm-pack/ folder of a converted output: pass the output itself, {out}",
         f"verify {out / 'glm-pack'}: FAILED",
     ], r.output
+    for wrong in (out / "glm-pack", tmp_path):  # neither is an output: verify and card leave no lock file there
+        for command in (["verify"], ["card", "--overlay-only"]):
+            assert CliRunner().invoke(main, [*command, str(wrong)]).exit_code == 1
+        assert not (wrong / ".glm-pack.lock").exists()
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8-channel", "mxfp4-attn"])
