@@ -1,7 +1,8 @@
 """The ``glm-pack`` command line. Each verb lives in its own module and registers here.
 
 Every :class:`~glm_pack.packing.errors.GlmPackError` becomes one line on stderr and exit code 1;
-``--debug`` shows the traceback instead.
+``--debug`` shows the traceback instead. Ctrl-C ends any command with one line and exit code 130 (``convert``
+says there what the interrupted run left).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ class _Group(click.Group):
                 raise
             click.echo(f"glm-pack: error: {err}", err=True)
             sys.exit(1)
+        except KeyboardInterrupt:  # click's own handling says 'Aborted!' and exits 1
+            click.echo(f"glm-pack: interrupted; {ctx.invoked_subcommand or 'the command'} did not finish", err=True)
+            sys.exit(130)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

@@ -656,3 +656,16 @@ def test_summary_says_what_errors_against_a_quantized_source_leave_out(synth_ckp
     quantized = fmt != "bf16"
     assert (f"already quantized ({source_format})" in text) == quantized, text
     assert ("w_vc keeps the source's MXFP4 bytes" in text) == (source_format == "mxfp4"), text
+
+
+def test_ctrl_c_in_any_command_is_one_line_and_exit_130(monkeypatch, tmp_path):
+    """click turned a Ctrl-C outside convert into 'Aborted!' and exit code 1, like a failure."""
+    from glm_pack.convert import commands
+
+    def interrupted(out):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, "verify", interrupted)
+    r = CliRunner().invoke(main, ["verify", str(tmp_path)])
+    assert r.exit_code == 130 and r.stdout == "", r.output
+    assert r.stderr.splitlines() == ["glm-pack: interrupted; verify did not finish"]
