@@ -41,7 +41,8 @@ class OutputLock:
     missing and no lock is an OutputError. Without it (card, push, verify) OUT is not made, and where it is
     missing or this user cannot create or open the lock file in it (a read-only folder or mount) the block
     runs without the lock: no glm-pack run of this user can write there either, and the command itself then
-    reports what it cannot read or write. Nor do they create a lock file in a folder that has none and no
+    reports what it cannot read or write. A reader also runs unlocked where the lock file is a symlink (a writer
+    refuses it: it never writes through a link). Nor do they create a lock file in a folder that has none and no
     ``glm-pack/`` folder (not an output: e.g. ``OUT/glm-pack`` itself, or a wrong path), which they refuse anyway.
     """
 
@@ -61,6 +62,8 @@ class OutputLock:
             fd = os.open(self.path, mode | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # never write through a link
         except OSError as err:
             if not self.create and err.errno in _UNLOCKABLE:
+                return self
+            if self.shared and err.errno == errno.ELOOP:  # an OUT copied as links (cp -rs): a reader writes nothing
                 return self
             why = "it is a symlink" if err.errno == errno.ELOOP else err.strerror or str(err)
             raise OutputError(f"cannot create the output lock: {why}", file=self.path) from err

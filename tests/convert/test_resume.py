@@ -365,6 +365,22 @@ def test_verify_of_a_read_only_view_still_sees_a_writer(converted, tmp_path, loc
     assert f"a glm-pack run (pid {holder.pid}) is writing this output" in line
 
 
+def test_a_linked_lock_file_lets_verify_read_and_refuses_writers(converted, tmp_path):
+    """An OUT copied as links (cp -rs, or a test's ckpt_copy) has its lock file as a link: verify, which writes
+    nothing, checks it unlocked (it refused: 'cannot create the output lock: it is a symlink'); a writer still
+    refuses to write through it."""
+    src, clean = converted
+    out = private_out(clean, tmp_path / "out")
+    target = tmp_path / "elsewhere.lock"
+    target.write_text("12345")
+    (out / state.LOCK_NAME).unlink(missing_ok=True)
+    (out / state.LOCK_NAME).symlink_to(target)
+    r = CliRunner().invoke(main, ["verify", str(out)])
+    assert r.exit_code == 0 and f"verify {out}: OK" in r.output, r.output
+    assert "it is a symlink" in refusal(CliRunner().invoke(main, ["card", str(out)]), out)
+    assert target.read_text() == "12345"
+
+
 def test_ctrl_c_exits_cleanly_and_leaves_a_resumable_state(converted, tmp_path):
     src, clean = converted
     out = tmp_path / "out"
