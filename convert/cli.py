@@ -2,7 +2,7 @@
 
 Every :class:`~glm_pack.packing.errors.GlmPackError` becomes one line on stderr and exit code 1;
 ``--debug`` shows the traceback instead. Ctrl-C ends any command with one line and exit code 130 (``convert``
-says there what the interrupted run left).
+says there what the interrupted run left; ``push``, how many files it committed).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class _Group(click.Group):
             if ctx.params.get("debug"):
                 raise
             click.echo(f"glm-pack: error: {err}", err=True)
-            sys.exit(1)
+            sys.exit(130 if isinstance(err.__context__, KeyboardInterrupt) else 1)  # push's error for a Ctrl-C
         except KeyboardInterrupt:  # click's own handling says 'Aborted!' and exits 1
             click.echo(f"glm-pack: interrupted; {ctx.invoked_subcommand or 'the command'} did not finish", err=True)
             sys.exit(130)

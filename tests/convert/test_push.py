@@ -539,3 +539,22 @@ def test_commit_bound_must_be_finite_and_positive(hub, out, bound):
     result = CliRunner().invoke(main, ["push", str(out), REPO, "--dry-run", "--max-commit-gib", bound])
     assert result.exit_code == 2 and "must be a finite number > 0" in result.output, result.output
     assert "Traceback" not in result.output and hub.requests == []  # refused before any call
+
+
+def test_ctrl_c_during_the_upload_exits_130_with_its_one_line(hub, out, monkeypatch):
+    """README: Ctrl-C ends every command with one line and exit code 130. push turned a Ctrl-C between commits into
+    a HubError, which exited 1 like a failure."""
+    real, calls = HfApi.create_commit, []
+
+    def commit(self, *args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:  # the first commit landed
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(HfApi, "create_commit", commit)
+    result = CliRunner().invoke(main, ["push", str(out), REPO, "--max-commit-gib", str(SMALL_COMMIT_GIB)])
+    assert result.exit_code == 130, result.output
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert "upload interrupted (interrupted by the user) after " in result.stderr
+    assert "run the same command again to upload the rest" in result.stderr
