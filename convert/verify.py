@@ -80,7 +80,7 @@ def read_manifest(out: Path) -> dict:
     if not path.is_file() and (Path(out) / mf.MANIFEST_NAME).is_file():
         raise GlmPackError(
             f"{out} is the {mf.OVERLAY_DIR}/ folder of a converted output: pass the output itself, "
-            f"{Path(out).parent}"
+            f"{Path(out).resolve().parent}"  # resolved: 'verify .' inside it named '.'
         )
     if not path.is_file():
         raise IncompleteOutputError(

@@ -628,9 +628,9 @@ def test_verify_says_when_the_source_was_not_reached(synth_ckpt, ckpt_copy, tmp_
     assert r.exit_code == 0 and report["ok"] is True and report["source_checked"] is False, r.output
 
 
-def test_verify_of_the_overlay_folder_points_at_its_output(synth_ckpt, tmp_path):
+def test_verify_of_the_overlay_folder_points_at_its_output(synth_ckpt, tmp_path, monkeypatch):
     """`verify OUT/glm-pack` reported an interrupted conversion (INCOMPLETE, 'the conversion did not finish') of a
-    complete output; it now says which folder to pass."""
+    complete output; it now says which folder to pass (for `verify .` inside it too: it named '.' itself)."""
     out = tmp_path / "out"
     convert(synth_ckpt("glm-5", "bf16"), out, ConvertOptions(files="none"))
     r = CliRunner().invoke(main, ["verify", str(out / "glm-pack")])
@@ -638,6 +638,9 @@ def test_verify_of_the_overlay_folder_points_at_its_output(synth_ckpt, tmp_path)
         f"problem {out / 'glm-pack'} is the glm-pack/ folder of a converted output: pass the output itself, {out}",
         f"verify {out / 'glm-pack'}: FAILED",
     ], r.output
+    monkeypatch.chdir(out / "glm-pack")
+    r = CliRunner().invoke(main, ["verify", "."])
+    assert r.exit_code == 1 and r.output.splitlines()[0].endswith(f"pass the output itself, {out}"), r.output
     for wrong in (out / "glm-pack", tmp_path):  # neither is an output: verify and card leave no lock file there
         for command in (["verify"], ["card", "--overlay-only"]):
             assert CliRunner().invoke(main, [*command, str(wrong)]).exit_code == 1
