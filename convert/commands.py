@@ -21,7 +21,7 @@ from .convert import FILE_MODES, ConvertOptions, ConvertReport, convert
 from .modelcard import source_error_text
 from .verify import VerifyReport, verify
 
-console = Console(stderr=False)
+console = Console(stderr=False, emoji=False)  # ":cd:" in a path is no emoji code
 
 
 def _summary(report: ConvertReport) -> None:

@@ -15,7 +15,7 @@ from rich.table import Table
 from .modelcard import write_card
 from .push import PushOptions, PushReport, push
 
-console = Console(stderr=False)
+console = Console(stderr=False, emoji=False)  # ":cd:" in a path is no emoji code
 
 
 def _mib(n: int) -> str:

@@ -332,16 +332,18 @@ def test_a_checkpoint_without_mla_layers_is_refused(synth_ckpt, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_paths_with_brackets_are_printed_as_they_are(synth_ckpt, tmp_path):
+@pytest.mark.parametrize("tag", ["[old]", ":cd:"])
+def test_paths_with_markup_are_printed_as_they_are(synth_ckpt, tmp_path, tag):
     """Paths went through rich's markup: '[old]' in a folder name was taken for a style tag and dropped, so verify
-    reported on 'GLM-5-gfx950' when asked about 'GLM-5[old]-gfx950'."""
-    src, out = tmp_path / "src[v1]", tmp_path / "GLM-5[old]-gfx950"
+    reported on 'GLM-5-gfx950' when asked about 'GLM-5[old]-gfx950'; ':cd:' was taken for an emoji code and
+    printed as an optical disc."""
+    src, out = tmp_path / f"src{tag}v1", tmp_path / f"GLM-5{tag}-gfx950"
     src.symlink_to(synth_ckpt("glm-5", "bf16"), target_is_directory=True)
     runner = CliRunner()
     r = runner.invoke(main, ["inspect", str(src)])
     assert r.exit_code == 0 and r.output.startswith(f"{src}: GLM-5"), r.output
     r = runner.invoke(main, ["convert", str(src), str(out), "--files", "none", "--workers", "1"])
-    assert r.exit_code == 0 and "GLM-5[old]-gfx950" in " ".join(r.output.split()), r.output  # the summary's title
+    assert r.exit_code == 0 and f"GLM-5{tag}-gfx950" in " ".join(r.output.split()), r.output  # the summary's title
     r = runner.invoke(main, ["verify", str(out)])
     assert r.exit_code == 0 and r.output.splitlines()[-1] == f"verify {out}: OK", r.output
     r = runner.invoke(main, ["card", str(out), "--overlay-only"])

@@ -296,6 +296,7 @@ def test_stale_overlay_files_alone_make_one_commit_of_deletions(hub, out):
 
 def test_dry_run_lists_and_uploads_nothing(hub, out):
     (out / "notes[draft].md").write_text("a file of OUT whose name rich's markup took for a style tag")
+    (out / "notes:cd:.md").write_text("one whose name rich took for an emoji code (listed as 'notes💿.md')")
     result = run_cli("push", out, REPO, "--dry-run")
     assert result.exit_code == 0, result.output
     assert "nothing was uploaded" in result.output
