@@ -49,10 +49,11 @@ def io_floor(src: Path, out: Path) -> float:
 
 def copy_vs_cp(src: Path, work: Path, rounds: int = 3) -> tuple[float, float, float, int]:
     """Best of ``rounds`` (cold page cache each time): glm-pack's copy step (fsynced), cp, and cp + sync."""
-    from glm_pack.convert.convert import fsync_files, original_files, place_original
+    from glm_pack.convert.checkpoint import LocalStore
+    from glm_pack.convert.convert import fsync_files, place_original
 
-    files = original_files(src)
-    nbytes = sum((src / f).stat().st_size for f in files)
+    listing = LocalStore(src).list_files()
+    files, nbytes = [Path(rel) for rel, _ in listing], sum(size for _, size in listing)
     best = [float("inf")] * 3
     for _ in range(rounds):
         for i, step in enumerate(("ours", "cp", "cp+sync")):

@@ -58,13 +58,23 @@ class LocalStore:
         return sorted(p.name for p in self.root.glob("*.safetensors") if p.is_file())
 
     def list_files(self) -> list[tuple[str, int]]:
-        """Every regular file under the root (symlinks followed; hidden and ``glm-pack/`` skipped), with sizes."""
+        """Every regular file under the root (symlinks followed; hidden and ``glm-pack/`` skipped), with sizes.
+
+        A symlink that resolves to nothing (a HF cache snapshot whose blob never finished downloading) is refused:
+        a conversion's output would silently lack that file."""
         out = []
         for path in sorted(self.root.rglob("*")):
             rel = path.relative_to(self.root)
-            if any(part.startswith(".") for part in rel.parts) or rel.parts[0] == "glm-pack" or not path.is_file():
+            if any(part.startswith(".") for part in rel.parts) or rel.parts[0] == OVERLAY_DIR:
                 continue
-            out.append((rel.as_posix(), path.stat().st_size))
+            if path.is_file():
+                out.append((rel.as_posix(), path.stat().st_size))
+            elif path.is_symlink() and not path.exists():
+                raise CheckpointError(
+                    f"broken symlink in the source: it points to {os.readlink(path)}, which is missing or cannot be "
+                    "resolved (an unfinished download?); restore the file or remove the link",
+                    file=str(path),
+                )
         return out
 
 

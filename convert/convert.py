@@ -240,33 +240,13 @@ def fsync_files(paths: list[Path], folders: Iterable[Path] = ()) -> None:
         fsync_path(path)
 
 
-def original_files(root: Path) -> list[Path]:
-    """Every regular file of the source (through symlinks), relative, skipping hidden and glm-pack/ entries.
-
-    A symlink that resolves to nothing (a HF cache snapshot whose blob never finished downloading) is refused: the
-    output would silently lack that file."""
-    found = []
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root)
-        if any(part.startswith(".") for part in rel.parts) or rel.parts[0] == mf.OVERLAY_DIR:
-            continue
-        if path.is_file():
-            found.append(rel)
-        elif path.is_symlink() and not path.exists():
-            raise CheckpointError(
-                f"broken symlink in the source: it points to {os.readlink(path)}, which is missing or cannot be "
-                "resolved (an unfinished download?); restore the file or remove the link",
-                file=str(path),
-            )
-    return found
-
-
 def source_files(ckpt: Checkpoint) -> tuple[list[Path], dict[str, list[int]]]:
-    """The source's files and their stats; a Hub commit is immutable, so its listing is its fingerprint."""
+    """The source's files (relative; hidden and glm-pack/ entries skipped) and their stats; a Hub commit is
+    immutable, so its listing is its fingerprint."""
+    listing = ckpt.store.list_files()
+    originals = [Path(rel) for rel, _ in listing]
     if is_hub(ckpt):
-        listing = ckpt.store.list_files()
-        return [Path(rel) for rel, _ in listing], {rel: [size, 0] for rel, size in listing}
-    originals = original_files(ckpt.root)
+        return originals, {rel: [size, 0] for rel, size in listing}
     return originals, source_stats(ckpt.root, originals)
 
 

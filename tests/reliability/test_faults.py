@@ -384,6 +384,17 @@ def test_broken_symlink_in_the_source_is_refused(source, ckpt_copy, tmp_path, fi
     assert not out.exists()
 
 
+def test_broken_symlink_in_the_source_fails_inspect_too(source, ckpt_copy, tmp_path):
+    """inspect shows the plan convert would carry out: it listed the originals to reuse without the broken link
+    (the walk it shares with convert skipped it) and reported a plan that convert then refused."""
+    src = ckpt_copy(source)
+    (src / "tokenizer.json").symlink_to(tmp_path / "blobs" / "never-downloaded")
+    r = CliRunner().invoke(main, ["inspect", str(src)])
+    errors = [line for line in r.output.splitlines() if line.startswith("glm-pack: error:")]
+    assert r.exit_code == 1 and len(errors) == 1 and "broken symlink in the source" in errors[0], r.output
+    assert f"file {src / 'tokenizer.json'}" in errors[0], errors
+
+
 def test_symlinks_in_out_are_replaced_never_written_through(source, ckpt_copy, tmp_path):
     """With --overwrite, links planted in OUT (to source files, to a victim dir) are replaced, targets kept."""
     src = ckpt_copy(source)  # a HF-cache-like snapshot of links: read through them
