@@ -25,6 +25,7 @@ from glm_pack.packing.errors import GlmPackError, PlanError
 from glm_pack.packing.mla import split_kv_b_mxfp4_vc
 
 from .checkpoint import Checkpoint, open_checkpoint
+from .plan import layers_to_convert
 from .writer import LazyTensor, dtype_name, write_safetensors
 
 OVERLAY_METADATA = {"format": "pt", "producer": "glm-pack"}
@@ -66,12 +67,7 @@ def plan_items(ckpt: Checkpoint, repack_experts: str = "none", file_bytes: int =
     when the checkpoint holds no MLA layer."""
     if repack_experts not in REPACK_MODES:
         raise PlanError(f"--repack-experts must be one of {', '.join(REPACK_MODES)}, got {repack_experts!r}")
-    items = [WorkItem("mla", layer, f"layer-{layer:03d}.safetensors") for layer in ckpt.mla_layers()]
-    if not items:
-        raise PlanError(
-            f"the checkpoint holds no MLA layer (card {ckpt.card.name}): there is no w_kc / w_vc to write",
-            file=ckpt.root,
-        )
+    items = [WorkItem("mla", layer, f"layer-{layer:03d}.safetensors") for layer in layers_to_convert(ckpt)]
     if repack_experts == "none":
         return items
     # Only MXFP4 experts are repacked; others (e.g. an MTP layer left in BF16 by Quark's exclude list) stay as

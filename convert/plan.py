@@ -140,6 +140,17 @@ def _projection(name: str, heads: int, n: int, k_logical: int, k_stored: int, pr
     ]
 
 
+def layers_to_convert(ckpt: Checkpoint) -> list[int]:
+    """The MLA layer ids of ``ckpt``; PlanError when it holds none (there would be no w_kc / w_vc to write)."""
+    layers = ckpt.mla_layers()
+    if not layers:
+        raise PlanError(
+            f"the checkpoint holds no MLA layer (card {ckpt.card.name}): there is no w_kc / w_vc to write",
+            file=ckpt.root,
+        )
+    return layers
+
+
 def make_plan(
     ckpt: Checkpoint, *, quant_mode: str = "even", k_pad="card", mla_precision: str = "mxfp4", files: str = "link"
 ) -> Plan:
@@ -163,7 +174,7 @@ def make_plan(
         )
 
     jobs = []
-    for layer in ckpt.mla_layers():
+    for layer in layers_to_convert(ckpt):
         prefix = ckpt.card.layer_prefix(layer)
         source = ckpt.card.kv_b_proj(layer)
         outputs = projections(prefix, stored_precision)

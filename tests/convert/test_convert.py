@@ -319,11 +319,13 @@ def test_a_refused_convert_prints_its_error_line_and_nothing_else(synth_ckpt, tm
     assert r.exit_code == 1 and r.stdout == "" and r.stderr.count("\n") == 1, (r.stdout, r.stderr)
 
 
-def test_a_checkpoint_without_mla_layers_is_refused(synth_ckpt, tmp_path):
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_a_checkpoint_without_mla_layers_is_refused(synth_ckpt, tmp_path, command):
     """GLM-5.3-Flash's first MLA layer is layer 3: two layers without the MTP layer hold none. Convert wrote an
-    overlay of no layers, with a manifest, and reported success."""
+    overlay of no layers, with a manifest, and reported success; inspect showed a plan of no layers."""
     src = synth_ckpt("glm-5.3-flash", "bf16", layers=2, mtp=False)
-    r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--quiet"])
+    args = [str(src), str(tmp_path / "out"), "--quiet"] if command == "convert" else [str(src)]
+    r = CliRunner().invoke(main, [command, *args])
     assert r.exit_code == 1 and r.stdout == "", (r.stdout, r.stderr)
     assert r.stderr.splitlines() == [
         f"glm-pack: error: the checkpoint holds no MLA layer (card glm-5.3-flash): there is no w_kc / w_vc to write "
