@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from rich.table import Table
 
 from glm_pack.packing import manifest as mf
+from glm_pack.packing.absorb import POLICIES
 from glm_pack.packing.errors import VerifyError
 
 from . import state
@@ -85,6 +86,13 @@ def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> Conve
     return report
 
 
+def mla_precision_option(help_text: str):
+    """``--mla-precision`` (default mxfp4) of convert and inspect."""
+    return click.option(
+        "--mla-precision", type=click.Choice(POLICIES), default="mxfp4", show_default=True, help=help_text
+    )
+
+
 @click.command("convert")
 @click.argument("src")
 @click.argument("out", type=click.Path(file_okay=False))
@@ -102,13 +110,7 @@ def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> Conve
     help="K padding of w_kc: 'card' (family default: 192 -> 256 for GLM-5), 'none', or N, a multiple of 32 "
     "(K rounded up to a multiple of N).",
 )
-@click.option(
-    "--mla-precision",
-    type=click.Choice(["mxfp4", "bf16", "auto"]),
-    default="mxfp4",
-    show_default=True,
-    help="Storage of w_kc/w_vc; auto keeps a tensor in BF16 when its MXFP4 error exceeds --max-rel-error.",
-)
+@mla_precision_option("Storage of w_kc/w_vc; auto keeps a tensor in BF16 when its MXFP4 error exceeds --max-rel-error.")
 @click.option(
     "--max-rel-error",
     type=float,

@@ -43,6 +43,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .checkpoint import Checkpoint, open_checkpoint
+from .commands import mla_precision_option
 from .convert import files_mode, is_hub
 from .modelcard import compact_ranges
 from .plan import FILE_MODES, make_plan
@@ -215,12 +216,8 @@ def _overlay_size(plan: dict) -> str:
 @click.option(
     "--k-pad", default="card", show_default=True, help="As for convert: 'card', 'none' or N, a multiple of 32."
 )
-@click.option(
-    "--mla-precision",
-    type=click.Choice(["mxfp4", "bf16", "auto"]),
-    default="mxfp4",
-    show_default=True,
-    help="As for convert; with auto the overlay size is a range (every tensor MXFP4 to every tensor BF16).",
+@mla_precision_option(
+    "As for convert; with auto the overlay size is a range (every tensor MXFP4 to every tensor BF16)."
 )
 @click.option(
     "--quant-mode", type=click.Choice(["even", "mse"]), default="even", show_default=True, help="As for convert."

@@ -272,6 +272,18 @@ def test_an_overlay_tensor_unlike_its_manifest_entry_is_refused_at_load(packed_d
     assert err.value.tensor == name and err.value.file == str(path)
 
 
+def tiny_layer(backend: Backend, vc_k_stored: int = 64) -> MlaLayer:
+    """A rope-free MXFP4 layer of 2 heads (kv_lora 64, nope 32, v 32) with zero weights on the CPU, w_vc stored with
+    ``vc_k_stored`` (>= 64) columns of K, for tests that watch what reaches ``backend``."""
+    geom = MlaGeometry(num_heads=2, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=0, v_head_dim=32)
+
+    def zeros(n: int, k: int) -> ProjectionWeights:  # [H, n, k] codes and scales
+        codes, scales = torch.zeros(2, n, k // 2, dtype=torch.uint8), torch.zeros(2, n, k // 32, dtype=torch.uint8)
+        return ProjectionWeights("mxfp4", codes, scales, min(k, 64), k, 0.0)
+
+    return MlaLayer(0, geom, zeros(64, 32), zeros(32, vc_k_stored), backend)
+
+
 def test_a_width_other_than_the_stored_k_never_reaches_the_backend():
     """aiter checks no K and returns garbage: a w_vc stored padded past kv_lora (a manifest may record k_stored >
     k_logical for it) meets a kv_lora-wide latent; the layer refuses before any backend call."""
@@ -282,14 +294,7 @@ def test_a_width_other_than_the_stored_k_never_reaches_the_backend():
         def bmm_a16wfp4(self, x, w_codes, w_scales, out, *, op, act_quant):
             self.calls.append(op)
 
-    geom = MlaGeometry(num_heads=2, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=0, v_head_dim=32)
-    kc = ProjectionWeights(
-        "mxfp4", torch.zeros(2, 64, 16, dtype=torch.uint8), torch.zeros(2, 64, 1, dtype=torch.uint8), 32, 32, 0.0
-    )
-    vc = ProjectionWeights(
-        "mxfp4", torch.zeros(2, 32, 48, dtype=torch.uint8), torch.zeros(2, 32, 3, dtype=torch.uint8), 64, 96, 0.0
-    )
-    layer = MlaLayer(0, geom, kc, vc, Recording())
+    layer = tiny_layer(Recording(), vc_k_stored=96)  # a w_vc stored padded past kv_lora 64
     layer.k_up(torch.zeros(3, 2, 32, dtype=torch.bfloat16))
     assert Recording.calls == ["k_up"]
     with pytest.raises(BackendError, match="v_up: x has K=64, weight stores K=96"):
@@ -327,14 +332,7 @@ def test_backend_calls_run_with_the_layers_gpu_current(monkeypatch):
             seen.append(("attend", current[0]))
             return torch.zeros(q_latent.shape, dtype=torch.bfloat16), None
 
-    geom = MlaGeometry(num_heads=2, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=0, v_head_dim=32)
-    kc = ProjectionWeights(
-        "mxfp4", torch.zeros(2, 64, 16, dtype=torch.uint8), torch.zeros(2, 64, 1, dtype=torch.uint8), 32, 32, 0.0
-    )
-    vc = ProjectionWeights(
-        "mxfp4", torch.zeros(2, 32, 32, dtype=torch.uint8), torch.zeros(2, 32, 2, dtype=torch.uint8), 64, 64, 0.0
-    )
-    layer = MlaLayer(0, geom, kc, vc, Recording())
+    layer = tiny_layer(Recording())
     latent = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
     calls = lambda: (  # noqa: E731
         layer.k_up(torch.zeros(3, 2, 32, dtype=torch.bfloat16)),
