@@ -22,7 +22,7 @@ from .convert import FILE_MODES, ConvertOptions, ConvertReport, convert
 from .modelcard import source_error_text
 from .verify import VerifyReport, verify
 
-console = Console(stderr=False, emoji=False)  # ":cd:" in a path is no emoji code
+console = Console(stderr=False, emoji=False, soft_wrap=True)  # ":cd:" in a path is no emoji code; lines never wrap
 
 
 def _summary(report: ConvertReport) -> None:
@@ -193,10 +193,10 @@ def print_verify(report: VerifyReport, as_json: bool) -> None:
         click.echo(json.dumps(report.as_dict(), indent=2))
         return
     for line in report.checked:
-        console.print(f"[green]checked[/green] {escape(line)}", soft_wrap=True)
+        console.print(f"[green]checked[/green] {escape(line)}")
     for line in report.problems:
-        console.print(f"[red]problem[/red] {escape(line)}", soft_wrap=True)
-    console.print(f"verify {report.out}: {report.verdict}", markup=False, soft_wrap=True)  # one line at any width
+        console.print(f"[red]problem[/red] {escape(line)}")
+    console.print(f"verify {report.out}: {report.verdict}", markup=False)
 
 
 @click.command("verify")

@@ -235,4 +235,4 @@ def inspect_command(src, as_json, k_pad, mla_precision, quant_mode, files):
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
-        render(report, Console(emoji=False))
+        render(report, Console(emoji=False, soft_wrap=True))

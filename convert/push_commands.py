@@ -15,7 +15,7 @@ from rich.table import Table
 from .modelcard import write_card
 from .push import PushOptions, PushReport, push
 
-console = Console(stderr=False, emoji=False)  # ":cd:" in a path is no emoji code
+console = Console(stderr=False, emoji=False, soft_wrap=True)  # ":cd:" in a path is no emoji code; lines never wrap
 
 
 def _mib(n: int) -> str:
@@ -206,4 +206,4 @@ def card_command(out, overlay_only, base_model, repo_id):
       glm-pack card /models/GLM-5-gfx950 --overlay-only
     """
     path = write_card(out, overlay_only=overlay_only, base_model=base_model, repo_id=repo_id)
-    console.print(f"model card written: {path}", markup=False, soft_wrap=True)
+    console.print(f"model card written: {path}", markup=False)

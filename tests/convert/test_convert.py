@@ -334,6 +334,23 @@ def test_a_checkpoint_without_mla_layers_is_refused(synth_ckpt, tmp_path, comman
     assert not (tmp_path / "out").exists()
 
 
+def test_long_paths_and_summaries_stay_on_one_line_when_piped(synth_ckpt, tmp_path):
+    """Piped output (80 columns) was wrapped mid-word: inspect's first line split its path, convert's summary ran
+    over three lines, so `grep` and `tail -1` got pieces."""
+    src = tmp_path / ("a-long-folder-name-" * 5) / "GLM-5-source"
+    src.parent.mkdir()
+    src.symlink_to(synth_ckpt("glm-5", "bf16"), target_is_directory=True)
+    runner = CliRunner()
+    r = runner.invoke(main, ["inspect", str(src)])
+    assert r.exit_code == 0 and r.stdout.splitlines()[0].startswith(f"{src}: "), r.stdout
+    out = src.parent / "GLM-5-gfx950"
+    r = runner.invoke(main, ["convert", str(src), str(out), "--files", "none", "--workers", "1"])
+    assert r.exit_code == 0, r.output
+    summary = [line for line in r.stdout.splitlines() if " MLA layers, overlay " in line]
+    assert len(summary) == 1 and summary[0].endswith(" s") and "rel error w_kc max" in summary[0], r.stdout
+    assert f"MLA overlay in {out}" in r.stdout.splitlines()
+
+
 @pytest.mark.parametrize("tag", ["[old]", ":cd:"])
 def test_paths_with_markup_are_printed_as_they_are(synth_ckpt, tmp_path, tag):
     """Paths went through rich's markup: '[old]' in a folder name was taken for a style tag and dropped, so verify
