@@ -139,6 +139,8 @@ def test_v_up_writes_into_out(packed_dirs):
     assert layer.v_up(latent, out=buf) is buf and torch.isfinite(buf).all()
     with pytest.raises(BackendError, match="out must be"):
         layer.v_up(latent, out=torch.empty(5, 64, 128, dtype=torch.bfloat16))
+    with pytest.raises(BackendError, match=r"out must be bf16 \(5, 64, 256\), got torch.float32"):
+        layer.v_up(latent, out=torch.empty(5, 64, 256))
 
 
 def test_v_up_into_a_view_of_its_own_input_is_right():
@@ -322,6 +324,35 @@ def test_a_width_other_than_the_stored_k_never_reaches_the_backend():
     with pytest.raises(BackendError, match="v_up: x has K=64, weight stores K=96"):
         layer.v_up(torch.zeros(3, 2, 64, dtype=torch.bfloat16))
     assert Recording.calls == ["k_up"]
+
+
+def test_v_up_writes_an_out_apart_from_latent_directly_and_one_sharing_its_memory_through_a_copy():
+    """The kernel gets ``out``'s own memory when no byte of it is one of ``latent``'s (no extra copy), and a
+    temporary when even one is: an out right after latent in one buffer is direct, one reaching back a single
+    element into latent's last row is not."""
+    written = []
+
+    class Recording(Backend):
+        name = "recording"
+
+        def bmm_a16wfp4(self, x, w_codes, w_scales, out, *, op, act_quant):
+            written.append(out.data_ptr())
+            out.fill_(1.0)
+
+    layer = tiny_layer(Recording())
+    n_latent, n_out = 3 * 2 * 64, 3 * 2 * 32  # elements of latent [3, 2, 64] and out [3, 2, 32]
+    flat = torch.zeros(n_latent + n_out, dtype=torch.bfloat16)
+    latent = flat[:n_latent].view(3, 2, 64)
+    for start, direct in ((n_latent, True), (n_latent - 1, False)):  # adjacent; sharing latent's last element
+        flat.zero_()
+        written.clear()
+        out = flat[start : start + n_out].view(3, 2, 32)
+        assert layer.v_up(latent, out=out) is out and (out == 1).all()
+        assert (written == [out.data_ptr()]) == direct, (start, written, out.data_ptr())
+    out = torch.empty(3, 2, 32, dtype=torch.bfloat16)  # a buffer of its own
+    written.clear()
+    layer.v_up(latent, out=out)
+    assert written == [out.data_ptr()]
 
 
 def test_backend_calls_run_with_the_layers_gpu_current(monkeypatch):
