@@ -503,6 +503,19 @@ def test_tensors_off_the_layers_device_are_refused_by_name(packed_dirs):
         layer.attend(latent, [cache], indptr, indices, 0.1, q_rope=q[..., 192:])
 
 
+def test_a_tensor_on_another_gpu_than_the_layers_is_refused(monkeypatch):
+    """The device index counts, not just its type: a q on cuda:0 against a layer on cuda:1 is refused (no GPU here:
+    a fake tensor stands in for the cuda:0 one, the layer's device is set as open(device="cuda:1") sets it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer = tiny_layer(Backend())
+    monkeypatch.setattr(layer, "device", torch.device("cuda", 1))
+    with FakeTensorMode():
+        q = torch.zeros(3, 2, 32, dtype=torch.bfloat16, device="cuda:0")
+    with pytest.raises(BackendError, match="layer 0: q is on cuda:0, but the layer's weights are on cuda:1"):
+        layer.k_up(q)
+
+
 def test_open_verify_detects_a_changed_source_tensor(packed_dirs, tmp_path, edit_tensor):
     _, out = packed_dirs("glm-5")
     bad = tmp_path / "bad"
