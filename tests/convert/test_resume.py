@@ -271,6 +271,32 @@ def test_stale_lock_of_a_killed_process_is_recovered(converted, tmp_path, lock_h
     assert verify(out).ok
 
 
+def test_a_stale_longer_pid_in_the_lock_file_is_not_reported(converted, tmp_path, lock_holder):
+    """The lock file keeps the pid of the last writer; a writer with a shorter pid replaces it whole, so a refusal
+    names the live writer, not its digits over the tail of the stale one."""
+    src, _ = converted
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / state.LOCK_NAME).write_text("9" * 40)  # left by a writer long gone
+    holder = lock_holder(out)
+    with pytest.raises(PlanError, match=rf"another glm-pack run \(pid {holder.pid}\) is writing this output"):
+        convert(src, out, ConvertOptions(files="none"))
+
+
+@pytest.mark.parametrize("holder", ["writer", "reader"])
+def test_a_refused_run_leaves_no_file_open(converted, tmp_path, lock_holder, holder):
+    """A refusal closes the lock file it opened: a long-lived process (a notebook, a service) refused again and again
+    must not run out of file descriptors."""
+    src, clean = converted
+    out = private_out(clean, tmp_path / "out")
+    lock_holder(out, shared=holder == "reader")
+    before = sorted(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(PlanError, match="is (writing|reading) this output"):
+            convert(src, out, ConvertOptions(files="none", overwrite=True))
+    assert sorted(os.listdir("/proc/self/fd")) == before
+
+
 def private_out(clean, dst):
     """A private copy of a converted OUT (hard links: a card is written by rename, never through them); its
     lock file is left out, as in a downloaded OUT."""
