@@ -283,6 +283,23 @@ def test_a_stale_longer_pid_in_the_lock_file_is_not_reported(converted, tmp_path
         convert(src, out, ConvertOptions(files="none"))
 
 
+def test_a_writer_takes_the_lock_when_the_readers_leave_while_it_looks(converted, tmp_path, monkeypatch):
+    """A writer finding the lock held looks whether a writer or only readers hold it (by taking it shared); when the
+    readers left meanwhile (here: its first attempt is refused as if a verify held it), it is granted the lock, not
+    refused naming a verify that is gone."""
+    src, clean = converted
+    out = private_out(clean, tmp_path / "out")
+    real, attempts = state._flock, []
+
+    def flock(fd, op):
+        attempts.append(op)
+        return len(attempts) > 1 and real(fd, op)  # the first attempt meets a verify that then finishes
+
+    monkeypatch.setattr(state, "_flock", flock)
+    with OutputLock(out):
+        assert (out / state.LOCK_NAME).read_text() == str(os.getpid())
+
+
 @pytest.mark.parametrize("holder", ["writer", "reader"])
 def test_a_refused_run_leaves_no_file_open(converted, tmp_path, lock_holder, holder):
     """A refusal closes the lock file it opened: a long-lived process (a notebook, a service) refused again and again
