@@ -526,6 +526,23 @@ def test_link_mode_hard_links_and_follows_symlinked_sources(synth_ckpt, tmp_path
     shutil.rmtree(out)
 
 
+@pytest.mark.parametrize("files", ["link", "copy"])
+def test_hidden_files_and_an_overlay_inside_the_source_are_not_originals(synth_ckpt, tmp_path, ckpt_copy, files):
+    """`hf download --local-dir` leaves .cache/huggingface/ in the folder, and a converted OUT used as a source
+    holds glm-pack/: neither is part of the model, so neither is placed in OUT nor listed as a source file."""
+    src = ckpt_copy(synth_ckpt("glm-5", "bf16"))
+    (src / ".cache" / "huggingface").mkdir(parents=True)
+    (src / ".cache" / "huggingface" / "config.json.metadata").write_text("download state")
+    (src / "glm-pack").mkdir()
+    (src / "glm-pack" / "notes.txt").write_text("an earlier overlay's file")
+    out = tmp_path / "out"
+    convert(src, out, ConvertOptions(files=files))
+    assert not (out / ".cache").exists() and not (out / "glm-pack" / "notes.txt").exists()
+    listed = json.dumps(json.loads((out / "glm-pack" / "manifest.json").read_text()))
+    assert "metadata" not in listed and "notes.txt" not in listed
+    assert verify(out).ok
+
+
 def test_index_entry_outside_the_source_is_refused_before_any_output(synth_ckpt, ckpt_copy, tmp_path):
     src = ckpt_copy(synth_ckpt("glm-5", "bf16"))
     index_path = src / "model.safetensors.index.json"
