@@ -3,6 +3,7 @@ verify; push's in test_push.py), Ctrl-C."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -396,6 +397,25 @@ def test_verify_of_a_read_only_out_without_a_lock_file_runs_unlocked(converted, 
     r = CliRunner().invoke(main, ["card", str(view)])
     assert r.exit_code == 0 and "model card written" in r.output, r.output
     assert not (view / state.LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("code", ["EACCES", "EPERM", "EROFS"])
+def test_verify_runs_unlocked_where_the_lock_file_cannot_be_opened(converted, tmp_path, monkeypatch, code):
+    """Each reason the lock file cannot be opened on an OUT this user cannot write (a folder of another user: EACCES;
+    a read-only mount: EROFS; an immutable folder, chattr +i: EPERM) lets verify check OUT unlocked. The
+    read_only fixture can give only one of them per user (chmod or, for root, a mount), so each is injected here."""
+    src, clean = converted
+    out = private_out(clean, tmp_path / "out")
+    real = os.open
+
+    def open_(path, *args, **kwargs):
+        if os.path.basename(path) == state.LOCK_NAME:
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+    r = CliRunner().invoke(main, ["verify", str(out)])
+    assert r.exit_code == 0 and f"verify {out}: OK" in r.output, r.output
 
 
 def test_verify_of_a_read_only_view_still_sees_a_writer(converted, tmp_path, lock_holder, read_only):
