@@ -395,6 +395,19 @@ def test_broken_symlink_in_the_source_fails_inspect_too(source, ckpt_copy, tmp_p
     assert f"file {src / 'tokenizer.json'}" in errors[0], errors
 
 
+def test_a_link_to_a_folder_in_the_source_is_no_broken_link(source, ckpt_copy, tmp_path):
+    """Only a link that resolves to nothing is refused: one to an existing folder (notes kept elsewhere) is not
+    taken for an unfinished download."""
+    src = ckpt_copy(source)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "eval.md").write_text("results")
+    (src / "notes").symlink_to(tmp_path / "notes", target_is_directory=True)
+    out = tmp_path / "out"
+    r, errors = cli(src, out, "--files", "none")
+    assert r.exit_code == 0 and errors == [], r.output
+    assert verify(out).ok
+
+
 def test_symlinks_in_out_are_replaced_never_written_through(source, ckpt_copy, tmp_path):
     """With --overwrite, links planted in OUT (to source files, to a victim dir) are replaced, targets kept."""
     src = ckpt_copy(source)  # a HF-cache-like snapshot of links: read through them
