@@ -369,6 +369,16 @@ def test_paths_with_markup_are_printed_as_they_are(synth_ckpt, tmp_path, tag):
     assert r.exit_code == 0 and r.output == f"model card written: {out / 'glm-pack' / 'README.md'}\n", r.output
 
 
+def test_verify_problem_lines_print_paths_with_markup_as_they_are(synth_ckpt, tmp_path):
+    """A problem line names a file under OUT: '[old]' in OUT's path was dropped from it as a style tag."""
+    out = tmp_path / "GLM-5[old]-gfx950"
+    convert(synth_ckpt("glm-5", "bf16"), out, ConvertOptions(files="none", workers=1))
+    (out / "glm-pack" / "layer-000.safetensors").unlink()
+    r = CliRunner().invoke(main, ["verify", str(out)])
+    assert r.exit_code == 1, r.output
+    assert f"problem overlay file missing: {out / 'glm-pack' / 'layer-000.safetensors'}" in r.output.splitlines()
+
+
 def test_refusals(synth_ckpt, tmp_path):
     src = synth_ckpt("glm-5", "bf16")
     runner = CliRunner()
