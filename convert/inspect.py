@@ -43,7 +43,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .checkpoint import Checkpoint, open_checkpoint
-from .commands import mla_precision_option
+from .commands import console, mla_precision_option
 from .convert import files_mode, is_hub
 from .modelcard import compact_ranges
 from .plan import FILE_MODES, make_plan
@@ -235,4 +235,4 @@ def inspect_command(src, as_json, k_pad, mla_precision, quant_mode, files):
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
-        render(report, Console(emoji=False, soft_wrap=True))
+        render(report, console)
