@@ -197,8 +197,8 @@ def card_command(out, overlay_only, base_model, repo_id):
     """Write or refresh the model card of a converted OUT without pushing.
 
     The root README.md becomes the glm-pack card; a source model card found there is kept as
-    README.source.md (its license is carried over). Refused while a convert or push writes OUT or a verify
-    reads it.
+    README.source.md (its license is carried over). Refused while another convert, card or push writes OUT or
+    a verify reads it.
 
     \b
     Examples:
