@@ -43,9 +43,7 @@ def _summary(report: ConvertReport) -> None:
         f"{bf16} tensors kept in BF16; "
         f"rel error w_kc max {max(kc, default=0):.4f}, w_vc max {max(vc, default=0):.4f}; {report.seconds:.1f} s"
     )
-    kept = any(r.w_vc.quant_mode == "source" for r in report.layers)
-    kc_mxfp4 = any(r.w_kc.precision == "mxfp4" for r in report.layers)
-    if note := source_error_text({r.source_format for r in report.layers}, kept, kc_mxfp4):
+    if note := source_error_text(report.layers):
         console.print(note)
     if report.resumed_items:
         console.print(f"resumed: {report.resumed_items} finished overlay files re-checked by hash and kept")

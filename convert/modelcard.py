@@ -187,23 +187,25 @@ def _quant_text(manifest: dict, layers) -> str:
     )
 
 
-def source_error_text(source_formats, vc_source_kept: bool, kc_mxfp4: bool) -> str:
+def source_error_text(layers) -> str:
     """What the errors leave out when the source kv_b_proj was itself quantized (FP8 or MXFP4): its own
-    quantization error, which glm-pack cannot see; ``vc_source_kept``: some w_vc is the MXFP4 source's bytes, whose
-    error is 0 by construction; ``kc_mxfp4``: some w_kc is stored as MXFP4 (quantized again, unlike a BF16 one).
-    Empty for float sources. Shared by the card and convert's summary."""
-    quantized = sorted(set(source_formats) - set(FLOAT_FORMATS.values()))
+    quantization error, which glm-pack cannot see; that a w_vc kept as the MXFP4 source's bytes has error 0 by
+    construction; and that a w_kc stored as MXFP4 is quantized again (unlike a BF16 one). Empty for float sources.
+    ``layers``: each with ``source_format`` and ``w_kc`` / ``w_vc`` having ``precision`` and ``quant_mode`` (the
+    manifest's :class:`~glm_pack.packing.manifest.MlaLayer`, or convert's ``LayerReport``). Shared by the card and
+    convert's summary."""
+    quantized = sorted({lay.source_format for lay in layers} - set(FLOAT_FORMATS.values()))
     if not quantized:
         return ""
     text = (
         f"The source `kv_b_proj` is already quantized ({', '.join(quantized)}): these errors are measured against"
         " its dequantized values and do not include the error of that quantization, which glm-pack cannot see."
     )
-    if vc_source_kept:
+    if any(lay.w_vc.quant_mode == "source" for lay in layers):
         text += " w_vc keeps the source's MXFP4 bytes (scale rule `source`), so its error here is 0 by construction"
         text += (
             "; w_kc stored as MXFP4 is quantized again along its own reduction axis, an error on top of the source's."
-            if kc_mxfp4
+            if any(lay.w_kc.precision == "mxfp4" for lay in layers)
             else "."
         )
     return text
@@ -231,11 +233,7 @@ def _quant_fields(manifest: dict, layers) -> dict:
     ]
     return {
         "quant_text": _quant_text(manifest, layers),
-        "source_error_text": source_error_text(
-            {lay.source_format for lay in layers},
-            any(lay.w_vc.quant_mode == "source" for lay in layers),
-            any(lay.w_kc.precision == "mxfp4" for lay in layers),
-        ),
+        "source_error_text": source_error_text(layers),
         "error_rows": "\n".join(rows),
         "error_summary": _error_summary(layers),
     }
