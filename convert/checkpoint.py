@@ -65,7 +65,7 @@ class LocalStore:
         out = []
         for path in sorted(self.root.rglob("*")):
             rel = path.relative_to(self.root)
-            if any(part.startswith(".") for part in rel.parts) or rel.parts[0] == OVERLAY_DIR:
+            if not is_original(rel.parts):
                 continue
             if path.is_file():
                 out.append((rel.as_posix(), path.stat().st_size))
@@ -95,12 +95,18 @@ def _load_json(store: LocalStore, rel: str) -> dict:
     return data
 
 
+def is_original(parts) -> bool:
+    """Whether a source path, split into its parts, names an original convert places in OUT: some parts, none empty
+    or hidden (``.cache/``, ``.git/``), not under ``glm-pack/`` (an overlay inside the source)."""
+    return bool(parts) and parts[0] != OVERLAY_DIR and not any(not p or p.startswith(".") for p in parts)
+
+
 def _inside(store: LocalStore, rel) -> bool:
     """Whether an index entry names a file inside the checkpoint that convert would place in OUT: a relative
     path without empty, hidden, ``.`` or ``..`` parts, not under ``glm-pack/``, on local disk not reached
     through a linked folder (the file itself may be a link, as in a Hugging Face cache snapshot)."""
     parts = rel.split("/") if isinstance(rel, str) else []
-    if not parts or "\\" in rel or parts[0] == OVERLAY_DIR or any(not p or p.startswith(".") for p in parts):
+    if not is_original(parts) or "\\" in rel:  # a non-string rel has no parts
         return False
     if isinstance(store, LocalStore):
         return (store.root / rel).parent.resolve() == store.root.resolve().joinpath(*parts[:-1])

@@ -26,6 +26,7 @@ from pathlib import Path, PurePosixPath
 
 from glm_pack.packing.errors import CheckpointError, GlmPackError, HubError
 
+from .checkpoint import is_original
 from .hub_common import exception_chain, first_line, is_kind, resolve_endpoint
 from .safetensors_io import LocalFile
 
@@ -161,11 +162,7 @@ class HubStore:
 
     def list_files(self) -> list[tuple[str, int]]:
         """Every file of the commit (hidden ones and ``glm-pack/`` skipped), with sizes."""
-        return [
-            (name, size)
-            for name, size in sorted(self._sizes.items())
-            if not any(p.startswith(".") for p in name.split("/")) and name.split("/")[0] != "glm-pack"
-        ]
+        return [(name, size) for name, size in sorted(self._sizes.items()) if is_original(name.split("/"))]
 
     def cache_folder(self) -> Path:
         """This repo's folder in the local HF cache (``models--ORG--NAME``: ``blobs/``, ``snapshots/``, ``refs/``)."""
