@@ -67,7 +67,7 @@ def sparse_mla(
     rows = kv_cache.reshape(-1, kv_cache.shape[-1]).float()
     out = torch.zeros(T, H, L, dtype=torch.float32, device=q_latent.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q_latent.device)
-    indptr = check_sparse_indices(kv_indptr, kv_indices, rows.shape[0])
+    indptr, _ = check_sparse_indices(kv_indptr, kv_indices, rows.shape[0])
     for t in range(T):
         idx = kv_indices[indptr[t] : indptr[t + 1]].long()
         idx = idx[idx >= 0]
@@ -83,9 +83,10 @@ def sparse_mla(
     return out.to(torch.bfloat16), (lse if return_lse else None)
 
 
-def check_sparse_indices(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, slots: int) -> list[int]:
-    """kv_indptr as a list, after checking that it rises within ``[0, len(kv_indices)]`` and that every id is a
-    slot of the ``slots``-slot cache or -1; BackendError naming the tensor otherwise (two host syncs)."""
+def check_sparse_indices(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, slots: int) -> tuple[list[int], bool]:
+    """(kv_indptr as a list, whether kv_indices holds a -1), after checking that kv_indptr rises within
+    ``[0, len(kv_indices)]`` and that every id is a slot of the ``slots``-slot cache or -1; BackendError naming the
+    tensor otherwise. One pass over kv_indices (its min and max) and two host syncs."""
     indptr = kv_indptr.tolist()
     if any(not 0 <= a <= b <= kv_indices.numel() for a, b in zip(indptr, indptr[1:], strict=False)):
         raise BackendError(
@@ -93,14 +94,16 @@ def check_sparse_indices(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, slot
             f"got {indptr[:8]}{' ...' if len(indptr) > 8 else ''}",
             tensor="kv_indptr",
         )
-    bad = ((kv_indices < -1) | (kv_indices >= slots)).nonzero()
-    if bad.numel():
-        i = int(bad[0, 0])
+    if kv_indices.numel() == 0:
+        return indptr, False
+    lo, hi = torch.stack(torch.aminmax(kv_indices)).tolist()
+    if lo < -1 or hi >= slots:
+        i = int(((kv_indices < -1) | (kv_indices >= slots)).nonzero()[0, 0])
         raise BackendError(
             f"kv_indices[{i}] = {int(kv_indices[i])} is not a slot of the {slots}-slot cache (nor -1, skip)",
             tensor="kv_indices",
         )
-    return indptr
+    return indptr, lo < 0
 
 
 def cache_rows(kv_cache: torch.Tensor, who: str) -> torch.Tensor:

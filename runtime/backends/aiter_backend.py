@@ -194,12 +194,12 @@ class AiterBackend(Backend):
             )
         rows = cache_rows(kv_cache, "aiter sparse MLA")  # aiter passes only a row stride (and checks nothing)
         # aiter's kernel masks neither ids past the cache nor a falling kv_indptr on its unmasked gather
-        check_sparse_indices(kv_indptr, kv_indices, rows.shape[0])
+        _, has_skips = check_sparse_indices(kv_indptr, kv_indices, rows.shape[0])
         # aiter's kernel takes q's token and head strides only and reads its last axis unit-stride
         q = q_latent.contiguous() if q_rope is None else torch.cat([q_latent, q_rope], dim=-1)
         kwargs = {"kv_lora_rank": q_latent.shape[-1], "qk_rope_head_dim": rope, "return_lse": return_lse}
         if self.fn.sparse_has_invalid:
-            kwargs["has_invalid"] = bool((kv_indices < 0).any())
+            kwargs["has_invalid"] = has_skips
         indptr, indices = kv_indptr.contiguous(), kv_indices.contiguous()  # aiter documents no strides for them
         out, lse = self.fn.sparse_mla_fwd(q, rows, indptr, indices, softmax_scale, **kwargs)
         return out, (lse if return_lse else None)

@@ -418,6 +418,29 @@ def test_out_of_range_indices_are_refused_before_aiter_reads_them(packed_dirs, f
     assert all(c[0] != "sparse" for c in rec.calls)
 
 
+@pytest.mark.parametrize(
+    ("ids", "has_invalid"),
+    [([5, -1, 7, 0, 63, 2], True), ([5, 1, 7, 0, 63, 2], False), ([-1] * 6, True), ([], False)],
+)
+def test_has_invalid_says_whether_any_id_is_minus_one(packed_dirs, fake_aiter, monkeypatch, ids, has_invalid):
+    """aiter's kernel skips -1 ids only when told has_invalid; the flag is True exactly when kv_indices holds a -1
+    (no -1, or no ids at all: False), and the output matches the reference either way."""
+    fake_aiter()
+    fns, seen = ab.load_aiter(), []
+    spy = lambda *a, **k: seen.append(k["has_invalid"]) or fns.sparse_mla_fwd(*a, **k)  # noqa: E731
+    monkeypatch.setattr(ab, "load_aiter", lambda: dataclasses.replace(fns, sparse_mla_fwd=spy))
+    _, out = packed_dirs("glm-5")
+    layer = runtime.open(out, backend="aiter", tp_size=8).mla(0)
+    ref = runtime.open(out, backend="torch", tp_size=8).mla(0)
+    q, cache, _, _ = _inputs(layer.geometry, T=2)
+    indices = torch.tensor(ids, dtype=torch.int32)
+    indptr = torch.tensor([0, len(ids) // 2, len(ids)], dtype=torch.int32)
+    latent, rope = ref.k_up(q), q[..., 192:]
+    o = layer.attend(latent, cache, indptr, indices, 0.06, q_rope=rope)
+    assert seen == [has_invalid]
+    torch.testing.assert_close(o, ref.attend(latent, cache, indptr, indices, 0.06, q_rope=rope))
+
+
 @pytest.mark.parametrize("revision", [_rev_separated, _rev_merged])
 def test_rope_width_is_passed_to_every_usable_revision(packed_dirs, monkeypatch, revision):
     """Both revisions that return (out, lse) serve a model with rope; the rope width goes to them explicitly,
