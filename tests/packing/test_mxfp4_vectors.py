@@ -122,13 +122,18 @@ def test_scale_rules(path, mode, amax, byte, code):
 @pytest.mark.parametrize("mode", MODES)
 def test_zero_and_denormal_blocks_get_byte_0(path, mode):
     # all-zero -> byte 0 (aiter: log2(0) = -inf clamps to -127); a denormal amax also clamps to -127.
+    # The last block's amax 0.3125 * 2**-127 is denormal too: at 2**-127 it is 0.3125 -> 0.5 (code 0x1, error
+    # 0.1875 * 2**-127); 2**-128 would fit it better (0.625 -> 0.5, error 0.0625 * 2**-127) but has no E8M0 byte,
+    # so mse keeps byte 0 (its e-1 candidate is clamped to -127 too).
     x = torch.stack([one_block([]), one_block([-0.0, 0.0]), one_block([2.0**-130, -(2.0**-128)])])
+    x = torch.cat([x, one_block([0.3125 * 2.0**-127])[None]])
     codes, scales = run(path, quantize, x, mode=mode)
-    assert scales.tolist() == [[0], [0], [0]]
+    assert scales.tolist() == [[0], [0], [0], [0]]
     assert nibbles(codes[0]) == [0] * 32
     assert nibbles(codes[1])[:2] == [0x8, 0x0]
     # 2**-130 / 2**-127 = 0.125 -> 0; -2**-128 / 2**-127 = -0.5 -> code 0x9
     assert nibbles(codes[2])[:2] == [0x0, 0x9]
+    assert nibbles(codes[3])[:1] == [0x1]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -179,6 +184,31 @@ MSE_CASES = [
     # e=0: 3.5 -> 4 (err .25), .125 -> 0 (tie 0 | .5, err .015625): .265625. e=-1: 7 -> 6 -> 3 (err .25),
     # .25 -> 0 (tie 0 | .5): .265625, a tie, so not better. e=1: 1.75 -> 2 -> 4 (.25), .0625 -> 0: tie too.
     ([3.5, 0.125], 127, 127, [0x6, 0x0]),
+    # another tie with e-1, of elements that are code 7 (6) there: even e=0: 3.5 -> 4 (err .25), 2.625 -> 3
+    # (err .140625 x8): 1.375. e=-1: 7 -> 6 -> 3 (.25), 5.25 -> 6 -> 3 (.140625 x8): 1.375, not better.
+    # e=1: 1.75 -> 2 -> 4 (.25), 1.3125 -> 1.5 -> 3 (.140625 x8): a tie too.
+    ([3.5] + [2.625] * 8, 127, 127, [0x6] + [0x5] * 8),
+    # near the float32 top: the even rule rounds 1.875 * 2**127 past the range, so e=127 (byte 254); e+1 is
+    # clamped to 127. e=127: 1.875 -> 2 (err .125), .3125 -> .5 (err .1875): .05078125 * 2**254. e=126: 3.75 -> 4
+    # (err .125 * 2**127), .625 -> .5 (err .0625 * 2**127): .01953125 * 2**254, a strict win (here amax is below
+    # 3 * 2**127, so it does not bound e-1's error from below).
+    ([1.875 * 2.0**127, 0.3125 * 2.0**127], 254, 253, [0x6, 0x1]),
+    # an exact tie that float64 breaks by the fixed summation order (block_sq_error's docstring). Lanes are the
+    # elements j % 4; 2**-27 rounds to 0 at both exponents (squared error 2**-54), .75 is a tie at e=0 (-> 1,
+    # err .0625) and exact at e=-1. Lane sums at e=0: (.5, 2**-53, .5, 2**-53), at e=-1: (1, 2**-53, 0, 2**-53);
+    # both are 1 + 2**-52 exactly. e=0 adds (.5 + 2**-53) + (.5 + 2**-53) = 1 + 2**-52 with no rounding; e=-1
+    # adds (1 + 2**-53) + (0 + 2**-53): 1 + 2**-53 rounds to 1 (tie to even), and so does 1 + 2**-53 again: 1,
+    # so e=-1 wins. (Added as (l0 + l2) + (l1 + l3), e=-1 would be 1 + 2**-52 exactly and lose.) e=1 sums like
+    # e=0. Codes at e=-1: 3.75 -> 7.5 -> 6, 3.5 -> 7 -> 6, 1.25 -> 2.5 -> 2 (tie), 3.25 -> 6.5 -> 6, .75 -> 1.5.
+    (
+        [3.75, 2.0**-27, 0.75, 2.0**-27, 3.5, 2.0**-27, 0.75, 2.0**-27]
+        + [1.25, 0.0, 0.75, 0.0, 3.25, 0.0, 0.75, 0.0, 1.25, 0.0, 0.75, 0.0]
+        + [0.0, 0.0, 0.75, 0.0] * 3,
+        127,
+        126,
+        [0x7, 0x0, 0x3, 0x0, 0x7, 0x0, 0x3, 0x0, 0x4, 0x0, 0x3, 0x0, 0x7, 0x0, 0x3, 0x0, 0x4, 0x0, 0x3, 0x0]
+        + [0x0, 0x0, 0x3, 0x0] * 3,
+    ),
 ]
 
 
