@@ -89,6 +89,19 @@ def test_tie_table(path, dtype):
     assert codes[0].item() == 0x07 and codes.shape == (16,) and codes.dtype == torch.uint8
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("e", [-127, -126, -125])
+def test_tie_table_at_denormal_scales(path, dtype, e):
+    # The table times 2**e: amax 6 * 2**e keeps exponent e (byte 127 + e) and every code. At these scales some
+    # midpoints times 2**e are denormal (0.25 for e <= -125, up to 1.75 for e = -127); the non-dyadic entries
+    # stay on their side of each midpoint after rounding to the dtype's denormal spacing (2**-149, bf16 2**-133).
+    x = (torch.tensor([v for v, _ in TIE_TABLE], dtype=torch.float64) * 2.0**e).to(dtype)
+    codes, scales = run(path, quantize, x, mode="even")
+    assert scales.tolist() == [127 + e]
+    assert nibbles(codes) == [c for _, c in TIE_TABLE]
+
+
 # (mode, amax, expected scale byte, expected code of amax) worked out by hand:
 # even:    e = floor(log2(amax rounded to a 1-bit mantissa)) - 2; floor: floor(log2 amax) - 2;
 # roundup: smallest e with 6 * 2**e >= amax.
@@ -116,6 +129,10 @@ def test_scale_rules(path, mode, amax, byte, code):
     codes, scales = run(path, quantize, one_block([amax, -amax / 64]), mode=mode)
     assert scales.tolist() == [byte]
     assert nibbles(codes)[0] == code
+    # the same block reversed: amax is the block's last element
+    codes, scales = run(path, quantize, one_block([amax, -amax / 64]).flip(0), mode=mode)
+    assert scales.tolist() == [byte]
+    assert nibbles(codes)[31] == code
 
 
 @pytest.mark.parametrize("path", PATHS)
