@@ -399,6 +399,20 @@ def test_fast_path_works_in_a_forked_child():
     assert queue.get(timeout=5) == (0x77 * 1024 * 256, 127 * 1024 * 16)
 
 
+def test_blocks_quantized_on_a_worker_thread(monkeypatch):
+    # 8192 blocks, 4096 per thread: the caller quantizes the first half, a worker thread the second. Its codes
+    # and scales match the reference, and a NaN/Inf it meets is counted and named.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(7))
+    with reference_only():
+        expected = quantize(x)
+    assert all(torch.equal(a, b) for a, b in zip(quantize(x), expected, strict=True))
+    for bad in (math.inf, math.nan):
+        x[255, 1000] = bad
+        with pytest.raises(NonFiniteError, match=r"1 non-finite value\(s\).*first at index \(255, 1000\)"):
+            quantize(x)
+
+
 def test_without_numba_the_reference_runs():
     # numba unimportable (sys.modules entry None): the codec still works, on the reference path
     script = (
