@@ -351,6 +351,8 @@ def test_error_paths(path):
         run(path, dequantize, codes.float(), scales)
     with pytest.raises(FormatError, match="same rank"):
         run(path, dequantize, codes, scales[0])
+    with pytest.raises(FormatError, match="same rank, at least 1"):
+        run(path, dequantize, codes[0, 0], scales[0, 0])
     with pytest.raises(FormatError, match="not a multiple of 16"):
         run(path, dequantize, codes[:, :8], scales)
     with pytest.raises(FormatError, match=r"expected \(2, 1\)"):
