@@ -58,12 +58,13 @@ def rel_error(approx: torch.Tensor, ref: torch.Tensor) -> float:
     return (num / denom) ** 0.5
 
 
-def _finite_mxfp4(error: float, w: torch.Tensor, what: str) -> float:
-    """The MXFP4 relative error when finite; else FormatError: ``w``'s values, finite but near float32's maximum,
-    decode to Inf in MXFP4 (a block scale of 2**127 makes code 2 decode to 2**128)."""
+def _finite(error: float, w: torch.Tensor, what: str, fmt: str) -> float:
+    """The relative error of ``w`` stored as ``fmt`` when finite; else FormatError: ``w``'s values, finite but near
+    float32's maximum, overflow to Inf in ``fmt`` (MXFP4: a block scale of 2**127 makes code 2 decode to 2**128;
+    BF16: values from (2 - 2**-8) * 2**127 up round to Inf)."""
     if not math.isfinite(error):
         raise FormatError(
-            f"{what} overflows to Inf in MXFP4: its values (up to {float(w.abs().max()):.3g}) are too close to "
+            f"{what} overflows to Inf in {fmt}: its values (up to {float(w.abs().max()):.3g}) are too close to "
             f"float32's maximum (relative error {error})"
         )
     return error
@@ -112,13 +113,14 @@ def store_projection(
     if k_stored < k or k_stored % 32:
         raise FormatError(f"k_stored {k_stored} must be a multiple of 32 and >= K {k}")
     codes, scales = mxfp4_source if mxfp4_source is not None else quantize(w, mode=quant_mode, axis=-1)
-    mx_err = _finite_mxfp4(rel_error(dequantize(codes, scales, axis=-1), w), w, what)
+    mx_err = _finite(rel_error(dequantize(codes, scales, axis=-1), w), w, what, "MXFP4")
     if stored_precision(policy, mx_err, max_rel_error) == "mxfp4":
         codes, scales = pack_bmm_nk(codes, scales, k_stored=k_stored)
         mode = "source" if mxfp4_source is not None else quant_mode
         return StoredProjection("mxfp4", mode, codes, scales, k, k_stored, mx_err, mx_err)
     values = w.to(torch.bfloat16)
-    return StoredProjection("bf16", None, _pad_k(values, k_stored), None, k, k_stored, rel_error(values, w), mx_err)
+    bf16_err = _finite(rel_error(values, w), w, what, "BF16")
+    return StoredProjection("bf16", None, _pad_k(values, k_stored), None, k, k_stored, bf16_err, mx_err)
 
 
 def absorb_layer(

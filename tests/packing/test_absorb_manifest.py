@@ -103,6 +103,25 @@ def test_finite_values_near_float_max_are_refused_naming_the_projection(policy, 
         absorb_layer(w, GEOM, k_stored=128, policy=policy)
 
 
+@pytest.mark.parametrize("policy", ["bf16", "auto"])
+def test_finite_values_that_round_to_inf_in_bf16_are_refused_naming_the_projection(policy):
+    """float32's maximum (2 - 2**-23) * 2**127 is finite in MXFP4 under the floor rule (scale 2**125, code 6) but
+    past BF16's largest finite value (2 - 2**-7) * 2**127, so it rounds to Inf: a BF16-kept projection held Inf
+    and recorded rel_error inf, which the manifest refused (allow_nan=False) after every file was written."""
+    w = kv_b()[:64].reshape(2, 32, 64)
+    w[1, 3, 9] = torch.finfo(torch.float32).max
+    assert torch.isinf(w.bfloat16()).any()  # the premise: BF16 rounding overflows
+    with pytest.raises(FormatError, match=r"w_kc overflows to Inf in BF16.*up to 3\.4e\+38"):
+        store_projection(
+            w,
+            k_stored=64,
+            quant_mode="floor",
+            policy=policy,
+            max_rel_error=0.0 if policy == "auto" else None,
+            what="w_kc",
+        )
+
+
 def test_mxfp4_source_vc_bytes_kept():
     w = kv_b()
     codes, scales = quantize(w, mode="even")  # kv_b_proj grouped along kv_lora, as Quark stores it
