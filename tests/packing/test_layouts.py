@@ -132,6 +132,8 @@ def test_bmm_nk_errors():
     pc, ps = pack_bmm_nk(codes, scales, k_stored=256)
     with pytest.raises(FormatError, match="k_logical must be a positive multiple of 32 and <= stored K = 256"):
         unpack_bmm_nk(pc, ps, k_logical=288)
+    with pytest.raises(FormatError, match="k_logical must be a positive multiple of 32"):
+        unpack_bmm_nk(pc, ps, k_logical=200)  # 200 / 2 code bytes but 200 // 32 scale bytes: not a pair
     with pytest.raises(FormatError, match="k_stored = 512 was recorded"):
         unpack_bmm_nk(pc, ps, k_logical=192, k_stored=512)
     bad = ps.clone()
@@ -140,6 +142,10 @@ def test_bmm_nk_errors():
         unpack_bmm_nk(pc, bad, k_logical=192)
     uc, us = unpack_bmm_nk(pc, bad, k_logical=192, check_padding=False)
     assert torch.equal(uc, codes) and torch.equal(us, scales)
+    bad_codes = pc.clone()
+    bad_codes[0, 3, 127] = 0x10  # a nonzero code in the last padded byte: the padded columns would not be zeros
+    with pytest.raises(FormatError, match="padding beyond K = 192"):
+        unpack_bmm_nk(bad_codes, ps, k_logical=192)
 
 
 # ------------------------------------------------------------------------------------ weight shuffle
@@ -237,6 +243,11 @@ def test_unshuffle_scale_errors():
     with pytest.raises(FormatError, match="padding outside"):
         unshuffle_scale(bad, (40, 5))
     assert torch.equal(unshuffle_scale(bad, (40, 5), check_padding=False), s)
+    bad = shuffled.clone()
+    # (r, c) = (0, 5) is column padding (C = 5 -> Cp = 8) in a data row; notes: (5%4)*64 + ((5%8)//4)*2 = 66
+    bad.view(-1)[66] = 0
+    with pytest.raises(FormatError, match="padding outside"):
+        unshuffle_scale(bad, (40, 5))
     with pytest.raises(FormatError, match="uint8"):
         shuffle_scale(s.float())
 
@@ -289,3 +300,5 @@ def test_registry():
         get_layout("nk_bmm")
     with pytest.raises(FormatError, match="unknown layout"):
         get_layout(None)
+    with pytest.raises(FormatError, match="unknown layout"):
+        get_layout(["bmm_nk"])  # a JSON list where a name belongs: unhashable
