@@ -44,6 +44,17 @@ def test_absorb_mxfp4_padded_matches_even_rule_on_split():
     assert 0.05 < kc.rel_error < 0.2 and kc.precision == vc.precision == "mxfp4"
 
 
+def test_absorb_uses_the_requested_scale_rule():
+    w = kv_b()
+    kc, vc = absorb_layer(w, GEOM, k_stored=128, quant_mode="mse")
+    ref_kc, ref_vc = split_by_hand(w)
+    codes, scales = quantize(ref_kc, mode="mse")
+    assert not torch.equal(scales, quantize(ref_kc, mode="even")[1])  # the rules differ on this data
+    assert torch.equal(kc.weight[..., :48], codes) and torch.equal(kc.scale[..., :3], scales)
+    assert torch.equal(vc.scale, quantize(ref_vc, mode="mse")[1])
+    assert kc.quant_mode == vc.quant_mode == "mse"
+
+
 def test_absorb_bf16_policy_is_bf16_rounding_and_padded():
     w = kv_b()
     kc, vc = absorb_layer(w, GEOM, k_stored=128, policy="bf16")
@@ -83,6 +94,15 @@ def test_auto_needs_threshold_and_unknown_policy():
         absorb_layer(kv_b(), GEOM, k_stored=128, policy="auto")
     with pytest.raises(PlanError, match="unknown MLA precision"):
         absorb_layer(kv_b(), GEOM, k_stored=128, policy="fp8")
+    for bad in (-0.1, float("inf"), float("nan")):
+        with pytest.raises(PlanError, match="must be a finite number >= 0"):
+            absorb_layer(kv_b(), GEOM, k_stored=128, policy="auto", max_rel_error=bad)
+
+
+@pytest.mark.parametrize("policy", ["mxfp4", "bf16"])
+def test_k_stored_must_be_a_multiple_of_32_under_every_policy(policy):
+    with pytest.raises(FormatError, match="k_stored 112 must be a multiple of 32"):
+        absorb_layer(kv_b(), GEOM, k_stored=112, policy=policy)  # >= nope 96, not a multiple of 32
 
 
 def test_absorb_rejects_nan_with_index():
@@ -212,6 +232,12 @@ def test_manifest_loads_limits():
         mf.loads("{")
     with pytest.raises(ManifestError, match="not a JSON object"):
         mf.loads("[]")
+
+
+def test_rel_error_of_a_zero_reference():
+    zero = torch.zeros(2, 32)
+    assert rel_error(zero, zero) == 0.0
+    assert rel_error(torch.full((2, 32), 1e-3), zero) == float("inf")
 
 
 @pytest.mark.parametrize("scale", [1e-30, 3e-23, 1.0, 1e17, 1e19, 1e30])
