@@ -160,7 +160,9 @@ def _with(layer: dict, proj: str, side: int, expert: int, tensor) -> dict:
             None,
             "same positive number",
         ),
+        (lambda L: {p: ([], []) for p in PROJECTIONS}, None, "same positive number"),
         (lambda L: {k: v for k, v in L.items() if k != "up_proj"}, None, "needs exactly"),
+        (lambda L: {**L, "shared_proj": L["up_proj"]}, None, "needs exactly"),
     ],
 )
 def test_bad_layers_raise_format_error_naming_the_tensor(layer, edit, names, says):
