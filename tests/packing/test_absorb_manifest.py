@@ -182,6 +182,20 @@ def _manifest():
     }
 
 
+def test_projection_entry_records_what_was_stored():
+    w = kv_b()[:64].reshape(2, 32, 64)
+    mx = store_projection(w, k_stored=96, quant_mode="mse", policy="mxfp4", max_rel_error=None)
+    entry = mf.projection_entry(mx, "a.weight", "a.weight_scale")
+    assert entry["quant"] == {"format": "mxfp4", "mode": "mse", "block": 32, "scale": "e8m0", "rounding": "half_even"}
+    assert entry["layout"] == {"name": "bmm_nk", "k_logical": 64, "k_stored": 96}
+    assert (entry["precision"], entry["weight"], entry["scale"]) == ("mxfp4", "a.weight", "a.weight_scale")
+    assert entry["rel_error"] == entry["mxfp4_rel_error"] == rel_error(dequantize(*quantize(w, mode="mse")), w)
+    bf = store_projection(w, k_stored=64, quant_mode="mse", policy="bf16", max_rel_error=None)
+    entry = mf.projection_entry(bf, "b.weight", None)
+    assert entry["quant"] == {"format": "bf16"} and (entry["precision"], entry["scale"]) == ("bf16", None)
+    assert entry["rel_error"] == rel_error(w.bfloat16(), w) < entry["mxfp4_rel_error"]
+
+
 def test_manifest_round_trip_and_parse():
     m = _manifest()
     text = mf.dumps(m)
@@ -191,11 +205,52 @@ def test_manifest_round_trip_and_parse():
     assert layer.w_kc.scale == "model.layers.0.self_attn.w_kc.weight_scale"
 
 
+EXPERT_W, EXPERT_S = "model.layers.0.mlp.experts.0.up_proj.weight", "model.layers.0.mlp.experts.0.up_proj.weight_scale"
+
+
+def _with_experts(m):
+    """Add a repacked-experts section: one expert's shuffled weight [256, 128] and scales [256, 8] in their own file."""
+    for name, shape, layout in (
+        (EXPERT_W, [256, 128], {"layout": "aiter_shuffle_16x16"}),
+        (EXPERT_S, [256, 8], {"layout": "aiter_e8m0_shuffle", "shape": [256, 8]}),
+    ):
+        m["tensors"][name] = {"file": "experts-000.safetensors", "dtype": "U8", "shape": shape, "sha256": "0" * 64}
+        m["tensors"][name]["layout"] = layout
+    m["files"]["experts-000.safetensors"] = {"size": 0, "sha256": "0" * 64}
+    m["experts"] = {
+        "layout": "aiter_moe_a4w4",
+        "groups": [{"layer": 0, "file": "experts-000.safetensors", "tensors": [EXPERT_W, EXPERT_S]}],
+    }
+    return m
+
+
+def _kc_as_bf16(m, dtype="BF16"):
+    """w_kc stored in BF16: [H, kv_lora, k_stored] = [2, 64, 128] of ``dtype``, no scale."""
+    m["mla"][0]["w_kc"].update(precision="bf16", scale=None, quant={"format": "bf16"})
+    m["tensors"]["model.layers.0.self_attn.w_kc.weight"].update(dtype=dtype, shape=[2, 64, 128])
+    return m
+
+
+def test_manifest_with_experts_and_bf16_projection_parses():
+    m = _kc_as_bf16(_with_experts(_manifest()))
+    (layer,) = mf.parse_mla(m)
+    assert layer.w_kc.precision == "bf16" and layer.w_kc.scale is None and layer.w_kc.quant_mode is None
+    ((group_layer, file, names),) = mf.parse_experts(m)
+    assert (group_layer, file, len(names)) == (0, "experts-000.safetensors", 2)
+
+
 def _k_stored_200(m):
     """k_stored 200 >= k_logical 96, not a multiple of 32, with tensors shaped as 200 would give (100, 200 // 32)."""
     m["mla"][0]["w_kc"]["layout"].update(k_stored=200)
     m["tensors"]["model.layers.0.self_attn.w_kc.weight"].update(shape=[2, 64, 100])
     m["tensors"]["model.layers.0.self_attn.w_kc.weight_scale"].update(shape=[2, 64, 6])
+
+
+def _k_stored_64(m):
+    """k_stored 64 < k_logical 96, with tensors shaped as 64 would give (32, 2)."""
+    m["mla"][0]["w_kc"]["layout"].update(k_stored=64)
+    m["tensors"]["model.layers.0.self_attn.w_kc.weight"].update(shape=[2, 64, 32])
+    m["tensors"]["model.layers.0.self_attn.w_kc.weight_scale"].update(shape=[2, 64, 2])
 
 
 @pytest.mark.parametrize(
@@ -216,6 +271,26 @@ def _k_stored_200(m):
         (lambda m: m["mla"][0]["w_kc"].update(precision="fp8"), "precision 'fp8'"),
         (lambda m: m["model"]["geometry"].update(num_heads=0), "geometry is invalid"),
         (lambda m: m["mla"].append(copy.deepcopy(m["mla"][0])), "repeated"),
+        (lambda m: m["mla"][0].update(layer=-1), "layer -1 is negative"),
+        (lambda m: m["mla"][0].update(layer=True), "layer must be int, got bool"),
+        (_k_stored_64, "0 < k_logical <= k_stored"),
+        (lambda m: m["mla"][0]["w_kc"].update(precision="bf16"), "is bf16 but names a scale tensor"),
+        (lambda m: _kc_as_bf16(m, dtype="U8"), "bf16 tensor must be BF16"),
+        (lambda m: m["mla"][0]["w_vc"].update(mxfp4_rel_error=-0.1), "finite non-negative"),
+        (lambda m: m["mla"][0]["w_kc"]["quant"].update(mode="half"), "quant.mode 'half'"),
+        (lambda m: next(iter(m["tensors"].values())).update(file=".."), "plain file name"),
+        (lambda m: next(iter(m["tensors"].values())).update(sha256="0" * 63), "is not a sha256"),
+        (lambda m: next(iter(m["tensors"].values())).update(dtype="I8"), "dtype 'I8'"),
+        (lambda m: next(iter(m["tensors"].values())).update(shape=[2, 0, 48]), "positive integers"),
+        (lambda m: m["files"]["layer-000.safetensors"].update(size=-1), "size -1 is negative"),
+        (lambda m: m["source"]["tensors"].update(x="not hex"), r"source.tensors\['x'\] is not a sha256"),
+        (lambda m: m["source"].update(path=5), "source.path must be a string or null"),
+        (lambda m: m.update(kernel_configs=[]), "kernel_configs must be an object"),
+        (lambda m: _with_experts(m)["experts"].update(layout="aiter_moe_a8w8"), "experts.layout must be"),
+        (lambda m: _with_experts(m)["experts"]["groups"][0].update(file="layer-000.safetensors"), "lacks in"),
+        (lambda m: _with_experts(m)["tensors"][EXPERT_W]["layout"].update(tile=32), "no known shuffle layout"),
+        # [512, 8] would be shuffled to [512, 8], but [256, 8] is stored
+        (lambda m: _with_experts(m)["tensors"][EXPERT_S]["layout"].update(shape=[512, 8]), "no known shuffle layout"),
     ],
 )
 def test_manifest_rejects(edit, match):
@@ -228,6 +303,13 @@ def test_manifest_rejects(edit, match):
 def test_manifest_loads_limits():
     with pytest.raises(ManifestError, match="deeper"):
         mf.loads(json.dumps(json.loads("[" * 40 + "]" * 40)))
+
+    def nested(levels):  # the innermost object lies `levels` levels below the top
+        return '{"a": ' * levels + "{}" + "}" * levels
+
+    assert mf.loads(nested(mf.MAX_JSON_DEPTH)) and mf.MAX_JSON_DEPTH == 32
+    with pytest.raises(ManifestError, match="deeper than 32 levels"):
+        mf.loads(nested(33))
     with pytest.raises(ManifestError, match="not valid JSON"):
         mf.loads("{")
     with pytest.raises(ManifestError, match="not a JSON object"):
