@@ -115,6 +115,18 @@ def test_bmm_nk_round_trip(b, n, k_blocks, extra_blocks, seed):
     assert torch.equal(uc, codes) and torch.equal(us, scales)
 
 
+def test_bmm_nk_outputs_are_contiguous_for_strided_inputs():
+    codes, scales = random_u8(2, 96, 4, seed=3).transpose(1, 2), random_u8(2, 6, 4, seed=4).transpose(1, 2)
+    assert not codes.is_contiguous() and not scales.is_contiguous()
+    for k_stored in (192, 256):  # unpadded and padded
+        pc, ps = pack_bmm_nk(codes, scales, k_stored=k_stored)
+        assert pc.is_contiguous() and ps.is_contiguous()
+        assert torch.equal(pc[..., :96], codes) and torch.equal(ps[..., :6], scales)
+        uc, us = unpack_bmm_nk(pc, ps, k_logical=192)  # a slice of the padded tensors when k_stored > 192
+        assert uc.is_contiguous() and us.is_contiguous()
+        assert torch.equal(uc, codes) and torch.equal(us, scales)
+
+
 def test_bmm_nk_errors():
     codes, scales = random_u8(2, 4, 96), random_u8(2, 4, 6)
     with pytest.raises(FormatError, match="k_stored must be a multiple of 32 and >= K = 192"):
@@ -250,6 +262,10 @@ def test_unshuffle_scale_errors():
         unshuffle_scale(bad, (40, 5))
     with pytest.raises(FormatError, match="uint8"):
         shuffle_scale(s.float())
+    stacked = shuffle_scale(random_u8(2, 40, 5, seed=10))
+    stacked[1, 255, 7] = 0  # padding of the second matrix only
+    with pytest.raises(FormatError, match="padding outside"):
+        unshuffle_scale(stacked, (2, 40, 5))
 
 
 # --------------------------------------------- aiter's own shuffles, transcribed (their view / permute code)
