@@ -149,7 +149,15 @@ def _with(layer: dict, proj: str, side: int, expert: int, tensor) -> dict:
             "1.up_proj",
             "do not match the layer",
         ),
+        (
+            lambda L: _with(
+                _with(L, "up_proj", 0, 1, L["up_proj"][0][1][:, :128]), "up_proj", 1, 1, L["up_proj"][1][1][:, :8]
+            ),  # K = 256, a valid shape on its own, but the layer's K (hidden) is 512
+            "1.up_proj",
+            "do not match the layer",
+        ),
         (lambda L: _with(L, "down_proj", 1, 0, L["down_proj"][1][0][:, :4]), "0.down_proj", "disagree"),
+        (lambda L: {**L, "up_proj": (L["up_proj"][0], L["up_proj"][1][:1])}, None, "same positive number"),
         (
             lambda L: {**L, "down_proj": (L["up_proj"][0], L["up_proj"][1])},
             "0.down_proj",
