@@ -246,6 +246,13 @@ def _k_stored_200(m):
     m["tensors"]["model.layers.0.self_attn.w_kc.weight_scale"].update(shape=[2, 64, 6])
 
 
+def _stacked_scale_with_other_leading_dims(m):
+    """A stacked [2, 256, 8] scale tensor whose layout records the shape of a [3, 256, 8] stack."""
+    _with_experts(m)["tensors"][EXPERT_S].update(
+        shape=[2, 256, 8], layout={"layout": "aiter_e8m0_shuffle", "shape": [3, 256, 8]}
+    )
+
+
 def _k_stored_64(m):
     """k_stored 64 < k_logical 96, with tensors shaped as 64 would give (32, 2)."""
     m["mla"][0]["w_kc"]["layout"].update(k_stored=64)
@@ -282,6 +289,11 @@ def _k_stored_64(m):
         (lambda m: next(iter(m["tensors"].values())).update(sha256="0" * 63), "is not a sha256"),
         (lambda m: next(iter(m["tensors"].values())).update(dtype="I8"), "dtype 'I8'"),
         (lambda m: next(iter(m["tensors"].values())).update(shape=[2, 0, 48]), "positive integers"),
+        (lambda m: next(iter(m["tensors"].values())).update(shape=[]), "non-empty list"),
+        (lambda m: next(iter(m["tensors"].values())).update(file="sub\\layer-000.safetensors"), "plain file name"),
+        (lambda m: next(iter(m["tensors"].values())).update(sha256="A" * 64), "is not a sha256"),
+        (lambda m: m["files"].update({"../layer-000.safetensors": {"size": 0, "sha256": "0" * 64}}), "plain file"),
+        (_stacked_scale_with_other_leading_dims, "no known shuffle layout"),
         (lambda m: m["files"]["layer-000.safetensors"].update(size=-1), "size -1 is negative"),
         (lambda m: m["source"]["tensors"].update(x="not hex"), r"source.tensors\['x'\] is not a sha256"),
         (lambda m: m["source"].update(path=5), "source.path must be a string or null"),
@@ -316,10 +328,25 @@ def test_manifest_loads_limits():
         mf.loads("[]")
 
 
+def test_manifest_loads_size_limit(monkeypatch):
+    text = json.dumps({"a": "x" * 100})  # valid JSON: only the size limit can refuse it
+    monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", len(text))
+    assert mf.loads(text) == {"a": "x" * 100}
+    monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", len(text) - 1)
+    with pytest.raises(ManifestError, match=f"{len(text)} bytes, larger than the {len(text) - 1} byte limit"):
+        mf.loads(text)
+
+
 def test_rel_error_of_a_zero_reference():
     zero = torch.zeros(2, 32)
     assert rel_error(zero, zero) == 0.0
     assert rel_error(torch.full((2, 32), 1e-3), zero) == float("inf")
+
+
+def test_rel_error_holds_where_the_rows_together_sum_past_float32():
+    """Rows of 32 values of 2**58: each row's squares sum to 2**121 (float32 is fine per row), 512 rows to 2**130."""
+    w = torch.full((512, 32), 2.0**58)
+    assert rel_error(w * 1.01, w) == pytest.approx(0.01, rel=1e-5)
 
 
 @pytest.mark.parametrize("scale", [1e-30, 3e-23, 1.0, 1e17, 1e19, 1e30])
