@@ -164,6 +164,8 @@ def _projection(obj: dict, name: str, where: str, tensors: dict) -> Projection:
     mode = quant.get("mode") if precision == "mxfp4" else None
     if precision == "mxfp4" and mode not in QUANT_MODES:
         _fail(f"{where}.quant.mode {mode!r} is not one of {QUANT_MODES}")
+    if precision == "mxfp4" and quant != mxfp4_quant(mode):
+        _fail(f"{where}.quant must be {mxfp4_quant(mode)}: the one MXFP4 encoding glm-pack reads")
     return Projection(name, precision, weight, scale, k_logical, k_stored, errors[0], errors[1], mode)
 
 
@@ -335,12 +337,15 @@ def _check_projection_shapes(p: Projection, geom, tensors, lead: tuple[int, int]
         _fail(f"{p.weight}: bf16 tensor must be BF16 {(*lead, p.k_stored)}, got {w.dtype} {w.shape}", tensor=p.weight)
 
 
+def mxfp4_quant(mode: str) -> dict:
+    """PROJ.quant of an MXFP4 projection stored with scale rule ``mode``: E2M1 codes, one E8M0 scale per 32 along K,
+    elements rounded half to even. Readers accept exactly this object."""
+    return {"format": "mxfp4", "mode": mode, "block": 32, "scale": "e8m0", "rounding": "half_even"}
+
+
 def projection_entry(stored, weight: str, scale: str | None) -> dict:
     """Manifest PROJ object for a :class:`~glm_pack.packing.absorb.StoredProjection`."""
-    if stored.precision == "mxfp4":
-        quant = {"format": "mxfp4", "mode": stored.quant_mode, "block": 32, "scale": "e8m0", "rounding": "half_even"}
-    else:
-        quant = {"format": "bf16"}
+    quant = mxfp4_quant(stored.quant_mode) if stored.precision == "mxfp4" else {"format": "bf16"}
     return {
         "precision": stored.precision,
         "weight": weight,
