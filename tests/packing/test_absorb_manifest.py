@@ -346,6 +346,12 @@ def test_rel_error_of_a_zero_reference():
     assert rel_error(torch.full((2, 32), 1e-3), zero) == float("inf")
 
 
+def test_rel_error_holds_where_a_short_row_of_squares_reaches_2_to_128():
+    """Rows of 4 values of 2**63: each square (2**126) fits float32, their sum (2**128) is float32's Inf."""
+    w = torch.full((2, 4), 2.0**63)
+    assert rel_error(w * 1.01, w) == pytest.approx(0.01, rel=1e-5)
+
+
 def test_rel_error_holds_where_the_rows_together_sum_past_float32():
     """Rows of 32 values of 2**58: each row's squares sum to 2**121 (float32 is fine per row), 512 rows to 2**130."""
     w = torch.full((512, 32), 2.0**58)
