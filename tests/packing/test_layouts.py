@@ -248,6 +248,10 @@ def test_unshuffle_scale_errors():
         unshuffle_scale(shuffled[:128], (40, 5))
     with pytest.raises(FormatError, match="rank and leading dims"):
         unshuffle_scale(shuffled, (1, 40, 5))
+    with pytest.raises(FormatError, match="rank and leading dims"):
+        unshuffle_scale(shuffled, (40,))
+    with pytest.raises(FormatError, match="at least 2 dims"):
+        shuffle_scale(s.reshape(-1))
     with pytest.raises(FormatError, match=r"needs a shuffled \[..., 512, 8\] tensor"):
         unshuffle_scale(shuffled, (300, 5))
     bad = shuffled.clone()
