@@ -104,6 +104,61 @@ def test_a_failed_rewrite_keeps_the_file_it_would_replace(tmp_path, monkeypatch)
     assert path.read_bytes() == b"old contents" and temp_files(tmp_path) == []
 
 
+def test_atomic_write_finishes_short_writes(tmp_path, monkeypatch):
+    """os.write may write fewer bytes than asked (a signal, a pipe-like or network filesystem): the rest follows."""
+    real = writer._os_write
+    monkeypatch.setattr(writer, "_os_write", lambda fd, data: real(fd, bytes(data[:3])))
+    path = tmp_path / "x.bin"
+    assert writer.atomic_write(path, [b"0123456789", b"abcdefg"]) == 17
+    assert path.read_bytes() == b"0123456789abcdefg"
+
+
+def test_atomic_write_over_a_longer_stale_temp_file(tmp_path):
+    """A killed run's temp file, longer than the new contents, leaves none of its tail in the finished file."""
+    path = tmp_path / "x.bin"
+    writer.temp_path(path).write_bytes(b"stale bytes of a killed run, longer than the new ones")
+    writer.atomic_write(path, [b"new"])
+    assert path.read_bytes() == b"new" and temp_files(tmp_path) == []
+
+
+def test_atomic_write_never_writes_through_a_linked_temp_name(tmp_path):
+    """A symlink planted at the temp name is refused, never followed: the file it points to stays as it was."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    path = tmp_path / "x.bin"
+    writer.temp_path(path).symlink_to(victim)
+    with pytest.raises(writer.OutputError, match="cannot create"):
+        writer.atomic_write(path, [b"new"])
+    assert victim.read_bytes() == b"keep" and not path.exists()
+
+
+@pytest.mark.parametrize("name", ["a", "ab", "abcdefg", "w" * 29])
+def test_safetensors_headers_keep_tensor_data_8_byte_aligned(tmp_path, name):
+    """The format pads the JSON header with spaces so the data (and every tensor in it) starts 8-byte aligned;
+    each tensor's recorded sha256 is that of its own bytes."""
+    tensors = {name: torch.arange(3, dtype=torch.uint8), "b": torch.tensor([1.5, -2.0], dtype=torch.float32)}
+    path = tmp_path / "t.safetensors"
+    digest, shas = writer.write_safetensors(path, tensors, {"format": "pt"})
+    data = path.read_bytes()
+    assert int.from_bytes(data[:8], "little") % 8 == 0
+    assert digest == hashlib.sha256(data).hexdigest()
+    loaded = load_file(path)
+    for key, t in tensors.items():
+        assert torch.equal(loaded[key], t)
+        assert shas[key] == hashlib.sha256(t.numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("made", [torch.zeros(2, 3, dtype=torch.uint8), torch.zeros(3, 2, dtype=torch.float16)])
+def test_a_lazy_tensor_made_unlike_its_declaration_is_refused(tmp_path, made):
+    """The header is written before a LazyTensor is made: one made with another shape (same dtype) or dtype would
+    leave a file whose header lies; it is refused, naming the tensor, and no file stays."""
+    path = tmp_path / "t.safetensors"
+    lazy = writer.LazyTensor(torch.uint8, (3, 2), lambda: made)
+    with pytest.raises(writer.OutputError, match="declared") as err:
+        writer.write_safetensors(path, {"t": lazy})
+    assert err.value.tensor == "t" and not path.exists() and temp_files(tmp_path) == []
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names fds through /proc")
 def test_atomic_write_syncs_the_file_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
     """Crash safety needs the data on disk before the final name points at it, and the rename itself on disk."""
