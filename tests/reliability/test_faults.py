@@ -279,6 +279,29 @@ def test_hard_linked_originals_are_durable_before_the_manifest(source, tmp_path,
     assert str(out.resolve()) in fsynced[: fsynced.index(str((out / "glm-pack" / ".manifest.json.tmp").resolve()))]
 
 
+def test_originals_copied_where_a_hard_link_fails_are_durable_before_the_manifest(source, tmp_path, monkeypatch):
+    """--files link falls back to copying where a hard link cannot be made (another filesystem: EXDEV); those copies
+    are bytes written like any other, fsynced before the manifest is."""
+    out, fsynced = tmp_path / "out", []
+    real = os.fsync
+
+    def fsync(fd):
+        fsynced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    def link(*args, **kwargs):
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "link", link)
+    r, _ = cli(source, out, "--files", "link", "--quiet")
+    assert r.exit_code == 0, r.output
+    before_manifest = fsynced[: fsynced.index(str((out / "glm-pack" / ".manifest.json.tmp").resolve()))]
+    originals = sorted(p for p in source.iterdir() if p.is_file())
+    assert originals and all(os.stat(out / p.name).st_ino != os.stat(p).st_ino for p in originals)  # copies
+    assert [p.name for p in originals if str((out / p.name).resolve()) not in before_manifest] == []
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 12 MiB tmpfs (one overlay file of the test source fits, two do not); skipped where mounting is denied."""
@@ -487,6 +510,19 @@ def test_symlinks_in_out_are_replaced_never_written_through(source, ckpt_copy, t
     for name in (shard, "config.json", "glm-pack"):
         assert not (out / name).is_symlink()
     assert verify(out).ok
+
+
+def test_a_linked_overlay_folder_is_not_taken_for_an_unstarted_one(source, tmp_path):
+    """An OUT whose glm-pack/ is a link to an empty folder is not the empty glm-pack/ a killed run leaves: without
+    --overwrite it is refused as not empty, and nothing is written into the folder it points to."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "glm-pack").symlink_to(victim)
+    r, errors = cli(source, out, "--files", "none")
+    assert r.exit_code == 1 and len(errors) == 1 and "is not empty; pass --overwrite" in errors[0], r.output
+    assert list(victim.iterdir()) == [] and (out / "glm-pack").is_symlink()
 
 
 # --- hostile and degenerate weights ------------------------------------------------------------------------------
