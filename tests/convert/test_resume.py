@@ -14,11 +14,13 @@ import textwrap
 import time
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from glm_pack.convert import state
 from glm_pack.convert.cli import main
 from glm_pack.convert.convert import ConvertOptions, convert
+from glm_pack.convert.items import WorkItem, is_entry_of, write_item
 from glm_pack.convert.state import OutputLock
 from glm_pack.convert.verify import verify
 from glm_pack.packing.errors import PlanError
@@ -200,6 +202,58 @@ def test_resume_redoes_an_edited_journal_entry(converted, tmp_path, edit):
     assert report.resumed_items == len(entries) - 1
     assert overlay(out) == {name: data for name, data in overlay(clean).items() if name.startswith("layer-")}
     assert verify(out).ok
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda e: e.pop("source_tensors"),
+        lambda e: e.pop("mla"),
+        lambda e: e.update(mla=[e["mla"]]),
+        lambda e: e.update(size=str(e["size"])),
+        lambda e: e.update(size=True),
+    ],
+    ids=["no-source-tensors", "no-mla", "mla-not-an-object", "size-as-text", "size-a-bool"],
+)
+def test_a_journal_line_missing_what_the_manifest_needs_is_not_its_items(tmp_path, edit):
+    """A journal line is kept only if it holds every key the manifest is built from, of its type: one without its
+    source fingerprint or MLA entry, or a size that is not an int, would end in a KeyError / TypeError traceback."""
+    item = WorkItem("mla", 3, "layer-003.safetensors")
+    entry = write_item(tmp_path, item, {"t": torch.ones(4, dtype=torch.uint8)}, {}, {"src": "0" * 64}, mla={"layer": 3})
+    entry = json.loads(json.dumps(entry))  # as the journal holds it
+    assert is_entry_of(entry, item)
+    edit(entry)
+    assert not is_entry_of(entry, item)
+
+
+def test_a_finished_conversion_leaves_no_run_state(converted):
+    """The run record and the journal go once the manifest is written: glm-pack/ then holds the manifest and the
+    files it lists, nothing else."""
+    overlay_dir = converted[1] / "glm-pack"
+    files = json.loads((overlay_dir / "manifest.json").read_text())["files"]
+    assert sorted(os.listdir(overlay_dir)) == sorted(["manifest.json", *files])
+
+
+def test_the_lock_stays_held_while_overwrite_empties_out(converted, tmp_path, monkeypatch):
+    """--overwrite empties OUT but its lock file: deleting it would let a second run create a new one and take it
+    while this run still writes."""
+    src, _ = converted
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    real, refused = state.write_run, []
+
+    def write_run(overlay, run):  # called right after OUT is emptied
+        try:
+            with OutputLock(out):
+                refused.append(False)
+        except PlanError as err:
+            refused.append("another glm-pack run" in str(err))
+        real(overlay, run)
+
+    monkeypatch.setattr(state, "write_run", write_run)
+    convert(src, out, ConvertOptions(files="none", overwrite=True))
+    assert refused == [True] and not (out / "old.txt").exists()
 
 
 def test_resume_with_other_options_is_refused_naming_each_difference(converted, tmp_path, ckpt_copy):
