@@ -16,9 +16,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from glm_pack import runtime
-from glm_pack.convert.checkpoint import Checkpoint
+from glm_pack.convert.checkpoint import Checkpoint, open_checkpoint
 from glm_pack.convert.cli import main
 from glm_pack.convert.convert import ConvertOptions, convert
+from glm_pack.convert.items import plan_items
 from glm_pack.convert.verify import verify
 from glm_pack.packing.errors import GlmPackError
 from glm_pack.packing.mxfp4 import dequantize, quantize
@@ -451,6 +452,24 @@ def test_scale_of_the_wrong_dtype_is_named_with_its_own_shard(synth_ckpt, tmp_pa
     r = CliRunner().invoke(main, ["inspect", str(src)])
     assert r.exit_code == 1 and "fp8 block scale must be F32" in r.output, r.output
     assert f"(file {shard}, tensor {scale})" in r.output, r.output
+
+
+@pytest.mark.parametrize(
+    "file_bytes, sizes",
+    [(2 * 34816, [2, 2, 2]), (2 * 34816 + 1, [2, 2, 2]), (3 * 34816 - 1, [2, 2, 2]), (34815, [1] * 6), (10**9, [6])],
+)
+def test_expert_files_are_split_to_stay_under_the_file_bound(synth_ckpt, file_bytes, sizes):
+    """Layer 3's six MXFP4 expert weights, each 34 816 bytes with its scale (codes [256, 128] U8 + E8M0 scales
+    [256, 8]), fill files in checkpoint order up to ``file_bytes`` inclusive; one larger than the bound has a file
+    of its own, numbered from 01 per layer, after the MLA items."""
+    ckpt = open_checkpoint(synth_ckpt("glm-5", "mxfp4-quark", layers=4, experts=2))
+    items = plan_items(ckpt, "aiter-a4w4", file_bytes=file_bytes)
+    assert [i.file for i in items if i.kind == "mla"] == [f"layer-{n:03d}.safetensors" for n in range(5)]
+    experts = [i for i in items if i.kind == "experts"]
+    assert [len(i.weights) for i in experts] == sizes
+    assert [i.file for i in experts] == [f"experts-003-{n:02d}.safetensors" for n in range(1, len(sizes) + 1)]
+    names = [f"model.layers.3.mlp.experts.{e}.{p}_proj.weight" for e in (0, 1) for p in ("down", "gate", "up")]
+    assert [w for i in experts for w in i.weights] == names and {i.layer for i in experts} == {3}
 
 
 def test_nan_scale_of_a_repacked_expert_is_refused(synth_ckpt, tmp_path, ckpt_copy, edit_tensor):

@@ -127,6 +127,8 @@ def test_k_pad_refused_where_pinned_configs_would_split_k_raggedly(synth_ckpt, k
     ck = open_checkpoint(synth_ckpt("glm-5", "bf16"))
     with pytest.raises(PlanError, match=rf"K={k_stored}.*BLOCK_SIZE_K \[256\].*multiple of 256 \(e\.g\. 256\)"):
         make_plan(ck, k_pad=k_pad)
+    with pytest.raises(PlanError, match=rf"K={k_stored}.*ragged"):  # auto stores MXFP4 wherever its error allows
+        make_plan(ck, k_pad=k_pad, mla_precision="auto")
     assert make_plan(ck, k_pad=k_pad, mla_precision="bf16").k_stored == k_stored  # no aiter GEMM for BF16
 
 
