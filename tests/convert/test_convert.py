@@ -607,6 +607,23 @@ def test_verify_checks_outs_own_config_and_index_with_files_none(synth_ckpt, tmp
     assert verify(out).ok
 
 
+def test_verify_checks_the_source_config_and_index_with_files_none(synth_ckpt, ckpt_copy, tmp_path):
+    """An overlay-only OUT is checked against its recorded source: a config.json edited there (same geometry) and
+    an index removed there are each named."""
+    src, out = ckpt_copy(synth_ckpt("glm-5", "bf16")), tmp_path / "out"
+    convert(src, out, ConvertOptions(files="none"))
+    assert verify(out).ok
+    config = (src / "config.json").read_bytes()
+    (src / "config.json").unlink()  # a new file: the shared original stays as it is
+    (src / "config.json").write_bytes(config.replace(b"{", b'{"edited": 1, ', 1))
+    assert [p for p in verify(out).problems if "differs from the config the overlay was made from" in p] != []
+    (src / "config.json").unlink()
+    (src / "config.json").write_bytes(config)
+    (src / "model.safetensors.index.json").unlink()
+    report = verify(out)
+    assert report.problems == [f"the original index in {src} was changed or removed"], report.problems
+
+
 def test_verify_names_placed_originals_that_were_removed_or_resized(converted):
     shards = sorted(converted.glob("model-*.safetensors"))
     (converted / "model.safetensors.index.json").unlink()

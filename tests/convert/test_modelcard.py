@@ -14,6 +14,7 @@ from test_push import SOURCE_README, converted_fixture, out_fixture  # noqa: F40
 
 from glm_pack.convert.cli import main
 from glm_pack.convert.modelcard import render_card, write_card
+from glm_pack.convert.verify import verify
 from glm_pack.packing.manifest import PROJECTIONS
 
 TAGS = {"glm", "mla", "mxfp4", "rocm", "gfx950"}
@@ -58,6 +59,18 @@ def test_card_body_reports_the_manifest(out):
     assert f"`[{h}, {rank}, {config['qk_nope_head_dim']}]`" in text  # w_kc [heads, kv_lora_rank, nope]
     assert f"`[{h}, {config['v_head_dim']}, {rank}]`" in text  # w_vc [heads, v_head_dim, kv_lora_rank]
     assert f"weight of {len(manifest['mla'])} layer(s) (" in text
+
+
+def test_an_out_whose_source_card_was_moved_aside_still_verifies(out):
+    """verify checks the placed originals' sizes: the source's README.md, moved to README.source.md for glm-pack's
+    card, is checked there (the card itself is no original; without README.source.md it is taken for the source's)."""
+    write_card(out)
+    assert (out / "README.md").read_bytes() != SOURCE_README
+    report = verify(out)
+    assert report.ok, report.problems
+    (out / "README.source.md").unlink()  # the source card lost: README.md is taken for it, and is not it
+    card = out / "README.md"
+    assert verify(out).problems == [f"{card} has {card.stat().st_size} bytes, the original {len(SOURCE_README)}"]
 
 
 def test_source_readme_kept_and_source_untouched(out, converted):
