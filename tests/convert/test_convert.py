@@ -401,6 +401,8 @@ def test_refusals(synth_ckpt, tmp_path):
         assert not (tmp_path / "o").exists()
     r = runner.invoke(main, ["convert", str(tmp_path / "nope"), str(tmp_path / "o2")])
     assert r.exit_code == 1 and "nope" in r.output
+    r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o"), "--workers", "0"])
+    assert r.exit_code == 1 and "--workers must be at least 1, got 0" in r.output and not (tmp_path / "o").exists()
 
 
 def test_nan_weight_named_in_error(synth_ckpt, tmp_path, ckpt_copy, edit_tensor):

@@ -177,6 +177,34 @@ def test_resume_redoes_a_corrupted_finished_file(converted, tmp_path):
     assert verify(out).ok
 
 
+def test_resume_redoes_a_deleted_finished_file_and_skips_a_torn_journal_line(converted, tmp_path):
+    """A finished file deleted since is redone (not a FileNotFoundError traceback), and a journal line torn by the
+    kill (no newline, not JSON) is ignored, not an error."""
+    src, clean = converted
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(src), str(out), "manifest", "none"], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    (out / "glm-pack" / "layer-001.safetensors").unlink()
+    with open(out / "glm-pack" / ".journal.jsonl", "a") as f:
+        f.write('{"file": "layer-0')
+    report = convert(src, out, ConvertOptions(files="copy", resume=True))
+    layers = {name: data for name, data in overlay(clean).items() if name.startswith("layer-")}
+    assert report.resumed_items == len(layers) - 1
+    assert overlay(out) == layers and verify(out).ok
+
+
+@pytest.mark.parametrize("name", ["notes.tmp", ".notes"])
+def test_an_overlay_folder_holding_other_files_is_not_unstarted(converted, tmp_path, name):
+    """Only ``.<name>.tmp`` files are what a killed run leaves in an unstarted glm-pack/: a user's file named like
+    half of that is content, refused without --overwrite and left where it is."""
+    out = tmp_path / "out"
+    (out / "glm-pack").mkdir(parents=True)
+    (out / "glm-pack" / name).write_text("mine")
+    with pytest.raises(PlanError, match="is not empty; pass --overwrite"):
+        convert(converted[0], out, ConvertOptions(files="none"))
+    assert os.listdir(out / "glm-pack") == [name]
+
+
 @pytest.mark.parametrize(
     "edit",
     [

@@ -135,13 +135,15 @@ def test_atomic_write_never_writes_through_a_linked_temp_name(tmp_path):
 @pytest.mark.parametrize("name", ["a", "ab", "abcdefg", "w" * 29])
 def test_safetensors_headers_keep_tensor_data_8_byte_aligned(tmp_path, name):
     """The format pads the JSON header with spaces so the data (and every tensor in it) starts 8-byte aligned;
-    each tensor's recorded sha256 is that of its own bytes."""
+    the metadata is kept, and each tensor's recorded sha256 is that of its own bytes."""
     tensors = {name: torch.arange(3, dtype=torch.uint8), "b": torch.tensor([1.5, -2.0], dtype=torch.float32)}
     path = tmp_path / "t.safetensors"
     digest, shas = writer.write_safetensors(path, tensors, {"format": "pt"})
     data = path.read_bytes()
     assert int.from_bytes(data[:8], "little") % 8 == 0
     assert digest == hashlib.sha256(data).hexdigest()
+    with safe_open(path, framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
     loaded = load_file(path)
     for key, t in tensors.items():
         assert torch.equal(loaded[key], t)
