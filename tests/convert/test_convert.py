@@ -668,6 +668,19 @@ def test_verify_reports_a_layer_it_cannot_re_derive(synth_ckpt, ckpt_copy, tmp_p
     assert not any("cannot re-derive" in p for p in problems), problems
 
 
+def test_verify_names_layers_the_source_no_longer_has(synth_ckpt, ckpt_copy, tmp_path):
+    """An overlay made from a checkpoint of more MLA layers than its recorded source now holds: the layers the source
+    lacks are named."""
+    src, out = ckpt_copy(synth_ckpt("glm-5", "bf16")), tmp_path / "out"  # MLA layers 0, 1 and the MTP layer 2
+    convert(src, out, ConvertOptions(files="none"))
+    for p in src.iterdir():  # the same family and geometry, without the MTP layer
+        p.unlink()
+    for p in synth_ckpt("glm-5", "bf16", layers=2, experts=1, mtp=False).iterdir():
+        (src / p.name).symlink_to(p)
+    problems = verify(out).problems
+    assert "the manifest has MLA layers the source lacks: [2]" in problems, problems
+
+
 def test_verify_reads_an_out_whose_path_is_not_utf8(synth_ckpt, tmp_path):
     """The safetensors library takes only UTF-8 paths; verify reads the overlay with glm-pack's own reader."""
     out = tmp_path / os.fsdecode(b"out\xff")

@@ -122,6 +122,19 @@ def test_k_pad_kept_where_pinned_configs_split_k_evenly(synth_ckpt, k_pad, k_sto
     assert all(k_stored % c["BLOCK_SIZE_K"] == 0 for c in plan.kernel_configs["gfx950"]["k_up"].values())
 
 
+@pytest.mark.parametrize(
+    "option, says",
+    [
+        ({"quant_mode": "nearest"}, "unknown quant mode 'nearest'"),
+        ({"mla_precision": "fp8"}, "unknown MLA precision 'fp8'"),
+        ({"files": "move"}, "files must be one of link, copy, none, got 'move'"),
+    ],
+)
+def test_make_plan_refuses_unknown_options(synth_ckpt, option, says):
+    with pytest.raises(PlanError, match=says):
+        make_plan(open_checkpoint(synth_ckpt("glm-5", "bf16")), **option)
+
+
 @pytest.mark.parametrize("k_pad, k_stored", [("224", 224), ("288", 288), ("160", 320)])
 def test_k_pad_refused_where_pinned_configs_would_split_k_raggedly(synth_ckpt, k_pad, k_stored):
     ck = open_checkpoint(synth_ckpt("glm-5", "bf16"))
