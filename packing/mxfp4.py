@@ -255,7 +255,9 @@ def dequantize(
     if codes.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise FormatError(f"MXFP4 codes and scales must be uint8, got {codes.dtype} and {scales.dtype}")
     if codes.dim() != scales.dim() or codes.dim() == 0:
-        raise FormatError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} must have the same rank, at least 1")
+        raise FormatError(
+            f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} must have the same rank, at least 1"
+        )
     axis = _normalize_axis(axis, codes.dim())
     expected = list(codes.shape)
     if expected[axis] % (BLOCK // 2):
