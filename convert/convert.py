@@ -271,8 +271,9 @@ def source_stats(root: Path, files: list[Path]) -> dict[str, list[int]]:
 
 
 def _kept(entries: list, overlay: Path, items) -> dict[str, dict]:
-    """Journalled items whose line is the entry their item wrote and whose file still hashes to its sha256; the
-    others (a changed file, a line edited by hand) are redone."""
+    """Journalled items whose entry is the one their item wrote and whose file still hashes to its sha256; the
+    others (a changed file, a line from another item or another glm-pack) are redone (a line edited by hand or
+    damaged is not an entry: :meth:`state.Journal.entries`)."""
     planned = {item.file: item for item in items}
     kept = {}
     for entry in entries:

@@ -8,13 +8,16 @@
 * ``OUT/glm-pack/.run.json``: what the interrupted run was doing (options, source fingerprint). Its presence
   without a manifest means "interrupted": a new run must say ``--resume`` (or ``--overwrite``).
 * ``OUT/glm-pack/.journal.jsonl``: one fsynced JSON line per finished work item (file, size, sha256 and its
-  manifest fragments). ``--resume`` keeps an item only if its file still hashes to the journalled sha256.
+  manifest fragments), ``{"entry": ..., "sha256": <sha256 of the entry's sorted-key JSON>}``. A line whose
+  checksum does not match (edited or damaged) is not an entry. ``--resume`` keeps an item only if its file
+  still hashes to the journalled sha256.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -139,19 +142,22 @@ class Journal:
         self.path = overlay / JOURNAL_NAME
 
     def entries(self) -> list[dict]:
-        """Journalled items; a torn last line (crash mid-write) is ignored."""
+        """Journalled entries whose line's checksum matches; a torn last line (crash mid-write) is ignored."""
         if not self.path.is_file():
             return []
         out = []
-        for line in self.path.read_text(errors="replace").splitlines():
+        for text in self.path.read_text(errors="replace").splitlines():
             try:
-                out.append(json.loads(line))
+                line = json.loads(text)
             except ValueError:
                 break
+            entry = line.get("entry") if isinstance(line, dict) else None
+            if isinstance(entry, dict) and line.get("sha256") == _entry_sha256(entry):
+                out.append(entry)
         return out
 
     def append(self, entry: dict) -> None:
-        line = (json.dumps(entry, sort_keys=True) + "\n").encode()
+        line = _line(entry)
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
         except OSError as err:
@@ -163,7 +169,16 @@ class Journal:
             os.close(fd)
 
     def rewrite(self, entries: list[dict]) -> None:
-        atomic_write(self.path, [(json.dumps(e, sort_keys=True) + "\n").encode() for e in entries])
+        atomic_write(self.path, [_line(e) for e in entries])
+
+
+def _entry_sha256(entry: dict) -> str:
+    return hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()
+
+
+def _line(entry: dict) -> bytes:
+    """A journal line: the entry and the sha256 of its sorted-key JSON."""
+    return (json.dumps({"entry": entry, "sha256": _entry_sha256(entry)}, sort_keys=True) + "\n").encode()
 
 
 def clear_run(overlay: Path) -> None:

@@ -212,22 +212,25 @@ def test_an_overlay_folder_holding_other_files_is_not_unstarted(converted, tmp_p
         lambda e: e.pop("tensors"),
         lambda e: e.update(item={**e["item"], "layer": e["item"]["layer"] + 1}),
         lambda e: e.clear(),
+        lambda e: e.update(size=e["size"] + 1),
+        lambda e: next(iter(e["tensors"].values())).update(sha256="0" * 64),
     ],
-    ids=["no-sha256", "no-tensors", "another-item", "empty"],
+    ids=["no-sha256", "no-tensors", "another-item", "empty", "size", "a-tensor-sha256"],
 )
 def test_resume_redoes_an_edited_journal_entry(converted, tmp_path, edit):
-    """A journal line that is JSON but not the entry its item wrote (edited by hand: a key dropped, another item) is
-    redone like a changed file; it was a KeyError traceback, or its item taken as done."""
+    """A journal line edited by hand (a key dropped, another item, a size or a tensor's sha256 changed to another
+    value of its type) is redone like a changed file: it was a KeyError traceback, or its item taken as done with the
+    edited value in the manifest (a tensor's sha256: verify then passed). The line's checksum no longer matches."""
     src, clean = converted
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-c", DRIVER, str(src), str(out), "manifest", "none"], capture_output=True)
     assert proc.returncode == -signal.SIGKILL
     journal = out / "glm-pack" / ".journal.jsonl"
-    entries = [json.loads(line) for line in journal.read_text().splitlines()]
-    edit(entries[0])
-    journal.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    edit(lines[0]["entry"])  # the line's sha256 stays that of the entry as written
+    journal.write_text("".join(json.dumps(line) + "\n" for line in lines))
     report = convert(src, out, ConvertOptions(files="copy", resume=True))
-    assert report.resumed_items == len(entries) - 1
+    assert report.resumed_items == len(lines) - 1
     assert overlay(out) == {name: data for name, data in overlay(clean).items() if name.startswith("layer-")}
     assert verify(out).ok
 
