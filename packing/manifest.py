@@ -289,17 +289,23 @@ def parse_experts(manifest: dict) -> list[tuple[int, str, list[str]]]:
     if not isinstance(section, dict) or section.get("layout") != "aiter_moe_a4w4":
         _fail("experts.layout must be 'aiter_moe_a4w4'")
     tensors = parse_tensors(manifest)
-    out = []
+    out, seen = [], set()
     for i, group in enumerate(_get(section, "groups", list, "experts")):
         where = f"experts.groups[{i}]"
         names = _get(group, "tensors", list, where)
         file = _get(group, "file", str, where)
+        layer = _get(group, "layer", int, where)
+        if layer < 0 or layer in seen:
+            _fail(f"{where}.layer {layer} is negative or repeated")
+        seen.add(layer)
         for name in names:
             if not isinstance(name, str) or name not in tensors or tensors[name].file != file:
                 _fail(f"{where} names tensor {str(name)[:80]!r} that the tensors table lacks in {file}")
+            if tensors[name].dtype != "U8":
+                _fail(f"{where}: tensor {name!r} must be U8 (MXFP4 codes or scales), not {tensors[name].dtype}", name)
             if not _shuffle_layout_ok(manifest["tensors"][name].get("layout"), tensors[name]):
                 _fail(f"{where}: tensor {name!r} has no known shuffle layout (or wrong parameters)", tensor=name)
-        out.append((_get(group, "layer", int, where), file, names))
+        out.append((layer, file, names))
     return out
 
 

@@ -306,6 +306,9 @@ def _k_stored_64(m):
         (lambda m: _with_experts(m)["tensors"][EXPERT_W]["layout"].update(tile=32), "no known shuffle layout"),
         # [512, 8] would be shuffled to [512, 8], but [256, 8] is stored
         (lambda m: _with_experts(m)["tensors"][EXPERT_S]["layout"].update(shape=[512, 8]), "no known shuffle layout"),
+        (lambda m: _with_experts(m)["tensors"][EXPERT_W].update(dtype="BF16"), "must be U8"),
+        (lambda m: _with_experts(m)["experts"]["groups"][0].update(layer=-1), r"groups\[0\].layer -1 is negative"),
+        (lambda m: _with_experts(m)["experts"]["groups"].append(m["experts"]["groups"][0]), r"groups\[1\].layer 0 is"),
     ],
 )
 def test_manifest_rejects(edit, match):
