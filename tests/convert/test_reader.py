@@ -161,6 +161,7 @@ def test_corrupt_headers_raise_checkpoint_error_naming_file_and_tensor(tmp_path,
         (struct.pack("<Q", 2) + b"[]", "not an object"),
         (struct.pack("<Q", 2) + b"\xff\xfe", "invalid JSON"),
         (struct.pack("<Q", 19) + b'{"__metadata__":{},', "invalid JSON"),
+        (struct.pack("<Q", 0), "invalid JSON"),  # the 8-byte length is there: an empty header is not JSON
     ],
 )
 def test_unreadable_headers(tmp_path, raw, message):
@@ -169,6 +170,91 @@ def test_unreadable_headers(tmp_path, raw, message):
     with pytest.raises(CheckpointError, match=message) as err:
         sio.parse_header(sio.LocalFile(path))
     assert err.value.file == str(path)
+
+
+def _file(tmp_path: Path, header: dict, data: bytes) -> Path:
+    path = tmp_path / "h.safetensors"
+    _rewrite(path, header, data)
+    return path
+
+
+def _u8(shape, begin, end, dtype="U8") -> dict:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+@pytest.mark.parametrize(
+    "entry, data, message",
+    [
+        (_u8([True], 0, 1), b"\0", "not a list of sizes"),  # a JSON bool is no size, though Python's True == 1
+        ({**_u8([1], 0, 1), "data_offsets": [0, 1, 1]}, b"\0", r"is not \[begin, end\]"),
+        (_u8([3], 0, 1, "F4"), b"\0", "does not fill whole bytes"),  # 12 bits
+        (_u8([0], 1, 0), b"\0", r"data_offsets \[1, 0\] end before begin"),
+    ],
+    ids=["bool_dim", "three_offsets", "part_byte", "end_before_begin"],
+)
+def test_malformed_entries_are_refused_like_the_library_does(tmp_path, entry, data, message):
+    path = _file(tmp_path, {"t": entry}, data)
+    with pytest.raises(CheckpointError, match=message) as err:
+        sio.parse_header(sio.LocalFile(path))
+    assert (err.value.file, err.value.tensor) == (str(path), "t")
+    with pytest.raises(SafetensorError):
+        with safe_open(str(path), framework="pt") as f:
+            [f.get_tensor(k) for k in f.keys()]
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({**_u8([1], 0, 1), "scale": 2}, "exactly dtype, shape, data_offsets"),  # a field we would not understand
+        (_u8([0, 2**62, 2], 0, 0), "too large"),  # no bytes, but torch cannot hold its strides (2**63)
+    ],
+    ids=["extra_field", "strides_past_int64"],
+)
+def test_entries_the_library_takes_but_torch_or_we_cannot_are_refused(tmp_path, entry, message):
+    path = _file(tmp_path, {"t": entry}, b"\0" * entry["data_offsets"][1])
+    with pytest.raises(CheckpointError, match=message) as err:
+        sio.parse_header(sio.LocalFile(path))
+    assert (err.value.file, err.value.tensor) == (str(path), "t")
+
+
+def test_sub_byte_and_zero_size_entries_read_like_the_library(tmp_path):
+    """F4 packs two elements a byte; a zero-size tensor may sit at the offset where the next one begins, whatever the
+    header's key order; the largest shape whose strides fit int64 is read as an empty tensor of that shape."""
+    header = {
+        "b": _u8([2], 0, 2),
+        "a": _u8([0], 0, 0),  # listed after b, at b's begin
+        "f": _u8([2, 2], 2, 4, "F4"),
+        "z": _u8([0, 2**62, 1], 4, 4),
+    }
+    path = _file(tmp_path, header, bytes([1, 2, 0x21, 0xF9]))
+    parsed = sio.parse_header(sio.LocalFile(path))
+    with safe_open(str(path), framework="pt") as f:
+        assert {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()} == {
+            n: (e.dtype, e.shape) for n, e in parsed.tensors.items()
+        }
+    read = {n: sio.read_tensor(sio.LocalFile(path), e) for n, e in parsed.tensors.items()}
+    assert read["b"].tolist() == [1, 2] and read["a"].shape == (0,)
+    assert read["f"].dtype == torch.uint8 and read["f"].tolist() == [0x21, 0xF9]  # raw bytes of the four codes
+    assert read["z"].shape == (0, 2**62, 1)
+
+
+def test_a_read_past_the_end_of_a_local_file_is_a_short_read(tmp_path):
+    path = tmp_path / "short.safetensors"
+    path.write_bytes(b"0123456789")
+    assert sio.LocalFile(path).read(6, 4) == bytearray(b"6789")
+    with pytest.raises(CheckpointError, match="short read: wanted 5 bytes at offset 6, got 4") as err:
+        sio.LocalFile(path).read(6, 5)  # never the 4 bytes there and a zero filled in
+    assert err.value.file == str(path)
+
+
+def test_encode_header_pads_every_length_to_a_multiple_of_8(tmp_path):
+    for n in range(1, 9):  # names of 1..8 characters: every remainder of the JSON's length modulo 8
+        head = sio.encode_header([("t" * n, "U8", (1,))])
+        (size,) = struct.unpack("<Q", head[:8])
+        assert size == len(head) - 8 and size % 8 == 0
+        text = head[8:].decode()
+        assert text.rstrip(" ") == json.dumps({"t" * n: _u8([1], 0, 1)}, separators=(",", ":"))
+        assert len(text) - len(text.rstrip(" ")) < 8
 
 
 def test_duplicate_keys_are_refused(tmp_path):
