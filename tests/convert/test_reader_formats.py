@@ -203,3 +203,75 @@ def test_detection_rules():
     for weight, scales, quant, message in bad:
         with pytest.raises(FormatError, match=message):
             formats.detect(weight, scales, quant)
+
+
+def test_quark_patterns_match_as_engines_match_them():
+    """``re:`` excludes use ``re.match`` (anchored at the start only); ``layer_quant_config`` is searched in the
+    config's order and the first matching pattern wins (vLLM's and SGLang's Quark loaders do both)."""
+    q = formats.QuantConfig(
+        {
+            "quant_method": "quark",
+            "exclude": [r"re:model\.layers\.1\.", "re:mlp"],
+            "layer_quant_config": {
+                "*experts.0.*": {"weight": {"dtype": "fp8_e4m3", "qscheme": "per_channel"}},
+                "*experts*": {"weight": {"dtype": "fp4"}},
+            },
+            "global_quant_config": {"weight": {"dtype": "fp8_e4m3", "qscheme": "per_tensor"}},
+        }
+    )
+    assert q.excluded("model.layers.1.mlp.experts.0.up_proj")  # a prefix match excludes
+    assert not q.excluded("model.layers.2.mlp.experts.0.up_proj")  # "mlp" occurs, but not at the start
+    assert q.expected_format("model.layers.2.mlp.experts.0.up_proj") == "fp8-channel"  # both match: the first
+    assert q.expected_format("model.layers.2.mlp.experts.1.up_proj") == "mxfp4"
+    # per-tensor FP8 is not per-channel: a per-channel weight under it contradicts the config
+    assert q.expected_format("model.layers.2.self_attn.o_proj") == "fp8-per_tensor"
+    w = _t("model.layers.2.self_attn.o_proj.weight", "F8_E4M3", (8, 64))
+    with pytest.raises(FormatError, match="stored as fp8-channel but quantization_config says fp8-per_tensor"):
+        formats.detect(w, {"weight_scale": _t("s", "F32", (8,))}, q)
+    # only Quark has these parts: without a quant_method they are not read
+    assert formats.QuantConfig({"exclude": ["lm_head"]}).excluded("lm_head") is False
+
+
+def test_detection_checks_every_scale_dtype_and_shape():
+    none = formats.QuantConfig(None)
+    w = "model.layers.3.mlp.experts.0.up_proj.weight"
+    bad = [
+        (_t(w, "F8_E4M3", (2, 8, 64)), {"weight_scale": _t("s", "F32", (2,))}, "must be 2-D"),
+        (_t(w, "U8", (8, 24)), {"weight_scale": _t("s", "U8", (8, 1))}, "U8 weight"),  # in = 48: no whole block
+        (_t(w, "U8", (8, 32)), {"weight_scale": _t("s", "F32", (8, 2))}, "found F32"),  # E8M0 scales are bytes
+        (_t(w, "F8_E4M3", (300, 200)), {"weight_scale": _t("s", "F16", (300,))}, "per-channel scale must be F32"),
+    ]
+    for weight, scales, message in bad:
+        with pytest.raises(FormatError, match=message):
+            formats.detect(weight, scales, none)
+    # a block of 128 rows x 64 columns: [ceil(300/128), ceil(200/64)] = [3, 4] scales
+    wide = formats.QuantConfig({"quant_method": "fp8", "weight_block_size": [128, 64]})
+    got = formats.detect(_t(w, "F8_E4M3", (300, 200)), {"weight_scale_inv": _t("s", "F32", (3, 4))}, wide)
+    assert (got.name, got.block) == ("fp8-block", (128, 64))
+    with pytest.raises(FormatError, match=r"block scale must be F32 \(3, 4\)"):
+        formats.detect(_t(w, "F8_E4M3", (300, 200)), {"weight_scale_inv": _t("s", "F32", (3, 2))}, wide)
+
+
+def test_stored_specs_hand_checked():
+    assert formats.stored_specs("fp8-block", (300, 200), (128, 64)) == {
+        "weight": ("F8_E4M3", (300, 200)),
+        "weight_scale_inv": ("F32", (3, 4)),
+    }
+    assert formats.stored_specs("mxfp4", (8, 64)) == {"weight": ("U8", (8, 32)), "weight_scale": ("U8", (8, 2))}
+    with pytest.raises(FormatError, match="in % 32 == 0"):
+        formats.stored_specs("mxfp4", (8, 48))
+
+
+def test_encoders_keep_zero_blocks_finite_and_use_quarks_even_rule():
+    w = torch.zeros(4, 6)
+    w[0, 0] = 448.0  # one block of 2 x 3 is all zeros
+    q, s = formats.encode_fp8_block(w, (2, 3))
+    assert s.tolist() == [[1.0, 1.0], [1.0, 1.0]] and formats.dequantize(
+        formats.WeightFormat("fp8-block", "m.weight", "m.weight_scale_inv", (2, 3)), q, s
+    ).equal(w)
+    q, s = formats.encode_fp8_channel(w)
+    assert s.tolist() == [1.0, 1.0, 1.0, 1.0] and q.float().equal(w)
+    # 7.0: its mantissa 1.75 rounds up to 2, so the even rule takes 2**1 (byte 128) and 3.5 ties to the even code 6
+    # (4.0), giving 8.0; the floor rule would take 2**0 and clip to 6
+    codes, scales = formats.encode_mxfp4(torch.tensor([[7.0] + [0.0] * 31]))
+    assert scales.tolist() == [[128]] and codes[0, 0].item() == 0x06 and not codes[0, 1:].any()
