@@ -130,3 +130,17 @@ def test_null_keeps_its_meaning_where_it_has_one():
     assert quark.expected_format("model.layers.0.mlp.experts.0.up_proj") is None
     # Quark's parts are only read (and checked) for Quark.
     assert formats.QuantConfig({"quant_method": "fp8", "exclude": "x", "layer_quant_config": [1]}).exclude == []
+
+
+def test_config_value_bounds_and_messages():
+    from glm_pack.convert.config_values import config_value
+
+    assert config_value(0, "k", int, minimum=0) == 0  # the minimum itself is allowed
+    assert config_value([1, 128], "k", list, item=int, minimum=1) == [1, 128]
+    with pytest.raises(CheckpointError, match=r"^k must be a list of integers >= 1, got \[128, 0\]"):
+        config_value([128, 0], "k", list, item=int, minimum=1)  # the minimum holds for every item
+    with pytest.raises(CheckpointError, match=r"^k must be an integer, got null \(or missing\)"):
+        config_value(None, "k", int)
+    with pytest.raises(FormatError) as err:
+        config_value("x" * 100, "k", int, error=FormatError)
+    assert err.value.message == f'k must be an integer, got "{"x" * 76}...' and err.value.file == "config.json"
