@@ -16,7 +16,7 @@ from glm_pack.convert import checkpoint as ckmod
 from glm_pack.convert import safetensors_io as sio
 from glm_pack.convert.checkpoint import open_checkpoint
 from glm_pack.convert.cli import main
-from glm_pack.packing.errors import CheckpointError
+from glm_pack.packing.errors import CheckpointError, FormatError
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -290,6 +290,9 @@ def test_checkpoint_api_on_a_sharded_checkpoint(synth_ckpt):
     assert ck.raw_sha256(name) == hashlib.sha256(ref.view(torch.uint8).numpy().tobytes()).hexdigest()
     with pytest.raises(CheckpointError, match="no such tensor"):
         ck.info("model.layers.0.nothing.weight")
+    with pytest.raises(FormatError, match="read_mxfp4 needs an mxfp4 weight, this one is fp8-block") as err:
+        ck.read_mxfp4(name)
+    assert (err.value.file, err.value.tensor) == (str(path / info.file), name)
 
 
 def test_reads_touch_only_the_tensor_bytes(synth_ckpt, monkeypatch):
@@ -344,9 +347,10 @@ def test_single_file_checkpoint(synth_ckpt, tmp_path):
     out = tmp_path / "single"
     out.mkdir()
     save_file(tensors, str(out / "model.safetensors"))
+    save_file({"extra.weight": torch.zeros(2)}, str(out / "consolidated.safetensors"))  # beside it: not read
     (out / "config.json").write_bytes((src / "config.json").read_bytes())
     ck = open_checkpoint(out)
-    assert ck.files == ["model.safetensors"] and ck.index_path is None
+    assert ck.files == ["model.safetensors"] and ck.index_path is None and "extra.weight" not in ck
     name = "model.layers.0.self_attn.kv_b_proj.weight"
     assert torch.equal(ck.read_float(name), ck_src.read_float(name))
     assert ck.mla_layers() == [0]
@@ -421,7 +425,8 @@ def _kv_b_shard(ck_dir: Path) -> tuple[str, str]:
 def _missing_shard(d: Path):
     name, shard = _kv_b_shard(d)
     (d / shard).unlink()
-    return "missing", shard, None
+    wm = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    return "shard named by the index is missing", shard, next(t for t, f in wm.items() if f == shard)
 
 
 def _truncated_shard(d: Path):
@@ -473,6 +478,17 @@ def _shape_contradicts_config(d: Path):
     return "contradicts the config", None, "model.layers.0.self_attn.kv_b_proj.weight"
 
 
+def _columns_cut(d: Path):
+    """A Linear weight whose row count is right but whose columns are not (in = 255, config says 256)."""
+    name = "model.layers.1.self_attn.indexer.wk.weight"
+    shard = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(d / shard)
+    tensors[name] = tensors[name][:, :255].contiguous()
+    (d / shard).unlink()
+    save_file(tensors, str(d / shard))
+    return r"shape \(128, 255\) contradicts the config: expected \(128, 256\)", shard, name
+
+
 def _unknown_architecture(d: Path):
     config = json.loads((d / "config.json").read_text())
     config["architectures"], config["model_type"] = ["LlamaForCausalLM"], "llama"
@@ -488,6 +504,7 @@ BAD = [
     _offsets_overlap,
     _index_names_absent_tensor,
     _shape_contradicts_config,
+    _columns_cut,
     _unknown_architecture,
 ]
 
@@ -521,7 +538,19 @@ def _point_kv_b_at(d: Path, value) -> str:
 
 
 @pytest.mark.parametrize(
-    "where", ["parent", "absolute", "dotdot-inside", "linked-folder", "hidden", "overlay-dir", "empty-part", 5, None]
+    "where",
+    [
+        "parent",
+        "absolute",
+        "dotdot-inside",
+        "linked-folder",
+        "hidden",
+        "overlay-dir",
+        "empty-part",
+        "backslash",
+        5,
+        None,
+    ],
 )
 def test_index_entries_outside_the_checkpoint_are_refused(synth_ckpt, ckpt_copy, tmp_path, where):
     d = ckpt_copy(synth_ckpt("glm-5", "bf16"))
@@ -531,6 +560,7 @@ def test_index_entries_outside_the_checkpoint_are_refused(synth_ckpt, ckpt_copy,
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / shard).symlink_to((d / shard).resolve())  # a real shard outside the checkpoint
     (d / "linked").symlink_to(tmp_path / "other", target_is_directory=True)
+    (d / f"linked\\{shard}").symlink_to((d / shard).resolve())  # a folder on Windows and the Hub, a name here
     value = {
         "parent": f"../other/{shard}",
         "absolute": str(tmp_path / "other" / shard),
@@ -539,6 +569,7 @@ def test_index_entries_outside_the_checkpoint_are_refused(synth_ckpt, ckpt_copy,
         "hidden": f".{shard}",
         "overlay-dir": f"glm-pack/{shard}",
         "empty-part": f"linked//{shard}",
+        "backslash": f"linked\\{shard}",
     }.get(where, where)
     name = _point_kv_b_at(d, value)
     with pytest.raises(CheckpointError, match="not a file name inside the checkpoint") as err:
@@ -557,3 +588,28 @@ def test_index_entry_in_a_real_subfolder_is_accepted(synth_ckpt, ckpt_copy):
     index["weight_map"] = {t: f"shards/{shard}" if f == shard else f for t, f in index["weight_map"].items()}
     _replace(d / "model.safetensors.index.json", json.dumps(index).encode())
     assert open_checkpoint(d).info(name).file == f"shards/{shard}"
+
+
+def test_an_export_without_its_mtp_layer_opens_and_a_missing_mla_layer_is_refused(synth_ckpt, ckpt_copy):
+    """Layer 2 is glm-5's MTP layer here (config: num_nextn_predict_layers 1): an export may drop all of it, and then
+    it is no MLA layer of the checkpoint; layer 1's kv_b_proj missing is a broken checkpoint."""
+    d = ckpt_copy(synth_ckpt("glm-5", "bf16"))
+    index_path = d / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    full = dict(index["weight_map"])
+    index["weight_map"] = {t: f for t, f in full.items() if not t.startswith("model.layers.2.")}
+    _replace(index_path, json.dumps(index).encode())
+    assert open_checkpoint(d).mla_layers() == [0, 1]
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    index["weight_map"] = {t: f for t, f in full.items() if t != name}
+    _replace(index_path, json.dumps(index).encode())
+    with pytest.raises(CheckpointError, match="MLA layer 1 has no kv_b_proj") as err:
+        open_checkpoint(d)
+    assert (err.value.file, err.value.tensor) == (str(index_path), name)
+
+
+def test_a_folder_without_safetensors_is_no_checkpoint(synth_ckpt, tmp_path):
+    (tmp_path / "config.json").write_bytes((synth_ckpt("glm-5", "bf16") / "config.json").read_bytes())
+    with pytest.raises(CheckpointError, match=r"no model.safetensors.index.json and no \*.safetensors file") as err:
+        open_checkpoint(tmp_path)
+    assert err.value.file == str(tmp_path)
