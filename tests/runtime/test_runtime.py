@@ -189,6 +189,8 @@ def test_open_refusals(packed_dirs, tmp_path):
     _, out = packed_dirs("glm-5")
     with pytest.raises(GlmPackError, match="cannot be split evenly over tp_size=3"):
         runtime.open(out, tp_size=3)
+    with pytest.raises(GlmPackError, match=r"tp_rank 2 is not in \[0, tp_size=2\)"):
+        runtime.open(out, tp_rank=2, tp_size=2)  # ranks are 0 and 1
     with pytest.raises(GlmPackError, match="tp_size must be an integer, got 2.0"):
         runtime.open(out, tp_size=2.0)
     with pytest.raises(GlmPackError, match="tp_rank must be an integer, got True"):
@@ -496,6 +498,7 @@ def test_a_tensor_on_another_gpu_than_the_layers_is_refused(monkeypatch):
 
 def test_open_verify_detects_a_changed_source_tensor(packed_dirs, tmp_path, edit_tensor):
     _, out = packed_dirs("glm-5")
+    assert runtime.open(out, verify=True).layers == [0, 1, 2]  # every recorded sha256 holds on the untouched output
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
 
@@ -531,3 +534,86 @@ def test_cache_rows_views_every_layout_with_one_row_stride():
         with pytest.raises(BackendError, match=says) as err:
             cache_rows(cache, "k")
         assert err.value.tensor == "kv_cache"
+
+
+def test_open_verify_names_what_is_missing(packed_dirs, tmp_path):
+    """verify=True: an overlay file the manifest lists, or a source tensor the manifest fingerprints, that is gone is
+    named (never a FileNotFoundError, never skipped)."""
+    _, out = packed_dirs("glm-5")
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    index_path = bad / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    del index["weight_map"][name]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(VerifyError, match="the checkpoint's index lacks a source tensor of the overlay") as err:
+        runtime.open(bad, verify=True)
+    assert err.value.tensor == name
+    (bad / "glm-pack" / "layer-001.safetensors").unlink()
+    with pytest.raises(VerifyError, match="overlay file listed in the manifest is missing") as err:
+        runtime.open(bad, verify=True)
+    assert err.value.file == str(bad / "glm-pack" / "layer-001.safetensors")
+
+
+def test_open_checks_the_recorded_source_when_out_holds_no_originals(packed_dirs, tmp_path, ckpt_copy, edit_tensor):
+    """An overlay-only OUT is checked against the source path its manifest records: that config's geometry, and with
+    verify=True that source's tensors."""
+    src, out = packed_dirs("glm-5")
+    bad = tmp_path / "bad"
+    shutil.copytree(out / "glm-pack", bad / "glm-pack")  # the overlay only: no config.json, no index
+    source = ckpt_copy(src)
+    manifest_path = bad / "glm-pack" / "manifest.json"
+    m = json.loads(manifest_path.read_text())
+    m["source"]["path"] = str(source)
+    manifest_path.write_text(json.dumps(m))
+    runtime.open(bad, verify=True)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").unlink()
+    (source / "config.json").write_text(json.dumps({**config, "v_head_dim": 128}))
+    with pytest.raises(ManifestError, match="v_head_dim: config 128 vs manifest 256") as err:
+        runtime.open(bad)
+    assert err.value.file == str(source / "config.json")
+    (source / "config.json").write_text(json.dumps(config))
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    shard = edit_tensor(source, name, lambda t: t.neg())
+    with pytest.raises(VerifyError, match="source tensor differs") as err:
+        runtime.open(bad, verify=True)
+    assert (err.value.file, err.value.tensor) == (str(shard), name)
+
+
+def test_config_geometry_is_read_at_the_top_or_in_text_config():
+    from glm_pack.runtime.loader import config_geometry
+
+    geometry = {
+        "num_attention_heads": 8,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+    }
+    want = {"num_heads": 8, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32}
+    assert config_geometry(geometry) == want
+    assert config_geometry({"architectures": ["X"], "text_config": geometry}) == want  # a multimodal wrapper
+    partial = {k: v for k, v in geometry.items() if k != "v_head_dim"}
+    assert config_geometry({**partial, "text_config": geometry}) == want  # the section holding them all
+    assert config_geometry({**partial, "text_config": partial}) == {}
+
+
+def test_reference_bmm_a16wfp4_hand_vector():
+    """Y = act(X) @ W^T. W row 0: code 2 (1.0) x 32 at scale byte 127 (2**0); row 1: code 9 (-0.5) in element 0 only,
+    at byte 128 (2**1), i.e. -1.0. X = [4, 2, 1, 0.5, 0.25, 0...]: its block's amax 4 gives scale 2**0 and 0.25 ties
+    to the even code 0, so the MXFP4 activation drops it; a NaN activation makes its whole output row NaN."""
+    from glm_pack.runtime.reference import bmm_a16wfp4
+
+    codes = torch.zeros(1, 2, 16, dtype=torch.uint8)
+    codes[0, 0] = 0x22
+    codes[0, 1, 0] = 0x09
+    scales = torch.tensor([[[127], [128]]], dtype=torch.uint8)
+    x = torch.zeros(1, 2, 32)
+    x[0, :, :5] = torch.tensor([4.0, 2.0, 1.0, 0.5, 0.25])
+    x[0, 1, 7] = float("nan")
+    y = bmm_a16wfp4(x.bfloat16(), codes, scales)
+    assert y.dtype == torch.bfloat16 and y.shape == (1, 2, 2)
+    assert y[0, 0].tolist() == [7.5, -4.0] and y[0, 1].isnan().all()
+    assert bmm_a16wfp4(x.bfloat16(), codes, scales, act_quant="none")[0, 0].tolist() == [7.75, -4.0]
