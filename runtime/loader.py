@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import operator
+import os
 import struct
 from pathlib import Path
 
@@ -40,39 +41,78 @@ def file_sha256(path: Path) -> str:
 
 
 def raw_tensor_sha256(path: Path, name: str) -> str:
-    """sha256 of one tensor's stored bytes in a safetensors file (the fingerprint the converter records)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        info = json.loads(f.read(n)).get(name)
-        if info is None:
-            raise VerifyError("the checkpoint lacks a tensor the overlay was built from", file=path, tensor=name)
-        begin, end = info["data_offsets"]
-        f.seek(8 + n + begin)
-        h = hashlib.sha256()
-        left = end - begin
-        while left:
-            block = f.read(min(left, 16 << 20))
-            if not block:
+    """sha256 of one tensor's stored bytes in a safetensors file (the fingerprint the converter records);
+    VerifyError naming the file (and tensor) for one that cannot be read, has no header, or lacks the tensor."""
+    try:
+        with open(path, "rb") as f:
+            start, header = _read_header(f, path)
+            if name not in header:
+                raise VerifyError("the checkpoint lacks a tensor the overlay was built from", file=path, tensor=name)
+            offsets = header[name].get("data_offsets") if isinstance(header[name], dict) else None
+            begin, end = offsets if isinstance(offsets, list) and len(offsets) == 2 else (None, None)
+            if not (type(begin) is int and type(end) is int and 0 <= begin <= end):
+                raise VerifyError(f"data_offsets {offsets!r:.40} are not [begin, end]", file=path, tensor=name)
+            if start + end > os.fstat(f.fileno()).st_size:
                 raise VerifyError("safetensors file is truncated", file=path, tensor=name)
-            h.update(block)
-            left -= len(block)
+            f.seek(start + begin)
+            h = hashlib.sha256()
+            left = end - begin
+            while left:
+                block = f.read(min(left, 16 << 20))
+                if not block:
+                    raise VerifyError("safetensors file is truncated", file=path, tensor=name)
+                h.update(block)
+                left -= len(block)
+    except OSError as err:
+        raise VerifyError(f"cannot read: {err.strerror or err}", file=path, tensor=name) from err
     return h.hexdigest()
 
 
 def tensor_files(served: Path) -> dict[str, Path]:
-    """Source tensor name -> the served safetensors file holding it (from the index, or the single file)."""
+    """Source tensor name -> the served safetensors file holding it (from the index, or the single file);
+    VerifyError naming the index or the file when it cannot be read as one."""
     index = served / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _json_object(_read_bytes(index), index, "the index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
+            raise VerifyError("the index's weight_map must map tensor names to file names", file=index)
         return {name: served / file for name, file in weight_map.items()}
     single = served / "model.safetensors"
     return {name: single for name in _header(single)} if single.is_file() else {}
 
 
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise VerifyError(f"cannot read: {err.strerror or err}", file=path) from err
+
+
+def _json_object(data: bytes, path: Path, what: str) -> dict:
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        value = None
+    if not isinstance(value, dict):
+        raise VerifyError(f"{what} is not a JSON object", file=path)
+    return value
+
+
+def _read_header(f, path: Path) -> tuple[int, dict]:
+    """(data start, header object) of an open safetensors file; VerifyError when it has no complete header."""
+    head = f.read(8)
+    n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+    if not 0 <= n <= os.fstat(f.fileno()).st_size - 8:
+        raise VerifyError("safetensors file is truncated: no complete header", file=path)
+    return 8 + n, _json_object(f.read(n), path, "the safetensors header")
+
+
 def _header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+    try:
+        with open(path, "rb") as f:
+            header = _read_header(f, path)[1]
+    except OSError as err:
+        raise VerifyError(f"cannot read: {err.strerror or err}", file=path) from err
     header.pop("__metadata__", None)
     return header
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -617,3 +618,53 @@ def test_reference_bmm_a16wfp4_hand_vector():
     assert y.dtype == torch.bfloat16 and y.shape == (1, 2, 2)
     assert y[0, 0].tolist() == [7.5, -4.0] and y[0, 1].isnan().all()
     assert bmm_a16wfp4(x.bfloat16(), codes, scales, act_quant="none")[0, 0].tolist() == [7.75, -4.0]
+
+
+def test_open_verify_names_a_corrupt_original(packed_dirs, tmp_path):
+    """verify=True reads OUT's index and the headers of its shards: one that is not what it claims is a VerifyError
+    naming it (they were a JSONDecodeError, KeyError, AttributeError, TypeError, ValueError, struct.error or
+    FileNotFoundError)."""
+    _, out = packed_dirs("glm-5")
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    index = bad / "model.safetensors.index.json"
+    good = index.read_bytes()
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    shard = bad / json.loads(good)["weight_map"][name]
+    for text, says in (
+        (b"{", "the index is not a JSON object"),
+        (b"[]", "the index is not a JSON object"),
+        (b"{}", "weight_map must map tensor names to file names"),
+        (b'{"weight_map": []}', "weight_map must map tensor names to file names"),
+        (json.dumps({"weight_map": {name: 5}}).encode(), "weight_map must map tensor names to file names"),
+    ):
+        index.write_bytes(text)
+        with pytest.raises(VerifyError, match=says) as err:
+            runtime.open(bad, verify=True)
+        assert err.value.file == str(index)
+    index.write_bytes(good)
+    data = shard.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+
+    def with_offsets(offsets) -> bytes:
+        text = json.dumps({**header, name: {**header[name], "data_offsets": offsets}}).encode()
+        return struct.pack("<Q", len(text)) + text + data[8 + n :]
+
+    for corrupt, says in (
+        (struct.pack("<Q", 5) + b"{nope" + data[13:], "the safetensors header is not a JSON object"),
+        (data[:1000], "truncated: no complete header"),
+        (b"", "truncated: no complete header"),
+        (with_offsets([8, 4]), r"data_offsets \[8, 4\] are not \[begin, end\]"),
+        (with_offsets(["0", 4]), r"data_offsets \['0', 4\] are not \[begin, end\]"),
+        (with_offsets([2**70, 2**70 + 4]), "safetensors file is truncated"),  # past the end (seek overflowed)
+    ):
+        shard.unlink()
+        shard.write_bytes(corrupt)
+        with pytest.raises(VerifyError, match=says) as err:
+            runtime.open(bad, verify=True)
+        assert err.value.file == str(shard)
+    shard.unlink()
+    with pytest.raises(VerifyError, match="cannot read: No such file or directory") as err:
+        runtime.open(bad, verify=True)
+    assert err.value.file == str(shard)
