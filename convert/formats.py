@@ -24,7 +24,8 @@ formats and MXFP4; an FP8 value times its float32 scale needs up to 28 significa
 rounded once to float32 (relative error at most 2**-24). Quark's
 ``exclude`` list (exact module names, or ``re:`` regexes applied with ``re.match``) says which modules
 stay unquantized; a quantized tensor in an excluded module, or one whose Quark spec names another
-format, is a :class:`~glm_pack.packing.errors.FormatError`.
+format, is a :class:`~glm_pack.packing.errors.FormatError`; so is a quantized weight with both a
+``weight_scale_inv`` and a ``weight_scale`` (which one scales it would be a guess).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _quark_spec_format(spec: dict, where: str) -> str | None:
         return "mxfp4"
     if dtype == "fp8_e4m3":
         return "fp8-channel" if qscheme == "per_channel" else f"fp8-{qscheme}"
-    return None
+    return dtype  # another Quark dtype (e.g. int4): no stored format matches it, so a quantized weight is refused
 
 
 def _exclude_regex(entry: str) -> re.Pattern:
@@ -164,6 +165,8 @@ def detect(weight: StoredTensor, scales: dict[str, StoredTensor], quant: QuantCo
         return WeightFormat(FLOAT_FORMATS[weight.dtype], name)
     if len(shape) != 2:
         raise FormatError(f"quantized weight must be 2-D [out, in], got shape {shape}", tensor=name)
+    if len(scales) > 1:
+        raise FormatError(f"weight has {' and '.join(sorted(scales))}; which one scales it is ambiguous", tensor=name)
     out, cols = shape
     if weight.dtype == "F8_E4M3":
         fmt = _detect_fp8(weight, scales, quant)

@@ -188,6 +188,18 @@ def test_detection_rules():
         (_t(w, "BF16", (8, 64)), {"weight_scale": _t("s", "F32", (8,))}, none, "has a scale"),
         (_t(w, "I32", (8, 64)), {}, none, "unsupported"),
         (
+            _t(w, "F8_E4M3", (300, 200)),
+            {"weight_scale_inv": _t("s", "F32", (3, 2)), "weight_scale": _t("t", "F32", (300,))},
+            none,
+            "weight_scale and weight_scale_inv; which one scales it is ambiguous",
+        ),
+        (
+            _t(w, "U8", (8, 32)),
+            {"weight_scale": _t("s", "U8", (8, 2)), "weight_scale_inv": _t("t", "F32", (1, 1))},
+            QUARK,
+            "ambiguous",
+        ),
+        (
             _t("model.layers.1.self_attn.o_proj.weight", "U8", (8, 32)),
             {"weight_scale": _t("s", "U8", (8, 2))},
             QUARK,
@@ -228,6 +240,11 @@ def test_quark_patterns_match_as_engines_match_them():
     w = _t("model.layers.2.self_attn.o_proj.weight", "F8_E4M3", (8, 64))
     with pytest.raises(FormatError, match="stored as fp8-channel but quantization_config says fp8-per_tensor"):
         formats.detect(w, {"weight_scale": _t("s", "F32", (8,))}, q)
+    # a Quark dtype glm-pack does not read (int4) matches no stored format: a quantized weight under it is refused
+    int4 = formats.QuantConfig({"quant_method": "quark", "global_quant_config": {"weight": {"dtype": "int4"}}})
+    with pytest.raises(FormatError, match="stored as mxfp4 but quantization_config says int4"):
+        up = _t("model.layers.2.mlp.up_proj.weight", "U8", (8, 32))
+        formats.detect(up, {"weight_scale": _t("s", "U8", (8, 2))}, int4)
     # only Quark has these parts: without a quant_method they are not read
     assert formats.QuantConfig({"exclude": ["lm_head"]}).excluded("lm_head") is False
 
