@@ -59,7 +59,12 @@ if not IMPORT_ERROR:
 
 
 def interpreted() -> bool:
-    """True when ``TRITON_INTERPRET=1``: kernels defined now run on CPU tensors in Triton's interpreter."""
+    """True when ``TRITON_INTERPRET`` selects Triton's interpreter: kernels defined now run on CPU tensors there.
+    Read as Triton reads it (``triton.knobs``: 1, true, on or yes in any case); Triton without knobs reads only
+    1. Another reading than Triton's would run interpreted kernels with the compiled path's constants."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

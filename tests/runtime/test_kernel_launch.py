@@ -219,3 +219,13 @@ def test_repeated_calls_go_through_the_c_function_on_gpu(H, T, N, K, monkeypatch
     torch.cuda.synchronize()
     assert len(direct) == 3 * launches_per_call
     assert_close_to_reference(out, x, codes, scales, "mxfp4")
+
+
+@pytest.mark.parametrize("value, interpret", [("1", True), ("true", True), ("ON", True), ("yes", True), ("0", False),
+                                              ("false", False), ("", False)])  # fmt: skip
+def test_interpreted_reads_triton_interpret_as_triton_does(value, interpret, monkeypatch):
+    """Triton defines interpreted kernels for TRITON_INTERPRET=true, on or yes too; the kernel modules, reading
+    only "1", then ran them with the compiled path's constants (bf16 dots the 3.6 interpreter multiplies as
+    integers) or called the interpreter unavailable without a GPU."""
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert _triton.interpreted() is interpret
