@@ -248,6 +248,63 @@ def test_backend_selection_on_cpu(packed_dirs):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_select_backend_says_torch_sees_no_gpu_for_a_cuda_device():
+    """select_backend itself (open() refuses such a device earlier): a forced triton backend on "cuda" without a GPU
+    says so, and auto takes torch rather than Triton, whose kernels would find no GPU."""
+    from glm_pack.runtime.backends import select_backend
+
+    with pytest.raises(BackendError, match="triton backend needs a GPU, but torch sees none"):
+        select_backend("triton", torch.device("cuda"), {})
+    assert select_backend("auto", torch.device("cuda"), {}).name == "torch"
+
+
+def _identity_mxfp4(heads: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 identity ``[heads, k, k]`` (code 2 = 1.0 on the diagonal, scale byte 127): ``y = act(x)`` exactly."""
+    codes = torch.zeros(heads, k, k // 2, dtype=torch.uint8)
+    n = torch.arange(k)
+    codes[:, n, n // 2] = torch.where(n % 2 == 0, 0x02, 0x20).to(torch.uint8)
+    return codes, torch.full((heads, k, k // 32), 127, dtype=torch.uint8)
+
+
+def _backends_here() -> list:
+    """The torch backend, and the Triton one where its kernels run here (interpreted without a GPU)."""
+    from glm_pack.runtime.backends.torch_backend import TorchBackend
+    from tests.runtime.kernel_modules import kernel_module
+
+    found = [TorchBackend()]
+    if kernel_module("triton_bmm").available()[0] and kernel_module("triton_sparse_mla").available()[0]:
+        from glm_pack.runtime.backends.triton_backend import TritonBackend
+
+        found.append(TritonBackend())
+    return found
+
+
+def test_backends_pass_act_quant_and_return_lse_through():
+    """Against identity weights a backend's GEMM gives x itself with act_quant="none" and x's MXFP4 round trip with
+    "mxfp4" (1.1 lies between E2M1 grid points); sparse MLA gives the LSE only when asked. Each backend passes
+    both options on to its kernels (a backend that dropped them returned rounded results or no LSE)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    codes, scales = (t.to(dev) for t in _identity_mxfp4(2, 64))
+    x = (torch.linspace(-3, 3, 3 * 2 * 64).reshape(2, 3, 64) * 1.1).bfloat16().to(dev)
+    rounded = dequantize(*quantize(x.float().cpu(), mode="even")).bfloat16().to(dev)
+    assert not torch.equal(rounded, x)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 16, 64, generator=g).bfloat16().to(dev)
+    cache = torch.randn(8, 64, generator=g).bfloat16().to(dev)
+    indptr = torch.tensor([0, 3, 5], dtype=torch.int32, device=dev)
+    indices = torch.tensor([0, 7, 2, 5, 5], dtype=torch.int32, device=dev)
+    for backend in _backends_here():
+        for act_quant, want in (("none", x), ("mxfp4", rounded)):
+            out = torch.full((2, 3, 64), float("nan"), dtype=torch.bfloat16, device=dev)
+            backend.bmm_a16wfp4(x, codes, scales, out, op="k_up", act_quant=act_quant)
+            assert torch.equal(out, want), (backend.name, act_quant)
+        assert backend.sparse_mla(q, None, cache, indptr, indices, 0.1, return_lse=False)[1] is None
+        scores = 0.1 * torch.einsum("hl,sl->hs", q[0].double(), cache[[0, 7, 2]].double())
+        lse = backend.sparse_mla(q, None, cache, indptr, indices, 0.1, return_lse=True)[1]
+        assert lse.shape == (2, 16) and (lse[0].double() - torch.logsumexp(scores, -1)).abs().max() < 1e-4, backend.name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 @pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
 def test_a_gpu_device_without_a_gpu_is_refused_at_open(packed_dirs, backend):
     _, out = packed_dirs("glm-5")
