@@ -193,6 +193,12 @@ def _bad_calls():
     yield "kv_indices", (q_lat, q_rope, cache, indptr, idx.long()), {}
     yield "out", (q_lat, q_rope, cache, indptr, idx), {"out": poisoned(2, 8)}
     yield "config", (q_lat, q_rope, cache, indptr, idx), {"config": tsm.SparseMlaConfig(8, 16, 1)}
+    yield "config", (q_lat, q_rope, cache, indptr, idx), {"config": tsm.SparseMlaConfig(16, 24, 1)}  # no power of 2
+    yield "config", (q_lat, q_rope, cache, indptr, idx), {"config": tsm.SparseMlaConfig(16, 16, 0)}  # launched nothing
+    yield "q_latent", (q_lat[..., :48], None, cache[:, :48], indptr, idx), {}  # L = 48: no power of two
+    yield "q_rope", (q_lat, q_rope[..., :48], cache[:, : L + 48], indptr, idx), {}  # R = 48
+    yield "kv_indices", (q_lat, q_rope, cache, indptr, idx.to("meta")), {}  # another device
+    yield "out", (q_lat, q_rope, cache, indptr, idx), {"out": poisoned(2, 16).to("meta")}
 
 
 @pytest.mark.parametrize(("what", "args", "kw"), list(_bad_calls()), ids=lambda v: v if isinstance(v, str) else "")
@@ -200,3 +206,38 @@ def test_contract_violations_raise_backend_error(what, args, kw):
     with pytest.raises(BackendError) as info:
         tsm.sparse_mla(*args, SCALE, **kw)
     assert what in str(info.value)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf")])
+def test_a_non_finite_softmax_scale_is_refused(scale):
+    """A NaN or infinite scale would turn every output NaN; refused before the launch."""
+    with pytest.raises(BackendError, match="softmax_scale must be finite"):
+        tsm.sparse_mla(*make_case(1, 16, False), scale)
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
+    """Compiled kernels (no TRITON_INTERPRET at import) take GPU tensors only: CPU ones are refused by name."""
+    monkeypatch.setattr(tsm, "_INTERPRETED", False)
+    monkeypatch.setattr(tsm, "available", lambda: (True, "ok"))
+    args = [t.cpu() if t is not None else None for t in make_case(1, 16, True)]
+    with pytest.raises(BackendError, match="needs GPU tensors .*tensor q_latent"):
+        tsm.sparse_mla(*args, SCALE)
+
+
+def test_default_config_by_heads_tokens_and_rows_on_an_h200(monkeypatch):
+    """The H200's 132 multiprocessors: 64-head blocks only with more than 16 heads and more than 256 token-heads;
+    the deeper-pipelined one-program-per-SM shape from a quarter (33) up to one wave (131) of token x 16-head
+    blocks; a token's top-k split in 64-row tiles, no further (64 rows a token: no split; 640: at most 10), and only
+as far as one wave of programs (a partly filled head block counting as one)."""
+    monkeypatch.setattr(tsm, "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert tsm.default_config(8, 64, 8 * 2048, cpu).block_h == 64  # 512 token-heads
+    assert tsm.default_config(4, 64, 4 * 2048, cpu).block_h == 16  # 256
+    assert tsm.default_config(100, 16, 100 * 2048, cpu).block_h == 16  # 16 heads
+    deep = [tsm.default_config(T, 16, T * 2048, cpu) for T in (33, 131)]
+    plain = [tsm.default_config(T, 16, T * 2048, cpu) for T in (32, 132)]
+    assert all(d.num_stages > p.num_stages and d.num_warps > p.num_warps for d in deep for p in plain)
+    assert tsm.default_config(2, 16, 2 * 64, cpu).num_splits == 1
+    few = tsm.default_config(2, 16, 2 * 640, cpu)
+    assert few.block_n == 64 and few.num_splits == 10
+    assert tsm.default_config(40, 8, 40 * 2048, cpu).num_splits == 3  # 40 programs of 8 heads in one wave of 132
