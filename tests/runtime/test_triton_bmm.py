@@ -106,6 +106,18 @@ def test_tma_config_runs_where_descriptors_fit_and_falls_back_elsewhere(row, tma
     assert_close_to_reference(out, x, codes, scales, "mxfp4")
 
 
+def test_tma_config_falls_back_for_an_out_descriptors_cannot_address(monkeypatch):
+    """An out whose rows are 84 bf16 apart (not 16-byte aligned) gets the tiled kernel, like such an x."""
+    B, M, N, K = 2, 37, 80, 192
+    codes, scales = weights(B, N, K, seed=3)
+    x = activations(M, B, K, seed=4, row=256)
+    buf, out = poisoned_out(M, B, N, pad=4)
+    monkeypatch.setattr(tb, "_prepare_tma", lambda *a: pytest.fail("TMA kernel prepared"))
+    tb.bmm_a16wfp4(x, codes, scales, out=out, config=tb.BmmConfig(32, 64, 64, 4, 1, 0, predecode=True, tma=True))
+    assert torch.isnan(buf[..., N:]).all()
+    assert_close_to_reference(out, x, codes, scales, "mxfp4")
+
+
 def identity_weights(B, K):
     """MXFP4 identity ``[B, K, K]``: code 2 (1.0) on the diagonal, scale 127, so ``y = act(x)`` exactly."""
     codes = torch.zeros(B, K, K // 2, dtype=torch.uint8)
@@ -250,11 +262,50 @@ def test_empty_token_batch_returns_without_launch():
     assert y.shape == (2, 0, 32)
 
 
+def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
+    """Compiled kernels (no TRITON_INTERPRET at import) take GPU tensors only."""
+    monkeypatch.setattr(tb, "_INTERPRETED", False)
+    monkeypatch.setattr(tb, "available", lambda: (True, "ok"))
+    codes, scales = weights(2, 32, 64, seed=1)
+    with pytest.raises(BackendError, match="tensors on cpu need a GPU"):
+        tb.bmm_a16wfp4(activations(3, 2, 64, seed=2).cpu(), codes.cpu(), scales.cpu())
+
+
+def test_an_out_with_a_zero_stride_only_on_a_size_one_axis_is_written():
+    """A zero stride aliases elements only along an axis longer than one: one token (M = 1) with stride 0 is a
+    plain out, written like any other."""
+    codes, scales = weights(2, 32, 64, seed=3)
+    x = activations(1, 2, 64, seed=4)
+    buf = torch.full((2, 32), float("nan"), dtype=torch.bfloat16, device=DEV)
+    out = buf.as_strided((2, 1, 32), (32, 0, 1))
+    tb.bmm_a16wfp4(x, codes, scales, out=out)
+    assert_close_to_reference(out, x, codes, scales, "mxfp4")
+
+
+def test_prepared_launches_are_bounded(monkeypatch):
+    """The signature cache starts over when full (prefill sizes vary without bound)."""
+    monkeypatch.setattr(tb, "_MAX_PREPARED", 2)
+    codes, scales = weights(1, 32, 64, seed=5)
+    for M in (1, 2, 3, 4, 5):
+        tb.bmm_a16wfp4(activations(M, 1, 64, seed=M), codes, scales)
+        assert 1 <= len(tb._PREPARED) <= 2
+
+
+def test_block_k_is_the_largest_power_of_two_up_to_the_cap_dividing_k():
+    assert [tb._block_k(K, 64) for K in (32, 64, 96, 160, 192, 512)] == [32, 64, 32, 32, 64, 64]
+    assert [tb._block_k(K, 128) for K in (128, 192, 256, 384)] == [128, 64, 128, 128]
+
+
 def test_accumulation_tolerance_units():
     ref = torch.tensor([1.0, 3.0, 0.0], dtype=torch.bfloat16)
     tol = tb.accumulation_tolerance(ref, torch.tensor([0.0, 0.0, 2.0**10]), K=8)
     assert tol[0] == 2.0**-7 and tol[1] == 2.0**-6  # one bf16 ulp at 1 and at 3
     assert tol[2] > 8 * 2.0**-23 * 2.0**10
+
+
+def _at_k192(args: dict, config) -> None:
+    codes, scales = weights(2, 32, 192, seed=1)
+    args.update(x=activations(3, 2, 192, seed=2), w_codes=codes, w_scales=scales, config=config)
 
 
 @pytest.mark.parametrize(
@@ -274,6 +325,13 @@ def test_accumulation_tolerance_units():
         (lambda a: a.update(config=tb.BmmConfig(8, 32, 64, 4, 1, 1)), "bad config"),
         (lambda a: a.update(config=tb.BmmConfig(16, 32, 64, 4, 1, 2, True)), "predecode needs the tiled kernel"),
         (lambda a: a.update(config=tb.BmmConfig(16, 32, 64, 4, 1, 0, tma=True)), "tma reads decoded weights"),
+        (lambda a: a.update(x=a["x"][..., :48], w_codes=a["w_codes"][..., :24], w_scales=a["w_scales"][..., :1]),
+         "K=48 must be a positive multiple of 32"),
+        (lambda a: a.update(w_scales=a["w_scales"].to("meta")), "different devices"),
+        (lambda a: a.update(out=torch.empty(2, 3, 32, dtype=torch.bfloat16, device="meta")), "different devices"),
+        (lambda a: a.update(config=tb.BmmConfig(48, 32, 64, 4, 1, 1)), "bad config"),  # block_m no power of two
+        (lambda a: a.update(config=tb.BmmConfig(16, 32, 64, 4, 1, -1)), "bad config"),  # tiles_m < 0: no M tile
+        (lambda a: _at_k192(a, tb.BmmConfig(16, 32, 96, 4, 1, 1)), "block_k=96"),  # divides K = 192, no power of two
     ],
 )
 def test_rejects_calls_outside_the_contract(mutate, match):
@@ -300,6 +358,18 @@ def test_glm_shapes_on_gpu_all_kernels(op, T):
             _, out = poisoned_out(T, H, N)
             tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=config)
             assert_close_to_reference(out, x, codes, scales, act_quant)
+
+
+def test_untuned_shapes_take_the_general_rules_by_rows(monkeypatch):
+    """A shape without tuned entries (N = 96, K = 64): one config from 17 to 64 rows, another from 65 to 256, the
+    large-M rule only above 256 rows."""
+    monkeypatch.setattr(tb, "_INTERPRETED", False)
+
+    def cfg(M):
+        return tb.default_config(2, M, 96, 64)
+
+    assert cfg(17) == cfg(64) != cfg(65) == cfg(256) != cfg(257) == tb._large_m(64, 2 * 257)
+    assert cfg(256) != tb._large_m(64, 2 * 256)
 
 
 def test_default_config_takes_the_first_bucket_that_holds_the_rows(monkeypatch):
