@@ -108,6 +108,17 @@ def test_rejects_wgmma_configs_outside_the_contract(change, match):
         tb.bmm_a16wfp4(activations(4, 1, 64, seed=1), codes, scales, config=tb.BmmConfig(**cfg))
 
 
+def test_twenty_warps_with_the_rounding_warps_are_allowed():
+    """MAX_WARPS is inclusive: 16 swap MMA warps with 4 rounding warps (K-up 256's 64-head 64-row default) run
+    (here through the fallback kernels), and give the reference's result."""
+    B, M, N, K = 1, 4, 64, 128
+    codes, scales = weights(B, N, K, seed=2)
+    x = activations(M, B, K, seed=3)
+    cfg = tb.BmmConfig(64, 256, 128, 16, 1, 0, wgmma="swap")
+    assert cfg.num_warps + cfg.round_warps == gb.MAX_WARPS
+    assert_close_to_reference(tb.bmm_a16wfp4(x, codes, scales, config=cfg), x, codes, scales, "mxfp4")
+
+
 def test_e2m1_ptx_decodes_like_dequantize_in_an_emulator():
     """The decode's PTX text, run by a slow interpreter on this CPU: for random code words (all 16 codes in
     every nibble position) and scale bytes across the range (0 = 2**-127, 254 overflowing to inf, 255 = NaN),
@@ -468,6 +479,22 @@ def test_two_programs_share_a_multiprocessor_only_where_there_are_more_and_both_
     assert gb.kernel_constants(kup, 192, True, 2)["maxnreg"] == 65536 // (2 * 12 * 32) // 8 * 8 == 80
     assert gb.kernel_constants(kup, 192, True, 1)["maxnreg"] == 168
     assert "maxnreg" not in gb.kernel_constants(kup, 192, False, 2)  # no rounding warps without mxfp4
+
+
+def test_two_programs_fit_up_to_exactly_the_shared_memory_of_two():
+    """Two programs share a multiprocessor while twice a program's shared memory plus its 1 KiB system reserve fits
+    ``smem`` plus one reserve, down to the byte; one byte less and each runs alone."""
+    p = gb.plan(64, 128, 64, 8, "decode", 192, H200_SMEM, ws=True)
+    need = gb.smem_bytes(64, 128, 64, 192, "decode", p.stages) + 1024
+    assert gb.programs_per_sm(p, 192, 256, 132, 2 * need - 1024) == 2
+    assert gb.programs_per_sm(p, 192, 256, 132, 2 * need - 1025) == 1
+
+
+def test_register_error_allows_an_accumulator_that_exactly_meets_the_cap():
+    """8 MMA warps with 8 rounding warps: 65536 / (16 * 32) = 128 registers a thread; a 128 x 192 accumulator needs
+    96 of them plus the 32 of headroom (fits exactly), 128 x 224 needs 112 + 32 (does not)."""
+    assert gb.register_error(128, 192, 8, 8) == ""
+    assert gb.register_error(128, 224, 8, 8) == "8 MMA warps with 8 rounding warps: 128 registers a thread, 144 needed"
 
 
 def test_programs_of_more_than_twelve_warps_run_alone():
