@@ -229,3 +229,22 @@ def test_interpreted_reads_triton_interpret_as_triton_does(value, interpret, mon
     integers) or called the interpreter unavailable without a GPU."""
     monkeypatch.setenv("TRITON_INTERPRET", value)
     assert _triton.interpreted() is interpret
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_compiled_kernels_need_a_gpu_interpreted_ones_do_not():
+    assert _triton.availability(True) == (True, "ok")
+    ok, why = _triton.availability(False)
+    assert not ok and "no GPU visible to torch" in why
+
+
+def test_tma_strides_ok_wants_unit_last_stride_and_16_byte_alignment():
+    """bf16 tensors: a contiguous one qualifies; a view starting one element in (2 bytes off), a column view
+    (stride 2 along the last axis), rows 68 elements (136 bytes) apart, or a transposed one do not."""
+    t = torch.zeros(4, 128, dtype=torch.bfloat16)
+    assert t.data_ptr() % 16 == 0 and _triton.tma_strides_ok(t)
+    assert _triton.tma_strides_ok(t[:, 64:])  # 128 bytes in: still aligned
+    assert not _triton.tma_strides_ok(t[:, 1:65])
+    assert not _triton.tma_strides_ok(t[:, ::2])
+    assert not _triton.tma_strides_ok(torch.zeros(4, 68, dtype=torch.bfloat16)[:, :64])
+    assert not _triton.tma_strides_ok(torch.zeros(64, 8, dtype=torch.bfloat16).t())
