@@ -119,6 +119,47 @@ def test_twenty_warps_with_the_rounding_warps_are_allowed():
     assert_close_to_reference(tb.bmm_a16wfp4(x, codes, scales, config=cfg), x, codes, scales, "mxfp4")
 
 
+def test_launch_grids_split_each_weight_column_over_the_multiprocessors_left(monkeypatch):
+    """:func:`gluon_bmm.prepare`'s grid on an H200's 132 multiprocessors (the kernels stand-ins: it runs on this
+    CPU): a program per ``(b, n0)`` weight column and run of its M tiles, the columns' tiles split over the 132 /
+    columns multiprocessors each has (2 heads x 256 / 128 = 4 columns: up to 33 runs each), and y written plainly
+    where each program has one tile and all run at once; ``swap``, a program per tile, its worker and rounding warps
+    by :func:`swap_workers` and :func:`swap_round_warps`."""
+    launches = []
+
+    class Recorded:
+        def __init__(self, kernel, grid, constants):
+            launches.append([kernel, grid, constants])
+
+        def __call__(self, *args):
+            launches[-1].append(args)
+
+    monkeypatch.setattr(gb, "KernelLaunch", Recorded)
+    monkeypatch.setattr(gb, "sm_count", lambda device: 132)
+    monkeypatch.setattr(gb, "smem_limit", lambda device: H200_SMEM)
+    monkeypatch.setattr(gb, "_bmm_kernel", "bmm", raising=False)  # Gluon kernels are not defined in the interpreter
+    monkeypatch.setattr(gb, "_swap_kernel", "swap", raising=False)
+
+    def launch(M, p, K=192):
+        x = torch.zeros(M, 2, K, dtype=torch.bfloat16).transpose(0, 1)
+        out = torch.zeros(M, 2, 256, dtype=torch.bfloat16).transpose(0, 1)
+        codes, scales = torch.zeros(2, 256, K // 2, dtype=torch.uint8), torch.zeros(2, 256, K // 32, dtype=torch.uint8)
+        gb.prepare(x, out, True, p, w=codes, w_scales=scales)(x, codes, scales, out)
+        kernel, grid, constants, args = launches[-1]
+        return kernel, grid, constants["PLAIN_Y"], args, constants
+
+    decode = gb.plan(64, 128, 64, 8, "decode", 192, H200_SMEM, ws=True)
+    for M, programs, splits, plain in ((16, 4, 1, True), (1024, 64, 16, True), (4096, 132, 33, False)):
+        kernel, grid, plain_y, args, _ = launch(M, decode)
+        assert (kernel, grid, plain_y) == ("bmm", (programs,), plain) and args[9:12] == (M, 256, splits), M
+    swap = gb.plan(32, 64, 64, 4, "swap", 192, H200_SMEM, round_warps=8)
+    kernel, grid, _, _, constants = launch(100, swap)
+    assert (kernel, grid, constants["WS"], constants["WORKERS"]) == ("swap", (32,), True, 8)  # 8 columns x 4 tiles
+    # one 64-deep K step and 8 x 40 = 320 programs, more than two a multiprocessor: no workers, 4 rounding warps
+    kernel, grid, _, _, constants = launch(1280, gb.plan(32, 64, 64, 4, "swap", 64, H200_SMEM, round_warps=8), K=64)
+    assert (grid, constants["WS"], constants["WORKERS"]) == ((320,), False, 4)
+
+
 def test_e2m1_ptx_decodes_like_dequantize_in_an_emulator():
     """The decode's PTX text, run by a slow interpreter on this CPU: for random code words (all 16 codes in
     every nibble position) and scale bytes across the range (0 = 2**-127, 254 overflowing to inf, 255 = NaN),
