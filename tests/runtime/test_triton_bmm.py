@@ -256,6 +256,23 @@ def test_a_signature_is_prepared_once(monkeypatch):
     assert len(prepared) == 4
 
 
+def test_x_off_its_16_byte_alignment_is_prepared_apart(monkeypatch):
+    """Two x of the same shape and strides, one starting an element (2 bytes) into the other's rows: the second,
+    which tensor descriptors cannot address, gets its own launches (the tiled kernel), not the first's TMA ones."""
+    B, M, N, K = 2, 20, 64, 64
+    codes, scales = weights(B, N, K, seed=1)
+    q = activations(M, B, K + 16, seed=2, row=128)
+    tma = []
+    real = tb._prepare_tma
+    monkeypatch.setattr(tb, "_prepare_tma", lambda *a: tma.append(a[0].data_ptr() % 16) or real(*a))
+    cfg = tb.BmmConfig(32, 64, 64, 4, 1, 0, predecode=True, tma=True)
+    for x in (q[..., :K], q[..., 1 : K + 1]):
+        _, out = poisoned_out(M, B, N)
+        tb.bmm_a16wfp4(x, codes, scales, out=out, config=cfg)
+        assert_close_to_reference(out, x, codes, scales, "mxfp4")
+    assert tma == [0] and len(tb._PREPARED) == 2
+
+
 def test_empty_token_batch_returns_without_launch():
     codes, scales = weights(2, 32, 64, seed=1)
     y = tb.bmm_a16wfp4(torch.empty(2, 0, 64, dtype=torch.bfloat16, device=DEV), codes, scales)
@@ -327,6 +344,7 @@ def _at_k192(args: dict, config) -> None:
         (lambda a: a.update(config=tb.BmmConfig(16, 32, 64, 4, 1, 0, tma=True)), "tma reads decoded weights"),
         (lambda a: a.update(x=a["x"][..., :48], w_codes=a["w_codes"][..., :24], w_scales=a["w_scales"][..., :1]),
          "K=48 must be a positive multiple of 32"),
+        (lambda a: a.update(w_codes=torch.cat([a["w_codes"], a["w_codes"][:1]])), "B=2 batches, w_codes 3"),
         (lambda a: a.update(w_scales=a["w_scales"].to("meta")), "different devices"),
         (lambda a: a.update(out=torch.empty(2, 3, 32, dtype=torch.bfloat16, device="meta")), "different devices"),
         (lambda a: a.update(config=tb.BmmConfig(48, 32, 64, 4, 1, 1)), "bad config"),  # block_m no power of two
