@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from glm_pack.convert import cards, formats, synth
@@ -162,3 +164,113 @@ def test_detection_on_written_checkpoints(synth_ckpt, fmt):
     assert {ck.weight_format(n) for n in experts} == {_expected(fmt, "expert", True)}
     dense = "model.layers.0.mlp.down_proj.weight"
     assert ck.weight_format(dense) == _expected(fmt, "mlp", False)
+
+
+def test_layer_selectors_at_their_bounds():
+    """Hand-checked layer sets at each selector's edges: list ids outside 0..n-1 are dropped, a types list shorter
+    than the layers is refused, first_k past the last layer makes every decoder layer dense (the MTP layer stays
+    MoE), the indexer only sits on MLA layers."""
+    flash = cards.load_card("glm-5.3-flash")
+    config = flash.synth["config"]
+    text = {**config["text_config"], "num_nextn_predict_layers": 0, "full_attn_layers": [-1, 1, 5, 45]}
+    assert flash.mla_layers({**config, "text_config": text}) == [1, 5]  # 45 is no layer without an MTP layer
+    assert flash.layer_plan(config).indexer == (*range(3, 45, 4), 45)  # [[layers.indexer]] all, within MLA
+    glm5 = cards.load_card("glm-5")
+    base = glm5.synth["config"]
+    with pytest.raises(CheckpointError, match="mlp_layer_types has 77 entries for 78 layers"):
+        glm5.layer_plan({**base, "mlp_layer_types": ["dense"] * 77})
+    plan = glm5.layer_plan({**base, "first_k_dense_replace": 100})
+    assert plan.dense == tuple(range(78)) and plan.moe == (78,)
+
+
+def test_card_defaults_mtp_carries_mla_but_no_indexer():
+    """A card that leaves mtp_has_mla / mtp_has_indexer out: the MTP layer carries MLA, no indexer."""
+    data = {**cards.load_card("glm-5").data}
+    data["layers"] = {k: v for k, v in data["layers"].items() if not k.startswith("mtp_has_")}
+    plan = cards.Card(data, "test").layer_plan(data["synth"]["config"])
+    assert plan.mla == tuple(range(79)) and plan.indexer == tuple(range(78))
+
+
+def test_detection_needs_the_architecture_or_the_model_type():
+    """Either one is enough (a config may lack the other); neither known is refused."""
+    base = cards.load_card("glm-5").synth["config"]
+    assert cards.detect_card({k: v for k, v in base.items() if k != "architectures"}).name == "glm-5"
+    assert cards.detect_card({**base, "model_type": "something_else"}).name == "glm-5"
+    with pytest.raises(CheckpointError, match="unknown architecture none"):
+        cards.detect_card({k: v for k, v in base.items() if k not in ("architectures", "model_type")})
+
+
+def test_a_config_two_cards_match_is_refused(tmp_path, monkeypatch):
+    card_path = tmp_path / "my-glm.toml"
+    text = (cards.resources.files("glm_pack.cards") / "glm-5.toml").read_text()
+    card_path.write_text(text.replace('name = "glm-5"', 'name = "my-glm"'))
+    monkeypatch.setattr(cards, "list_cards", lambda: ["glm-5", str(card_path)])
+    with pytest.raises(CheckpointError, match="matches several cards: glm-5, my-glm"):
+        cards.detect_card(cards.load_card("glm-5").synth["config"])
+
+
+def test_shape_expressions():
+    """Integer arithmetic only: // floors, a float constant or another operator is refused."""
+    assert cards.eval_expr("(a + 1) * 3 - a // 2", {"a": 7}, "t") == 21
+    for expr in ("a * 1.5", "a / 2", "a ** 2"):
+        with pytest.raises(PlanError, match="unsupported expression"):
+            cards.eval_expr(expr, {"a": 7}, "t")
+
+
+def _card_data(edit) -> dict:
+    data = copy.deepcopy(cards.load_card("glm-5").data)
+    edit(data)
+    return data
+
+
+def test_bucket_overrides_win_over_the_route_wide_ones():
+    """A route's per-bucket entry beats its "*" entry, which beats the base bucket."""
+
+    def edit(data):
+        data["kernels"]["gfx950"]["routes"]["padded"]["k_up"] = {"*": {"BLOCK_SIZE_K": 64}, "any": {"BLOCK_SIZE_K": 32}}
+
+    k_up = cards.Card(_card_data(edit), "test").kernel_configs("padded")["gfx950"]["k_up"]
+    assert k_up["any"]["BLOCK_SIZE_K"] == 32 and k_up["M_LEQ_16"]["BLOCK_SIZE_K"] == 64
+    assert k_up["M_LEQ_16"]["BLOCK_SIZE_N"] == 64  # untouched keys from the base bucket
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d["kernels"]["gfx950"]["base"]["any"].update(NUM_KSPLIT=2), "any needs every key"),
+        (lambda d: d["kernels"]["gfx950"]["base"]["M_LEQ_16"].pop("num_warps"), r"missing \['num_warps'\]"),
+        (lambda d: d["kernels"]["gfx950"]["routes"].pop("unpadded"), "kernels.gfx950 lacks route 'unpadded'"),
+        (lambda d: d["tensors"][0].update(scope="decoder"), "unknown scope 'decoder'"),
+    ],
+    ids=["split-k", "missing-key", "missing-route", "bad-scope"],
+)
+def test_bad_cards_are_refused_naming_the_card(edit, message):
+    with pytest.raises(PlanError, match=message) as err:
+        cards.Card(_card_data(edit), "my.toml")
+    assert err.value.file == "my.toml" and "card glm-5" in str(err.value)
+
+
+def test_card_files(tmp_path, monkeypatch):
+    """A *.toml path loads that file; a bundled name is never read from a same-named file in the working
+    directory; a file that is no TOML is refused naming it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "glm-5").write_text("not a card")
+    assert cards.load_card.__wrapped__("glm-5").source.endswith("glm-5.toml")
+    (tmp_path / "bad.toml").write_text("name = ")
+    with pytest.raises(PlanError, match="card bad.toml is not valid TOML") as err:
+        cards.load_card.__wrapped__("bad.toml")
+    assert err.value.file == "bad.toml"
+
+
+def test_only_two_dimensional_weights_are_linear():
+    assert cards.TensorTemplate("x.weight", ("a", "b"), "BF16", "attn", "mla").is_linear
+    assert not cards.TensorTemplate("x.weight", ("a",), "BF16", "attn", "mla").is_linear
+    assert not cards.TensorTemplate("x.bias", ("a", "b"), "BF16", "attn", "mla").is_linear
+    assert not cards.TensorTemplate("x.weight", ("a", "b"), "BF16", "norm", "mla").is_linear
+
+
+def test_an_empty_text_config_falls_back_to_the_top_level():
+    flash = cards.load_card("glm-5.3-flash")
+    config = flash.synth["config"]
+    flat = {**config, **config["text_config"], "text_config": {}}
+    assert flash.geometry(flat) == flash.geometry(config)
