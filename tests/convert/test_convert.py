@@ -185,6 +185,12 @@ def test_auto_keeps_planted_hard_layer_in_bf16(synth_ckpt, tmp_path, ckpt_copy, 
     assert layers[1]["w_kc"]["mxfp4_rel_error"] > 0.2 and layers[1]["w_kc"]["rel_error"] < 5e-3
     assert layers[0]["w_kc"]["precision"] == "mxfp4"
     assert "bf16" in result.output  # the summary table shows the decision
+    mla = manifest(out)["mla"]
+    kc, vc = (f"{max(e[p]['rel_error'] for e in mla):.4f}" for p in ("w_kc", "w_vc"))
+    summary = [line for line in result.stdout.splitlines() if " MLA layers, overlay " in line]
+    assert len(summary) == 1 and summary[0].startswith(f"{len(mla)} MLA layers, "), result.stdout
+    assert ", 2 tensors kept in BF16; " in summary[0] and kc != vc  # layer 1's w_kc and w_vc
+    assert f"; rel error w_kc max {kc}, w_vc max {vc}; " in summary[0], summary[0]
     assert verify(out).ok
 
 
@@ -281,6 +287,23 @@ def test_overwrite_replaces_an_overlay_of_the_wrong_kind(synth_ckpt, tmp_path, p
     r = CliRunner().invoke(main, ["convert", str(src), str(out), "--overwrite", "--quiet", "--files", "none"])
     assert r.exit_code == 0 and "Traceback" not in r.output, r.output
     assert (out / "glm-pack" / "manifest.json").is_file() and verify(out).ok
+
+
+def test_quiet_convert_prints_nothing(synth_ckpt, tmp_path):
+    """--quiet: no progress bar, no summary, on success too."""
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(synth_ckpt("glm-5", "bf16")), str(out), "--quiet", "--files", "none"])
+    assert r.exit_code == 0 and r.output == "", r.output
+    assert verify(out).ok
+
+
+def test_debug_lets_the_error_through(tmp_path):
+    """--debug: the error itself propagates (Python prints its traceback) instead of the one line."""
+    args = ["convert", str(tmp_path / "nope"), str(tmp_path / "o")]
+    r = CliRunner().invoke(main, ["--debug", *args])
+    assert isinstance(r.exception, GlmPackError) and "glm-pack: error:" not in r.output, r.output
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 1 and r.stderr.startswith("glm-pack: error: ") and str(tmp_path / "nope") in r.stderr
 
 
 def test_ragged_k_pad_is_refused_before_any_output(synth_ckpt, tmp_path):
