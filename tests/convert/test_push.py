@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from fake_hub import Blob as FakeBlob
 from fake_hub import FakeHub
 from huggingface_hub import CommitOperationAdd, HfApi, constants
+from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
 
 from glm_pack.convert import push as push_module
 from glm_pack.convert.cli import main
@@ -88,6 +89,18 @@ def hub(monkeypatch, tmp_path):
 
 def run_cli(*args: str):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def dry_run_rows(out: Path, *flags: str) -> list[tuple[str, str]]:
+    """(file, commit number) of each row of the dry run's table, sorted (wide enough that no cell wraps)."""
+    result = CliRunner().invoke(main, ["push", str(out), REPO, *flags, "--dry-run"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in result.stdout.splitlines() if "│" in line]
+    return sorted((cells[1], cells[0]) for cells in rows if cells[0].isdigit())
+
+
+def numbered(commits: list[list[str]]) -> list[tuple[str, str]]:
+    return [(path, str(i + 1)) for i, commit in enumerate(commits) for path in commit]
 
 
 def published(out: Path, overlay_only: bool = False) -> dict[str, bytes]:
@@ -248,6 +261,8 @@ def test_interrupted_push_of_a_changed_out_leaves_no_old_manifest(hub, out, conv
     dry = run_cli("push", new, REPO, *flags, "--dry-run", "--json")
     assert dry.exit_code == 0 and json.loads(dry.output)["deletes"] == [manifest], dry.output
     assert "deleted first" in run_cli("push", new, REPO, *flags, "--dry-run").output
+    rows = sorted([(manifest, "1"), *numbered(json.loads(dry.output)["commits"])])  # deleted first, then uploaded
+    assert dry_run_rows(new, *flags) == rows
     hub.fail("commit", drop=True, after_files=hub.committed_files + 1)  # the first commit lands, the next is dropped
     result = run_cli("push", new, REPO, *flags)
     assert result.exit_code == 1 and "interrupted" in result.output, result.output
@@ -272,6 +287,9 @@ def test_stale_overlay_files_go_in_the_last_commit(hub, out, overlay_only):
     dry = run_cli("push", out, REPO, *flags, "--max-commit-gib", SMALL_COMMIT_GIB, "--dry-run", "--json")
     assert dry.exit_code == 0 and json.loads(dry.output)["stale"] == sorted(STALE), dry.output
     assert "deleted: stale" in run_cli("push", out, REPO, *flags, "--dry-run").output
+    commits = json.loads(dry.output)["commits"]
+    rows = dry_run_rows(out, *flags, "--max-commit-gib", SMALL_COMMIT_GIB)
+    assert rows == sorted(numbered(commits) + [(p, str(len(commits))) for p in STALE])  # stale: the last commit
     assert hub.files(REPO).keys() == {*STALE, "notes.txt"}  # the dry run deleted nothing
     result = run_cli("push", out, REPO, *flags, "--max-commit-gib", SMALL_COMMIT_GIB)
     assert result.exit_code == 0 and "2 stale glm-pack/ files were deleted" in result.output, result.output
@@ -304,6 +322,24 @@ def test_dry_run_lists_and_uploads_nothing(hub, out):
         assert path in result.output
     assert REPO not in hub.repos
     assert not hub.kinds("create") and not hub.kinds("commit") and not hub.kinds("lfs_put")
+
+
+def test_json_report_of_an_upload(hub, out):
+    """--json prints the report alone (no progress lines), with every file and byte committed and each commit."""
+    result = run_cli("push", out, REPO, "--json", "--max-commit-gib", SMALL_COMMIT_GIB)
+    assert result.exit_code == 0, result.output
+    report, expected = json.loads(result.stdout), published(out)
+    assert report["uploaded_files"] == len(expected) and report["dry_run"] is False
+    assert report["uploaded_bytes"] == sum(len(b) for b in expected.values())
+    assert len(report["commit_urls"]) == len(hub.repos[REPO].commits) >= 3
+    assert [sorted(c) for c in report["commits"]] == [sorted(c["files"]) for c in hub.repos[REPO].commits]
+
+
+def test_sizes_are_printed_in_binary_units():
+    from glm_pack.convert.push_commands import _mib
+
+    sizes = (0, 1023, 1024, 1536, 2**20, 5 * 2**30 + 2**29)
+    assert [_mib(n) for n in sizes] == ["0 B", "1023 B", "1.0 KiB", "1.5 KiB", "1.0 MiB", "5.5 GiB"]
 
 
 def test_push_refuses_an_out_verify_rejects(hub, out):
@@ -445,10 +481,12 @@ def test_retried_requests_still_give_one_error_line(hub, out, tmp_path, case):
 
 
 def test_push_restores_the_hub_log_level(hub, out):
+    """push mutes huggingface_hub's warnings and progress bars while it runs, then restores both."""
     hub_logger = logging.getLogger("huggingface_hub")
     before = hub_logger.level
+    enable_progress_bars()
     assert run_cli("push", out, REPO, "--dry-run").exit_code == 0
-    assert hub_logger.level == before
+    assert hub_logger.level == before and not are_progress_bars_disabled()
     hub.fail("create", 403)
     assert run_cli("push", out, REPO).exit_code == 1
     assert hub_logger.level == before
