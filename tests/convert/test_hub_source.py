@@ -8,6 +8,7 @@ nothing else. Expected byte counts come from the local files (header length pref
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import socket
 import struct
@@ -24,7 +25,7 @@ from glm_pack.convert import hub_source
 from glm_pack.convert.checkpoint import open_checkpoint
 from glm_pack.convert.cli import main
 from glm_pack.convert.convert import ConvertOptions, convert
-from glm_pack.convert.hub_common import resolve_endpoint
+from glm_pack.convert.hub_common import exception_chain, first_line, is_kind, resolve_endpoint
 from glm_pack.convert.hub_source import parse_repo_spec
 from glm_pack.convert.verify import verify
 from glm_pack.packing.errors import HubError, PlanError
@@ -109,6 +110,20 @@ def test_endpoint_resolution(monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://mirror.local:8080/")
     assert resolve_endpoint(None) == "http://mirror.local:8080"  # read now; no trailing slash to double up
     assert resolve_endpoint("https://hub.example//") == "https://hub.example"  # --endpoint wins
+
+
+def test_error_chain_and_line_helpers():
+    """exception_chain follows causes, else contexts, each error once (a cycle ends); is_kind matches a base
+    class's name; first_line skips blank lines and takes the last line when asked past it."""
+    inner, outer = OSError("inner"), ValueError("outer")
+    outer.__context__ = inner
+    inner.__cause__ = outer  # a cycle
+    assert list(itertools.islice(exception_chain(outer), 5)) == [outer, inner]
+    assert is_kind(ConnectionRefusedError(), "ConnectionError") and not is_kind(ValueError(), "ConnectionError")
+    err = RuntimeError("\n  Bad request: \n\n  the card's license is not valid  \n")
+    assert first_line(err) == "Bad request:" and first_line(err, skip=1) == "the card's license is not valid"
+    assert first_line(RuntimeError("only line"), skip=1) == "only line"
+    assert first_line(RuntimeError(" \n")) == "RuntimeError"
 
 
 def test_inspect_reads_headers_only(hub, src):
