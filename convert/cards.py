@@ -10,7 +10,8 @@ checkpoints use (``[synth]``: the full config, the small profile's overrides, do
 Layer selectors are tried in order; the first whose config key exists decides:
 ``{all = true}``; ``{list_key = K}`` (config[K] lists layer ids); ``{types_key = K, types = [...]}``
 (config[K][i] in types); ``{first_k_key = K}`` (i < config[K]); ``{freq_key = F, offset_key = O}``
-(IndexShare: ``max(i - O + 1, 0) % F == 0``); ``{every = n, offset = o}`` (i % n == o; an assumption).
+(IndexShare: ``max(i - O + 1, 0) % F == 0``; as in transformers' GlmMoeDsaConfig, O defaults to 2 and F < 1
+counts as 1); ``{every = n, offset = o}`` (i % n == o; an assumption).
 
 Tensor scopes: ``global`` (absolute name, once), ``layer`` (every decoder and MTP layer), ``mla``,
 ``linear_attn`` (layers without MLA), ``indexer``, ``dense`` (dense-MLP layers), ``moe`` (MoE layers,
@@ -120,7 +121,7 @@ def select_layers(selectors: list[dict], cfg: dict, n: int, what: str) -> set[in
             return set(range(min(config_value(cfg[sel["first_k_key"]], sel["first_k_key"], int, minimum=0), n)))
         if "freq_key" in sel and sel["freq_key"] in cfg:
             freq = max(config_value(cfg[sel["freq_key"]], sel["freq_key"], int), 1)
-            offset = config_value(cfg.get(sel["offset_key"]), sel["offset_key"], int, default=0)
+            offset = config_value(cfg.get(sel["offset_key"]), sel["offset_key"], int, default=2)
             return {i for i in range(n) if max(i - offset + 1, 0) % freq == 0}
         if "every" in sel:
             return {i for i in range(n) if i % sel["every"] == sel["offset"]}

@@ -183,6 +183,23 @@ def test_layer_selectors_at_their_bounds():
     assert plan.dense == tuple(range(78)) and plan.moe == (78,)
 
 
+@pytest.mark.parametrize(
+    "schedule",
+    [{}, {"index_skip_topk_offset": 3}, {"index_topk_freq": 3, "index_skip_topk_offset": 0}, {"index_topk_freq": 0}],
+    ids=["offset-absent", "offset-3", "freq-3-offset-0", "freq-0"],
+)
+def test_indexshare_layers_are_the_ones_transformers_derives(schedule):
+    """GLM-5.2's indexer layers from index_topk_freq / index_skip_topk_offset are the layers transformers'
+    GlmMoeDsaConfig marks "full" (and the MTP layer). An absent offset was taken as 0; transformers takes 2."""
+    transformers = pytest.importorskip("transformers")
+    card = cards.load_card("glm-5.2")
+    config = {k: v for k, v in card.synth["config"].items() if k != "index_skip_topk_offset"} | schedule
+    full = [i for i, kind in enumerate(transformers.GlmMoeDsaConfig(**config).indexer_types) if kind == "full"]
+    assert card.layer_plan(config).indexer == (*full, 78)
+    if not schedule:
+        assert full[:4] == [0, 1, 5, 9]  # max(i - 2 + 1, 0) % 4 == 0
+
+
 def test_card_defaults_mtp_carries_mla_but_no_indexer():
     """A card that leaves mtp_has_mla / mtp_has_indexer out: the MTP layer carries MLA, no indexer."""
     data = {**cards.load_card("glm-5").data}
