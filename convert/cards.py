@@ -9,7 +9,8 @@ checkpoints use (``[synth]``: the full config, the small profile's overrides, do
 
 Layer selectors are tried in order; the first whose config key exists decides:
 ``{all = true}``; ``{list_key = K}`` (config[K] lists layer ids); ``{types_key = K, types = [...]}``
-(config[K][i] in types); ``{first_k_key = K}`` (i < config[K]); ``{freq_key = F, offset_key = O}``
+(config[K][i] in types; with ``letters = {F = "full", ...}`` config[K] may also be a string of one letter a
+layer, e.g. ``"FFSS..."``); ``{first_k_key = K}`` (i < config[K]); ``{freq_key = F, offset_key = O}``
 (IndexShare: ``max(i - O + 1, 0) % F == 0``; as in transformers' GlmMoeDsaConfig, O defaults to 2 and F < 1
 counts as 1); ``{every = n, offset = o}`` (i % n == o; an assumption).
 
@@ -111,7 +112,13 @@ def select_layers(selectors: list[dict], cfg: dict, n: int, what: str) -> set[in
         if "list_key" in sel and sel["list_key"] in cfg:
             return {i for i in config_value(cfg[sel["list_key"]], sel["list_key"], list, item=int) if 0 <= i < n}
         if "types_key" in sel and sel["types_key"] in cfg:
-            types = config_value(cfg[sel["types_key"]], sel["types_key"], list, item=str)
+            key, types, letters = sel["types_key"], cfg[sel["types_key"]], sel.get("letters", {})
+            if letters and isinstance(types, str):
+                if not set(types) <= set(letters):
+                    what = f"{key} must be a string of the letters {''.join(letters)}, got {types[:80]!r}"
+                    raise CheckpointError(what, file="config.json")
+                types = [letters[c] for c in types]
+            types = config_value(types, key, list, item=str)
             if len(types) < n:
                 raise CheckpointError(
                     f"{sel['types_key']} has {len(types)} entries for {n} layers ({what})", file="config.json"

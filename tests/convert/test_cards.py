@@ -185,12 +185,20 @@ def test_layer_selectors_at_their_bounds():
 
 @pytest.mark.parametrize(
     "schedule",
-    [{}, {"index_skip_topk_offset": 3}, {"index_topk_freq": 3, "index_skip_topk_offset": 0}, {"index_topk_freq": 0}],
-    ids=["offset-absent", "offset-3", "freq-3-offset-0", "freq-0"],
+    [
+        {},
+        {"index_skip_topk_offset": 3},
+        {"index_topk_freq": 3, "index_skip_topk_offset": 0},
+        {"index_topk_freq": 0},
+        {"index_topk_pattern": "FFS" + "SFSS" * 18 + "SFS"},
+        {"index_topk_pattern": ["full", "shared"] * 39},
+    ],
+    ids=["offset-absent", "offset-3", "freq-3-offset-0", "freq-0", "pattern", "pattern-list"],
 )
 def test_indexshare_layers_are_the_ones_transformers_derives(schedule):
-    """GLM-5.2's indexer layers from index_topk_freq / index_skip_topk_offset are the layers transformers'
-    GlmMoeDsaConfig marks "full" (and the MTP layer). An absent offset was taken as 0; transformers takes 2."""
+    """GLM-5.2's indexer layers from index_topk_pattern (which wins), else index_topk_freq /
+    index_skip_topk_offset, are the layers transformers' GlmMoeDsaConfig marks "full" (and the MTP layer). An
+    absent offset was taken as 0 (transformers: 2); a pattern was ignored (no decoder layer had an indexer)."""
     transformers = pytest.importorskip("transformers")
     card = cards.load_card("glm-5.2")
     config = {k: v for k, v in card.synth["config"].items() if k != "index_skip_topk_offset"} | schedule
@@ -198,6 +206,12 @@ def test_indexshare_layers_are_the_ones_transformers_derives(schedule):
     assert card.layer_plan(config).indexer == (*full, 78)
     if not schedule:
         assert full[:4] == [0, 1, 5, 9]  # max(i - 2 + 1, 0) % 4 == 0
+
+
+def test_a_pattern_of_unknown_letters_is_refused():
+    card = cards.load_card("glm-5.2")
+    with pytest.raises(CheckpointError, match="index_topk_pattern must be a string of the letters FS, got 'FFX'"):
+        card.layer_plan({**card.synth["config"], "index_topk_pattern": "FFX"})
 
 
 def test_card_defaults_mtp_carries_mla_but_no_indexer():
