@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import re
 import socket
 import struct
 import types
@@ -182,6 +183,17 @@ def test_convert_reads_only_needed_tensors_and_matches_local(hub, src, tmp_path)
     assert all(hub.sha in r.path for r in hub.requests if r.kind)  # pinned to the recorded commit
     rereads = [(f, *parse_range(rng)) for f, rng in shard_reads(hub) if parse_range(rng)[1] > header_end(src / f)]
     assert sorted(rereads) == sorted(needed)  # hashed, then re-derived: each tensor fetched once (recent ranges)
+
+
+def test_convert_from_the_hub_says_how_much_it_read(hub, src, tmp_path):
+    """The summary of a Hub conversion ends with the bytes read from the Hub: at least the kv_b_proj tensors."""
+    result = run_cli("convert", REPO, tmp_path / "out", "--workers", "1")
+    assert result.exit_code == 0, result.output
+    ckpt = open_checkpoint(src)
+    kv_b = sum(ckpt.info(ckpt.card.kv_b_proj(i)).nbytes for i in ckpt.mla_layers())
+    line = result.stdout.splitlines()[-1]
+    m = re.fullmatch(r"read ([\d,]+) bytes \(([\d.]+) MiB\) from the Hub", line)
+    assert m and int(m[1].replace(",", "")) >= kv_b and m[2] == f"{int(m[1].replace(',', '')) / 2**20:.1f}", line
 
 
 def test_files_copy_downloads_originals_then_offline_works_from_cache(hub, src, tmp_path, monkeypatch):
