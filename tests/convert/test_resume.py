@@ -323,6 +323,16 @@ def test_run_differences_name_options_either_run_lacks_and_never_come_back_empty
     assert run_differences(odd, run) == ["its run record (glm-pack/.run.json) differs from this run's"]
 
 
+def test_resume_summary_counts_the_kept_files(converted, tmp_path):
+    """The summary of a resumed run says how many finished overlay files it re-checked and kept: the 2 journalled."""
+    src, _ = converted
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, "-c", DRIVER, str(src), str(out), "between-files", "none"], capture_output=True)
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "copy", "--resume"])
+    assert r.exit_code == 0, r.output
+    assert "resumed: 2 finished overlay files re-checked by hash and kept" in r.stdout.splitlines(), r.stdout
+
+
 def test_resume_onto_a_folder_where_an_overlay_file_goes_is_one_line(converted, tmp_path):
     src, _ = converted
     out = tmp_path / "out"
