@@ -208,6 +208,29 @@ def test_indexshare_layers_are_the_ones_transformers_derives(schedule):
         assert full[:4] == [0, 1, 5, 9]  # max(i - 2 + 1, 0) % 4 == 0
 
 
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        {},
+        {"index_topk_freq": 4},
+        {"index_topk_freq": 3, "index_skip_topk_offset": 0},
+        {"index_topk_pattern": "FFFFFFFS" * 5 + "FFFFF"},
+    ],
+    ids=["none", "freq-4", "freq-3-offset-0", "pattern"],
+)
+def test_flash_indexer_layers_are_the_ones_transformers_derives(schedule):
+    """GLM-5.3-Flash: the MLA layers whose indexer transformers' Glm5NextTextConfig marks "full" (and the MTP
+    layer). index_topk_pattern and index_topk_freq were ignored: every MLA layer counted as having an indexer."""
+    transformers = pytest.importorskip("transformers")
+    card = cards.load_card("glm-5.3-flash")
+    config = card.synth["config"]
+    text = {**config["text_config"], **schedule}
+    kinds = transformers.Glm5NextTextConfig(**text).indexer_types
+    mla = set(range(3, 45, 4))
+    full = [i for i, kind in enumerate(kinds) if kind == "full" and i in mla]
+    assert card.layer_plan({**config, "text_config": text}).indexer == (*full, 45)
+
+
 def test_a_pattern_of_unknown_letters_is_refused():
     card = cards.load_card("glm-5.2")
     with pytest.raises(CheckpointError, match="index_topk_pattern must be a string of the letters FS, got 'FFX'"):
