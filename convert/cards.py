@@ -115,8 +115,8 @@ def select_layers(selectors: list[dict], cfg: dict, n: int, what: str) -> set[in
             key, types, letters = sel["types_key"], cfg[sel["types_key"]], sel.get("letters", {})
             if letters and isinstance(types, str):
                 if not set(types) <= set(letters):
-                    what = f"{key} must be a string of the letters {''.join(letters)}, got {types[:80]!r}"
-                    raise CheckpointError(what, file="config.json")
+                    letters_only = f"a string of the letters {''.join(letters)}"
+                    raise CheckpointError(f"{key} must be {letters_only}, got {types[:80]!r}", file="config.json")
                 types = [letters[c] for c in types]
             types = config_value(types, key, list, item=str)
             if len(types) < n:
