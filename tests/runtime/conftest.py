@@ -9,9 +9,8 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # before any test module imports Triton: its own jit functions (tl.zeros, ...) are defined for the interpreter
-    # only when it is set at Triton's import (kernel_modules sets it before the kernel modules' import, too late
-    # where test_kernel_launch.py imported Triton first)
+    # before any test module imports Triton or a kernel module: Triton defines its own jit functions (tl.zeros, ...)
+    # and glm-pack its kernels for the interpreter only when it is set at their import
     os.environ["TRITON_INTERPRET"] = "1"
 
 from glm_pack.convert.convert import ConvertOptions, convert

@@ -1,6 +1,6 @@
-"""The Triton kernel modules as the tests import them: on a machine without a GPU, with their kernels defined for
-Triton's interpreter (``TRITON_INTERPRET=1`` must be set before a kernel is defined, i.e. before the module is
-imported; a module imported earlier without it is reloaded). Also the benchmark scripts, which are no package."""
+"""The Triton kernel modules and the benchmark scripts (which are no package) as the tests import them. On a machine
+without a GPU the kernels are defined for Triton's interpreter: ``tests/runtime/conftest.py`` sets
+``TRITON_INTERPRET=1`` there before anything imports Triton (it must be set when a kernel is defined)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,10 @@ import importlib
 import os
 import sys
 
-import torch
-
 
 def kernel_module(name: str):
-    """``glm_pack.runtime.kernels.<name>``, interpreted where no CUDA GPU is visible."""
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-    module = importlib.import_module(f"glm_pack.runtime.kernels.{name}")
-    if not torch.cuda.is_available() and not module._INTERPRETED:
-        module = importlib.reload(module)
-    return module
+    """``glm_pack.runtime.kernels.<name>``, interpreted where no CUDA GPU is visible (see the module docstring)."""
+    return importlib.import_module(f"glm_pack.runtime.kernels.{name}")
 
 
 def benchmark_module(name: str):
