@@ -83,13 +83,15 @@ class LayerPlan:
 
 def eval_expr(expr, values: dict, where: str) -> int:
     """Integer arithmetic (+ - * // and parentheses) over config keys; ints pass through."""
+    if isinstance(expr, bool):
+        raise PlanError(f"{where}: unsupported expression {expr!r}")
     if isinstance(expr, int):
         return expr
 
     def ev(node):
         if isinstance(node, ast.Expression):
             return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
             return node.value
         if isinstance(node, ast.Name):
             return config_value(values.get(node.id), node.id, int)

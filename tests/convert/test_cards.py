@@ -264,9 +264,10 @@ def test_a_config_two_cards_match_is_refused(tmp_path, monkeypatch):
 
 
 def test_shape_expressions():
-    """Integer arithmetic only: // floors, a float constant or another operator is refused."""
+    """Integer arithmetic only: // floors; a float or boolean constant or another operator is refused."""
     assert cards.eval_expr("(a + 1) * 3 - a // 2", {"a": 7}, "t") == 21
-    for expr in ("a * 1.5", "a / 2", "a ** 2"):
+    assert cards.eval_expr(5, {}, "t") == 5
+    for expr in ("a * 1.5", "a / 2", "a ** 2", "a * True", True):
         with pytest.raises(PlanError, match="unsupported expression"):
             cards.eval_expr(expr, {"a": 7}, "t")
 
