@@ -113,9 +113,11 @@ def _check_depth(value, depth: int = 0) -> None:
 
 
 def loads(text: str | bytes) -> dict:
-    """Parse manifest JSON text with size and depth limits (no validation of the content)."""
-    if len(text) > MAX_MANIFEST_BYTES:
-        _fail(f"{len(text)} bytes, larger than the {MAX_MANIFEST_BYTES} byte limit")
+    """Parse manifest JSON with size (in UTF-8 bytes, also for str input) and depth limits; no validation of the
+    content."""
+    size = len(text.encode("utf-8") if isinstance(text, str) else text)
+    if size > MAX_MANIFEST_BYTES:
+        _fail(f"{size} bytes, larger than the {MAX_MANIFEST_BYTES} byte limit")
     try:
         obj = json.loads(text)
     except (ValueError, RecursionError) as err:
@@ -197,10 +199,11 @@ def parse_files(manifest: dict) -> dict[str, tuple[int, str]]:
 def check_sections(manifest: dict) -> None:
     """The sections readers use besides mla/tensors/experts: source, options, files, kernel_configs."""
     source = _get(manifest, "source", dict, "manifest")
-    for key in ("path", "index_sha256"):
-        if source.get(key) is not None and not isinstance(source[key], str):
-            _fail(f"source.{key} must be a string or null")
-    _get(source, "config_sha256", str, "source")
+    if source.get("path") is not None and not isinstance(source["path"], str):
+        _fail("source.path must be a string or null")
+    if source.get("index_sha256") is not None:
+        _sha256_hex(source["index_sha256"], "source.index_sha256")
+    _sha256_hex(_get(source, "config_sha256", str, "source"), "source.config_sha256")
     for name, sha in _get(source, "tensors", dict, "source").items():
         _sha256_hex(sha, f"source.tensors[{name!r}]")
     _get(manifest, "options", dict, "manifest")

@@ -300,6 +300,9 @@ def _k_stored_64(m):
         (lambda m: m["files"]["layer-000.safetensors"].update(size=-1), "size -1 is negative"),
         (lambda m: m["source"]["tensors"].update(x="not hex"), r"source.tensors\['x'\] is not a sha256"),
         (lambda m: m["source"].update(path=5), "source.path must be a string or null"),
+        (lambda m: m["source"].update(config_sha256="0" * 63), "source.config_sha256 is not a sha256"),
+        (lambda m: m["source"].update(index_sha256="Z" * 64), "source.index_sha256 is not a sha256"),
+        (lambda m: m["source"].update(index_sha256=5), "source.index_sha256 is not a sha256"),
         (lambda m: m.update(kernel_configs=[]), "kernel_configs must be an object"),
         (lambda m: _with_experts(m)["experts"].update(layout="aiter_moe_a8w8"), "experts.layout must be"),
         (lambda m: _with_experts(m)["experts"]["groups"][0].update(file="layer-000.safetensors"), "lacks in"),
@@ -341,6 +344,10 @@ def test_manifest_loads_size_limit(monkeypatch):
     monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", len(text) - 1)
     with pytest.raises(ManifestError, match=f"{len(text)} bytes, larger than the {len(text) - 1} byte limit"):
         mf.loads(text)
+    wide = json.dumps({"a": "\u00e9" * 50}, ensure_ascii=False)  # 50 two-byte characters
+    assert len(wide.encode()) == len(text)  # limit is len(text) - 1: too big in bytes, not in characters
+    with pytest.raises(ManifestError, match=f"{len(text)} bytes, larger than"):
+        mf.loads(wide)
 
 
 def test_rel_error_of_a_zero_reference():
