@@ -19,29 +19,31 @@ from glm_pack.packing.errors import VerifyError
 
 from . import state
 from .convert import FILE_MODES, ConvertOptions, ConvertReport, convert
-from .modelcard import source_error_text
+from .modelcard import error_cells, fmt_error, source_error_text, worst_head_text
 from .verify import VerifyReport, verify
 
 console = Console(stderr=False, emoji=False, soft_wrap=True)  # ":cd:" in a path is no emoji code; lines never wrap
 
 
+def _max_errors(projections) -> str:
+    """'max E, worst head W' over one projection of every layer."""
+    return f"max {fmt_error(max((p.rel_error for p in projections), default=0))}{worst_head_text(projections)}"
+
+
 def _summary(report: ConvertReport) -> None:
     table = Table(title=f"MLA overlay in {escape(str(report.out))}", show_lines=False)
-    for col in ("layer", "w_kc", "w_kc rel err", "w_vc", "w_vc rel err"):
-        table.add_column(col, justify="right" if "err" in col or col == "layer" else "left")
+    for col in ("layer", "w_kc", "w_kc rel err", "worst head", "w_vc", "w_vc rel err", "worst head"):
+        table.add_column(col, justify="right" if "err" in col or col in ("layer", "worst head") else "left")
     for r in report.layers:
-        table.add_row(
-            str(r.layer), r.w_kc.precision, f"{r.w_kc.rel_error:.4f}", r.w_vc.precision, f"{r.w_vc.rel_error:.4f}"
-        )
+        table.add_row(str(r.layer), *(cell for p in (r.w_kc, r.w_vc) for cell in error_cells(p)))
     console.print(table)
-    kc = [r.w_kc.rel_error for r in report.layers]
-    vc = [r.w_vc.rel_error for r in report.layers]
     bf16 = sum((r.w_kc.precision == "bf16") + (r.w_vc.precision == "bf16") for r in report.layers)
     console.print(
         f"{len(report.layers)} MLA layers, overlay {report.overlay_bytes / 2**20:.1f} MiB, "
         f"{report.expert_tensors} expert tensors repacked, {report.original_files} original files placed, "
-        f"{bf16} tensors kept in BF16; "
-        f"rel error w_kc max {max(kc, default=0):.4f}, w_vc max {max(vc, default=0):.4f}; {report.seconds:.1f} s"
+        f"{bf16} tensors kept in BF16; rel error "
+        + ", ".join(f"{name} {_max_errors([getattr(r, name) for r in report.layers])}" for name in ("w_kc", "w_vc"))
+        + f"; {report.seconds:.1f} s"
     )
     if note := source_error_text(report.layers):
         console.print(note)

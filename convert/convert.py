@@ -70,6 +70,7 @@ class ProjectionReport(NamedTuple):
     precision: str  # stored: "mxfp4" or "bf16"
     rel_error: float  # of the stored tensor vs the float source split
     mxfp4_rel_error: float  # what MXFP4 gives (equals rel_error when MXFP4 was kept)
+    max_head_rel_error: float | None  # of the stored tensor, its worst head (None from a journal that predates it)
     quant_mode: str | None  # the recorded scale rule ("even", ..., "source"); None for BF16
 
 
@@ -395,7 +396,11 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
                 m["source"]["format"],
                 *(
                     ProjectionReport(
-                        m[p]["precision"], m[p]["rel_error"], m[p]["mxfp4_rel_error"], m[p]["quant"].get("mode")
+                        m[p]["precision"],
+                        m[p]["rel_error"],
+                        m[p]["mxfp4_rel_error"],
+                        m[p].get("max_head_rel_error"),
+                        m[p]["quant"].get("mode"),
                     )
                     for p in ("w_kc", "w_vc")
                 ),

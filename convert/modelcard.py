@@ -103,8 +103,9 @@ def card_metadata(manifest: dict, source_meta: dict, *, overlay_only: bool, base
     return ModelCardData(base_model=base, library_name=library, tags=tags, **carried, **extra)
 
 
-def _fmt(x: float) -> str:
-    return f"{x:.4f}"
+def fmt_error(x: float | None) -> str:
+    """A relative error as the card and convert's summary print it; ``n/a`` where the manifest lacks it."""
+    return "n/a" if x is None else f"{x:.4f}"
 
 
 def compact_ranges(ids: list[int]) -> str:
@@ -211,24 +212,35 @@ def source_error_text(layers) -> str:
     return text
 
 
+def error_cells(p) -> tuple[str, str, str]:
+    """One projection's cells in an error table: stored precision, relative error, its worst head's."""
+    return p.precision, fmt_error(p.rel_error), fmt_error(p.max_head_rel_error)
+
+
+def worst_head_text(projections) -> str:
+    """``, worst head E``: the largest per-head error over ``projections`` that record one; empty if none does."""
+    heads = [p.max_head_rel_error for p in projections if p.max_head_rel_error is not None]
+    return f", worst head {fmt_error(max(heads))}" if heads else ""
+
+
 def _error_summary(layers) -> str:
     """Max and mean relative error per projection and stored precision, never mixing MXFP4 and BF16 errors."""
     parts = []
     for name in mf.PROJECTIONS:
         for precision in mf.PRECISIONS:
-            errors = [getattr(lay, name).rel_error for lay in layers if getattr(lay, name).precision == precision]
-            if errors:
+            projs = [getattr(lay, name) for lay in layers if getattr(lay, name).precision == precision]
+            if projs:
+                errors = [p.rel_error for p in projs]
                 parts.append(
-                    f"{name} {precision.upper()} max {_fmt(max(errors))} (mean {_fmt(statistics.fmean(errors))})"
-                    f" over {len(errors)} layer(s)"
+                    f"{name} {precision.upper()} max {fmt_error(max(errors))} "
+                    f"(mean {fmt_error(statistics.fmean(errors))}{worst_head_text(projs)}) over {len(errors)} layer(s)"
                 )
     return "; ".join(parts) or "no MLA layers"
 
 
 def _quant_fields(manifest: dict, layers) -> dict:
     rows = [
-        f"| {lay.layer} | {lay.w_kc.precision} | {_fmt(lay.w_kc.rel_error)} | {lay.w_vc.precision} | "
-        f"{_fmt(lay.w_vc.rel_error)} |"
+        f"| {lay.layer} | " + " | ".join(cell for p in (lay.w_kc, lay.w_vc) for cell in error_cells(p)) + " |"
         for lay in layers
     ]
     return {
@@ -252,9 +264,7 @@ def _precision_text(options: dict, layers) -> str:
     if kept:
         text += (
             " Kept in BF16: "
-            + ", ".join(
-                f"layer {n} {p.name} (MXFP4 error would be {_fmt(p.mxfp4_rel_error)})" for n, p in kept
-            )
+            + ", ".join(f"layer {n} {p.name} (MXFP4 error would be {fmt_error(p.mxfp4_rel_error)})" for n, p in kept)
             + "."
         )
     elif policy == "auto":

@@ -5,8 +5,8 @@ mismatch, which tensor changed); stored precisions allowed by the recorded ``mla
 and index (when present, and always when the originals were placed) those the overlay was made from;
 geometry against config.json; the source's config and index untouched; source tensors unchanged (sha256
 against the fingerprint); the MLA layers exactly those of the source; every overlay tensor re-derived from
-its source split as convert does and compared byte for byte, its scale rule and both recorded errors
-(``rel_error``, ``mxfp4_rel_error``) recomputed.
+its source split as convert does and compared byte for byte, its scale rule and its recorded errors
+(``rel_error``, ``mxfp4_rel_error``, and ``max_head_rel_error`` where recorded) recomputed.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from glm_pack.packing import manifest as mf
-from glm_pack.packing.absorb import POLICIES, rel_error, store_projection, stored_precision
+from glm_pack.packing.absorb import POLICIES, rel_errors, store_projection, stored_precision
 from glm_pack.packing.errors import GlmPackError, HubError, ManifestError
 from glm_pack.packing.layouts import get_layout, unpack_bmm_nk
 from glm_pack.packing.mla import split_kv_b, split_kv_b_mxfp4_vc
@@ -356,10 +356,15 @@ def _check_layer(report: VerifyReport, ckpt, layer: mf.MlaLayer, geom, overlay: 
             report.problems.append(
                 f"{proj.weight}: recorded scale rule {proj.quant_mode!r}, but the source gives {expected.quant_mode!r}"
             )
-        err = rel_error(stored_to_float(proj, overlay, tensors), ref)
+        err, head_err = rel_errors(stored_to_float(proj, overlay, tensors), ref)
         if not _same_error(err, proj.rel_error):
             report.problems.append(
                 f"{proj.weight}: error vs source {err:.6g} differs from the recorded {proj.rel_error:.6g}"
+            )
+        if proj.max_head_rel_error is not None and not _same_error(head_err, proj.max_head_rel_error):
+            report.problems.append(
+                f"{proj.weight}: worst head's error vs source {head_err:.6g} differs from the recorded "
+                f"max_head_rel_error {proj.max_head_rel_error:.6g}"
             )
         if not _same_error(expected.mxfp4_rel_error, proj.mxfp4_rel_error):
             report.problems.append(

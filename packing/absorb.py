@@ -6,7 +6,8 @@ Stored forms (``bmm_nk`` layout, reduction axis last, K padded from ``k_logical`
 * bf16:  values ``[H, N, k_stored]`` (pad: 0)
 
 w_kc has N = kv_lora, K = nope; w_vc has N = v, K = kv_lora. Errors are relative Frobenius norms over the
-logical K, against the float source split.
+logical K, against the float source split: over all heads, and per head (the worst head is recorded, since a
+tensor-parallel rank serves a few heads and one bad head is diluted in the whole).
 """
 
 from __future__ import annotations
@@ -36,38 +37,51 @@ class StoredProjection:
     k_stored: int
     rel_error: float  # of what is stored
     mxfp4_rel_error: float  # what MXFP4 gives (equal to rel_error when MXFP4 is stored)
+    max_head_rel_error: float  # of what is stored, the largest over the heads (each head's own relative error)
 
 
-def _sum_squares(t: torch.Tensor) -> float:
-    """Sum of squares of float32 ``t``: float32 norms along the last axis (fast), summed in float64; in float64
-    throughout where a row's amax is below 2**-60 or its n squares could sum past 2**124 (amax above
-    2**62 / sqrt(n)), where float32 would under- or overflow."""
+def _head_sum_squares(t: torch.Tensor) -> torch.Tensor:
+    """Sums of squares of float32 ``t`` per index of its first axis (per head), float64 ``[t.shape[0]]``: float32
+    norms along the last axis (fast), summed in float64; in float64 throughout where a row's amax is below 2**-60 or
+    its n squares could sum past 2**124 (amax above 2**62 / sqrt(n)), where float32 would under- or overflow."""
     amax = t.abs().amax(dim=-1)
     amax = amax[amax > 0]
     wide = bool(((amax < 2.0**-60) | (amax > 2.0**62 / math.sqrt(max(t.shape[-1], 1)))).any())
     norms = torch.linalg.vector_norm(t, dim=-1, dtype=torch.float64 if wide else None)
-    return float(norms.double().square().sum())
+    return norms.double().square().reshape(t.shape[0], -1).sum(dim=1)
+
+
+def _ratio(num: float, denom: float) -> float:
+    if denom == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return (num / denom) ** 0.5
+
+
+def rel_errors(approx: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(||approx - ref||_F / ||ref||_F over the whole tensor, the largest of the same over one index of the first
+    axis, i.e. one head): float64 from float32 values; 0 where both are zero, inf where only ``ref`` is."""
+    denom = _head_sum_squares(ref.float())
+    num = _head_sum_squares(approx.float() - ref.float())
+    heads = [_ratio(n, d) for n, d in zip(num.tolist(), denom.tolist(), strict=True)]
+    return _ratio(float(num.sum()), float(denom.sum())), max(heads, default=0.0)
 
 
 def rel_error(approx: torch.Tensor, ref: torch.Tensor) -> float:
     """||approx - ref||_F / ||ref||_F (0 when both are zero), in float64 from float32 values."""
-    denom = _sum_squares(ref.float())
-    num = _sum_squares(approx.float() - ref.float())
-    if denom == 0.0:
-        return 0.0 if num == 0.0 else float("inf")
-    return (num / denom) ** 0.5
+    return rel_errors(approx, ref)[0]
 
 
-def _finite(error: float, w: torch.Tensor, what: str, fmt: str) -> float:
-    """The relative error of ``w`` stored as ``fmt`` when finite; else FormatError: ``w``'s values, finite but near
+def _finite(errors: tuple[float, float], w: torch.Tensor, what: str, fmt: str) -> tuple[float, float]:
+    """The relative errors (whole, worst head) of ``w`` stored as ``fmt`` when finite; else FormatError: ``w``'s
+    values, finite but near
     float32's maximum, overflow to Inf in ``fmt`` (MXFP4: a block scale of 2**127 makes code 2 decode to 2**128;
     BF16: values from (2 - 2**-8) * 2**127 up round to Inf)."""
-    if not math.isfinite(error):
+    if not all(map(math.isfinite, errors)):
         raise FormatError(
             f"{what} overflows to Inf in {fmt}: its values (up to {float(w.abs().max()):.3g}) are too close to "
-            f"float32's maximum (relative error {error})"
+            f"float32's maximum (relative error {errors[0]})"
         )
-    return error
+    return errors
 
 
 def _pad_k(t: torch.Tensor, k_stored: int) -> torch.Tensor:
@@ -113,14 +127,14 @@ def store_projection(
     if k_stored < k or k_stored % 32:
         raise FormatError(f"k_stored {k_stored} must be a multiple of 32 and >= K {k}")
     codes, scales = mxfp4_source if mxfp4_source is not None else quantize(w, mode=quant_mode, axis=-1)
-    mx_err = _finite(rel_error(dequantize(codes, scales, axis=-1), w), w, what, "MXFP4")
+    mx_err, mx_head = _finite(rel_errors(dequantize(codes, scales, axis=-1), w), w, what, "MXFP4")
     if stored_precision(policy, mx_err, max_rel_error) == "mxfp4":
         codes, scales = pack_bmm_nk(codes, scales, k_stored=k_stored)
         mode = "source" if mxfp4_source is not None else quant_mode
-        return StoredProjection("mxfp4", mode, codes, scales, k, k_stored, mx_err, mx_err)
+        return StoredProjection("mxfp4", mode, codes, scales, k, k_stored, mx_err, mx_err, mx_head)
     values = w.to(torch.bfloat16)
-    bf16_err = _finite(rel_error(values, w), w, what, "BF16")
-    return StoredProjection("bf16", None, _pad_k(values, k_stored), None, k, k_stored, bf16_err, mx_err)
+    bf16_err, bf16_head = _finite(rel_errors(values, w), w, what, "BF16")
+    return StoredProjection("bf16", None, _pad_k(values, k_stored), None, k, k_stored, bf16_err, mx_err, bf16_head)
 
 
 def absorb_layer(

@@ -24,7 +24,9 @@ PROJ (one absorbed projection) is::
      layout {name, k_logical, k_stored}, quant {format, mode, block, scale, rounding} | {format "bf16"},
      rel_error (of the stored tensor vs the float source split, Frobenius over all heads and the logical K;
      the source as dequantized to float32, so an FP8 / MXFP4 source's own error is not in it), mxfp4_rel_error
-     (what MXFP4 would give; equals rel_error when MXFP4 was kept)}
+     (what MXFP4 would give; equals rel_error when MXFP4 was kept), max_head_rel_error (of the stored tensor, the
+     largest of each head's own relative error; optional: manifests from glm-pack builds before 2026-12-01 lack
+     it, and readers take them)}
 
 ``w_kc`` is stored ``[H, kv_lora, k_stored]`` (MXFP4 codes ``[H, kv_lora, k_stored/2]``), ``w_vc``
 ``[H, v, kv_lora]``; layout ``bmm_nk`` means row-major, reduction axis last, K padded from ``k_logical`` to
@@ -66,6 +68,7 @@ class Projection:
     k_stored: int
     rel_error: float
     mxfp4_rel_error: float
+    max_head_rel_error: float | None  # None in manifests that predate it
     quant_mode: str | None  # MXFP4 scale rule ("even", "mse", ...) or "source" (bytes kept); None for bf16
 
 
@@ -157,7 +160,10 @@ def _projection(obj: dict, name: str, where: str, tensors: dict) -> Projection:
         if t is not None and t not in tensors:
             _fail(f"{where} names tensor {t!r} that the tensors table lacks", tensor=t)
     errors = []
-    for key in ("rel_error", "mxfp4_rel_error"):
+    for key in ("rel_error", "mxfp4_rel_error", "max_head_rel_error"):
+        if key == "max_head_rel_error" and key not in p:
+            errors.append(None)
+            continue
         v = _get(p, key, (int, float), where)
         if isinstance(v, bool) or not 0 <= v <= 1e300:  # false for NaN and inf; huge ints would not fit a float
             _fail(f"{where}.{key} must be a finite non-negative number, got {v}")
@@ -168,7 +174,7 @@ def _projection(obj: dict, name: str, where: str, tensors: dict) -> Projection:
         _fail(f"{where}.quant.mode {mode!r} is not one of {QUANT_MODES}")
     if precision == "mxfp4" and quant != mxfp4_quant(mode):
         _fail(f"{where}.quant must be {mxfp4_quant(mode)}: the one MXFP4 encoding glm-pack reads")
-    return Projection(name, precision, weight, scale, k_logical, k_stored, errors[0], errors[1], mode)
+    return Projection(name, precision, weight, scale, k_logical, k_stored, *errors, mode)
 
 
 def _plain_file(file: str, where: str, tensor: str | None = None) -> str:
@@ -363,6 +369,7 @@ def projection_entry(stored, weight: str, scale: str | None) -> dict:
         "quant": quant,
         "rel_error": stored.rel_error,
         "mxfp4_rel_error": stored.mxfp4_rel_error,
+        "max_head_rel_error": stored.max_head_rel_error,
     }
 
 

@@ -187,10 +187,12 @@ def test_auto_keeps_planted_hard_layer_in_bf16(synth_ckpt, tmp_path, ckpt_copy, 
     assert "bf16" in result.output  # the summary table shows the decision
     mla = manifest(out)["mla"]
     kc, vc = (f"{max(e[p]['rel_error'] for e in mla):.4f}" for p in ("w_kc", "w_vc"))
+    hkc, hvc = (f"{max(e[p]['max_head_rel_error'] for e in mla):.4f}" for p in ("w_kc", "w_vc"))
     summary = [line for line in result.stdout.splitlines() if " MLA layers, overlay " in line]
     assert len(summary) == 1 and summary[0].startswith(f"{len(mla)} MLA layers, "), result.stdout
     assert ", 2 tensors kept in BF16; " in summary[0] and kc != vc  # layer 1's w_kc and w_vc
-    assert f"; rel error w_kc max {kc}, w_vc max {vc}; " in summary[0], summary[0]
+    expect = f"; rel error w_kc max {kc}, worst head {hkc}, w_vc max {vc}, worst head {hvc}; "
+    assert expect in summary[0] and hkc != kc, summary[0]
     assert verify(out).ok
 
 
@@ -530,7 +532,13 @@ def test_verify_catches_flipped_byte(converted):
 
 def test_verify_catches_missing_file_and_edited_manifest(converted):
     path = converted / "glm-pack" / "manifest.json"
-    m = json.loads(path.read_text())
+    original = path.read_text()
+    m = json.loads(original)
+    m["mla"][0]["w_vc"]["max_head_rel_error"] = 0.02
+    path.write_text(json.dumps(m))
+    (problem,) = verify(converted).problems
+    assert problem.startswith(m["mla"][0]["w_vc"]["weight"]) and problem.endswith("recorded max_head_rel_error 0.02")
+    m = json.loads(original)
     m["mla"][0]["w_kc"]["rel_error"] = 0.01
     path.write_text(json.dumps(m))
     report = verify(converted)

@@ -43,8 +43,8 @@ def test_card_body_reports_the_manifest(out):
     for entry in manifest["mla"]:
         kc, vc = entry["w_kc"], entry["w_vc"]
         row = (
-            f"| {entry['layer']} | {kc['precision']} | {kc['rel_error']:.4f} | {vc['precision']} | "
-            f"{vc['rel_error']:.4f} |"
+            f"| {entry['layer']} | {kc['precision']} | {kc['rel_error']:.4f} | {kc['max_head_rel_error']:.4f} | "
+            f"{vc['precision']} | {vc['rel_error']:.4f} | {vc['max_head_rel_error']:.4f} |"
         )
         assert row in text
         assert entry["source"]["tensor"] in text
@@ -59,6 +59,22 @@ def test_card_body_reports_the_manifest(out):
     assert f"`[{h}, {rank}, {config['qk_nope_head_dim']}]`" in text  # w_kc [heads, kv_lora_rank, nope]
     assert f"`[{h}, {config['v_head_dim']}, {rank}]`" in text  # w_vc [heads, v_head_dim, kv_lora_rank]
     assert f"weight of {len(manifest['mla'])} layer(s) (" in text
+
+
+def test_card_of_a_manifest_without_worst_head_errors(out):
+    """A manifest written before max_head_rel_error was recorded: its cells read n/a and the summary names no worst
+    head, rather than failing or inventing one."""
+    path = out / "glm-pack" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    for entry in manifest["mla"]:
+        for p in PROJECTIONS:
+            del entry[p]["max_head_rel_error"]
+    path.unlink()  # a hard link into the shared conversion: replace, never write through
+    path.write_text(json.dumps(manifest))
+    text = render_card(out)
+    kc, vc = manifest["mla"][0]["w_kc"], manifest["mla"][0]["w_vc"]
+    row = f"| 0 | mxfp4 | {kc['rel_error']:.4f} | n/a | mxfp4 | {vc['rel_error']:.4f} | n/a |"
+    assert row in text and "worst head 0" not in text and "Summary: w_kc MXFP4 max " in text
 
 
 def test_an_out_whose_source_card_was_moved_aside_still_verifies(out):
@@ -386,10 +402,15 @@ def test_error_summary_is_per_stored_precision(precision_outs, case):
     summary = text.split("Summary: ", 1)[1].split(" ## ", 1)[0]
     for name in PROJECTIONS:
         for precision in ("mxfp4", "bf16"):
-            errors = [e[name]["rel_error"] for e in manifest["mla"] if e[name]["precision"] == precision]
-            if errors:
+            projs = [e[name] for e in manifest["mla"] if e[name]["precision"] == precision]
+            if projs:
+                errors = [p["rel_error"] for p in projs]
                 mean, n = sum(errors) / len(errors), len(errors)
-                stated = f"{name} {precision.upper()} max {max(errors):.4f} (mean {mean:.4f}) over {n} layer(s)"
+                head = max(p["max_head_rel_error"] for p in projs)
+                stated = (
+                    f"{name} {precision.upper()} max {max(errors):.4f} (mean {mean:.4f}, worst head {head:.4f}) "
+                    f"over {n} layer(s)"
+                )
                 assert stated in summary, summary
             else:
                 assert f"{name} {precision.upper()}" not in summary, summary

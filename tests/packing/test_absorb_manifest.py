@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from glm_pack.packing import manifest as mf
-from glm_pack.packing.absorb import absorb_layer, rel_error, store_projection
+from glm_pack.packing.absorb import absorb_layer, rel_error, rel_errors, store_projection
 from glm_pack.packing.errors import FormatError, ManifestError, NonFiniteError, PlanError
 from glm_pack.packing.mla import MlaGeometry
 from glm_pack.packing.mxfp4 import dequantize, quantize
@@ -190,6 +190,7 @@ def test_projection_entry_records_what_was_stored():
     assert entry["layout"] == {"name": "bmm_nk", "k_logical": 64, "k_stored": 96}
     assert (entry["precision"], entry["weight"], entry["scale"]) == ("mxfp4", "a.weight", "a.weight_scale")
     assert entry["rel_error"] == entry["mxfp4_rel_error"] == rel_error(dequantize(*quantize(w, mode="mse")), w)
+    assert entry["max_head_rel_error"] == max(rel_error(dequantize(*quantize(h, mode="mse")), h) for h in w)
     bf = store_projection(w, k_stored=64, quant_mode="mse", policy="bf16", max_rel_error=None)
     entry = mf.projection_entry(bf, "b.weight", None)
     assert entry["quant"] == {"format": "bf16"} and (entry["precision"], entry["scale"]) == ("bf16", None)
@@ -203,6 +204,17 @@ def test_manifest_round_trip_and_parse():
     (layer,) = mf.parse_mla(mf.loads(text))
     assert layer.w_kc.k_logical == 96 and layer.w_kc.k_stored == 128 and layer.w_vc.k_stored == 64
     assert layer.w_kc.scale == "model.layers.0.self_attn.w_kc.weight_scale"
+    assert layer.w_kc.max_head_rel_error == m["mla"][0]["w_kc"]["max_head_rel_error"] > 0
+
+
+def test_manifest_without_worst_head_errors_still_parses():
+    """Manifests written before max_head_rel_error was recorded lack it: readers take them, with None."""
+    m = _manifest()
+    for p in ("w_kc", "w_vc"):
+        del m["mla"][0][p]["max_head_rel_error"]
+    (layer,) = mf.parse_mla(mf.loads(mf.dumps(m)))
+    assert layer.w_kc.max_head_rel_error is None and layer.w_vc.max_head_rel_error is None
+    assert layer.w_kc.rel_error == m["mla"][0]["w_kc"]["rel_error"]
 
 
 EXPERT_W, EXPERT_S = "model.layers.0.mlp.experts.0.up_proj.weight", "model.layers.0.mlp.experts.0.up_proj.weight_scale"
@@ -284,6 +296,8 @@ def _k_stored_64(m):
         (lambda m: m["mla"][0]["w_kc"].update(precision="bf16"), "is bf16 but names a scale tensor"),
         (lambda m: _kc_as_bf16(m, dtype="U8"), "bf16 tensor must be BF16"),
         (lambda m: m["mla"][0]["w_vc"].update(mxfp4_rel_error=-0.1), "finite non-negative"),
+        (lambda m: m["mla"][0]["w_kc"].update(max_head_rel_error=float("nan")), "max_head_rel_error must be a fin"),
+        (lambda m: m["mla"][0]["w_kc"].update(max_head_rel_error="0.1"), "max_head_rel_error"),
         (lambda m: m["mla"][0]["w_kc"]["quant"].update(mode="half"), "quant.mode 'half'"),
         (lambda m: m["mla"][0]["w_kc"]["quant"].update(block=16), r"w_kc.quant must be \{'format': 'mxfp4'"),
         (lambda m: m["mla"][0]["w_vc"]["quant"].update(format="nvfp4", scale="e4m3"), r"w_vc.quant must be"),
@@ -348,6 +362,35 @@ def test_manifest_loads_size_limit(monkeypatch):
     assert len(wide.encode()) == len(text)  # limit is len(text) - 1: too big in bytes, not in characters
     with pytest.raises(ManifestError, match=f"{len(text)} bytes, larger than"):
         mf.loads(wide)
+
+
+def test_rel_errors_whole_and_worst_head_by_hand():
+    """Heads off by 0%, 10% and 20% of equal norms: the whole is sqrt((0 + 0.01 + 0.04) / 3), the worst head 0.2;
+    an all-zero head stored exactly counts 0, not 0 / 0."""
+    ref = torch.ones(4, 2, 32)
+    ref[3] = 0
+    approx = ref * torch.tensor([1.0, 1.1, 1.2, 1.0])[:, None, None]
+    whole, worst = rel_errors(approx, ref)
+    assert whole == pytest.approx((0.05 / 3) ** 0.5, rel=1e-6) and worst == pytest.approx(0.2, rel=1e-6)
+    assert rel_error(approx, ref) == whole
+
+
+def test_absorb_records_the_worst_head():
+    """One head's rows scaled so that MXFP4's relative error differs per head: the recorded worst head is the
+    largest of the heads' errors computed one head at a time, and exceeds the whole tensor's."""
+    w = kv_b()
+    ref_kc, ref_vc = split_by_hand(w)
+    for policy in ("mxfp4", "bf16"):
+        kc, vc = absorb_layer(w, GEOM, k_stored=128, policy=policy)
+        for stored, ref in ((kc, ref_kc), (vc, ref_vc)):
+            k = ref.shape[-1]
+            if policy == "mxfp4":
+                values = dequantize(stored.weight[..., : k // 2], stored.scale[..., : k // 32])
+            else:
+                values = stored.weight[..., :k].float()
+            heads = [rel_error(values[h], ref[h]) for h in range(GEOM.num_heads)]
+            assert stored.max_head_rel_error == pytest.approx(max(heads), rel=1e-9)
+            assert min(heads) < stored.rel_error < stored.max_head_rel_error
 
 
 def test_rel_error_of_a_zero_reference():
