@@ -15,7 +15,8 @@ vLLM's own rebuild (``MLAAttention.process_weights_after_loading``): dequantize 
   ``batched_gemm_a16wfp4(q_nope [H, T, P], W_K, W_K_scale, transpose_bm=True, prequant=True)`` and
   ``batched_gemm_a16wfp4(x [H, T, L], W_V, W_V_scale, out, transpose_bm=True, prequant=True)``;
 * otherwise ``W_UK_T = W_UK.permute(1, 2, 0)`` ``[H, P, L]`` and ``W_UV = W_UV.transpose(0, 1)``
-  ``[H, L, V]`` in the model dtype, used by ``torch.bmm``;
+  ``[H, L, V]`` in the model dtype, used by ``torch.bmm``; both views of kv_b_proj, so L is the fastest dim
+  of each (the adapter's copies keep that order);
 
 then, when the layer loads no quant scales, ``set_default_quant_scales(self, register_buffer=False)``.
 
@@ -80,7 +81,9 @@ def absorbed_attributes(mla: MlaLayer, *, fp4_path: bool, act_dtype: torch.dtype
             "is_aiter_triton_fp4_bmm_enabled": True,
         }
     return {
-        "W_UK_T": common.as_float(kc, act_dtype).transpose(1, 2),  # [H, L, P] -> [H, P, L]
+        # L fastest in both, as in vLLM's rebuild (a view of kv_b_proj [H*(P+V), L]): torch.bmm then sees the
+        # operand layouts vLLM's own weights give it
+        "W_UK_T": common.as_float(kc, act_dtype).transpose(1, 2).contiguous(),  # [H, L, P] -> [H, P, L]
         "W_UV": common.as_float(vc, act_dtype).transpose(1, 2),  # [H, V, L] -> [H, L, V]
         "is_aiter_triton_fp4_bmm_enabled": False,
         "is_aiter_triton_fp8_bmm_enabled": False,

@@ -89,6 +89,8 @@ def test_bf16_policy_gives_the_torch_bmm_attributes(tmp_path):
     assert layer.W_UK_T.shape == (GEOM.num_heads, P, L) and layer.W_UK_T.dtype == torch.bfloat16
     assert layer.W_UV.shape == (GEOM.num_heads, L, V) and layer.W_UV.dtype == torch.bfloat16
     assert torch.equal(layer.W_UK_T, ref_bf16.W_UK_T) and torch.equal(layer.W_UV, ref_bf16.W_UV)
+    for name, latent_dim in (("W_UK_T", 2), ("W_UV", 1)):  # L varies fastest, as in vLLM's views of kv_b_proj
+        assert getattr(layer, name).stride(latent_dim) == getattr(ref_bf16, name).stride(latent_dim) == 1, name
     q, attn_out = decode_inputs(GEOM.num_heads)
     got, want = layer.decode(q, attn_out), ref_bf16.decode(q, attn_out)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
