@@ -167,21 +167,24 @@ def require_unpadded(proj: ProjectionWeights, engine: str, layer_id: int) -> Non
 
 KUP_CHECK_TOKENS = (16, 300)  # one row count in aiter's small-M buckets, one in its "any" bucket
 KUP_CHECK_TOLERANCE = 2.0**-6  # max |y - ref| / max |ref|: accumulation order stays far below, a lost K block far above
-_KUP_CHECKED: dict[tuple, str] = {}  # (device, N, K) -> "" (passed) or why it failed, once per process
+_KUP_CHECKED: dict[tuple, str] = {}  # (device, N, K, transpose_bm) -> "" (passed) or why it failed, once per process
 
 
-def check_engine_kup(proj: ProjectionWeights, engine: str, layer_id: int) -> None:
+def check_engine_kup(proj: ProjectionWeights, engine: str, layer_id: int, *, transpose_bm: bool = False) -> None:
     """The engines run MXFP4 K-up through aiter's A16WFP4 GEMM with its default config (``config=None``), whose
     256-deep K blocks split GLM's K = 192 raggedly, and aiter's ragged-K path is wrong in many versions
     (``notes/aiter-contract.md``). Run that call on this w_kc, once per process and shape, with random
     activations and compare it with the torch reference; BackendError when the installed aiter gets it wrong or
-    the call raises (aiter v0.1.7's wrapper: NameError on its default split-K configs)."""
+    the call raises (aiter v0.1.7's wrapper: NameError on its default split-K configs). ``transpose_bm``: the
+    engine has the GEMM write ``[T, H, N]`` itself (vLLM: ``transpose_bm=True``) instead of ``[H, T, N]``
+    (SGLang); the kernel then stores through other output strides (its split-K reduce too), so that is the
+    call checked."""
     from glm_pack.runtime.backends.aiter_backend import load_aiter
 
     w = proj.weight
-    key = (str(w.device), w.shape[1], 2 * w.shape[2])
+    key = (str(w.device), w.shape[1], 2 * w.shape[2], transpose_bm)
     if key not in _KUP_CHECKED:
-        _KUP_CHECKED[key] = _engine_kup_problem(load_aiter(), proj, engine)
+        _KUP_CHECKED[key] = _engine_kup_problem(load_aiter(), proj, engine, transpose_bm)
     if why := _KUP_CHECKED[key]:
         raise BackendError(
             f"layer {layer_id}: the installed aiter's A16WFP4 GEMM, called as {engine} calls it (default config), "
@@ -189,10 +192,11 @@ def check_engine_kup(proj: ProjectionWeights, engine: str, layer_id: int) -> Non
         )
 
 
-def _engine_kup_problem(fn, proj: ProjectionWeights, engine: str) -> str:
+def _engine_kup_problem(fn, proj: ProjectionWeights, engine: str, transpose_bm: bool) -> str:
     """What is wrong with aiter's GEMM (``fn``: :class:`AiterFunctions`) called with its default config on
-    ``proj``'s w_kc for :data:`KUP_CHECK_TOKENS` rows of random activations: "" when it matches the torch
-    reference within :data:`KUP_CHECK_TOLERANCE`."""
+    ``proj``'s w_kc for :data:`KUP_CHECK_TOKENS` rows of random activations, writing ``[T, H, N]`` where
+    ``transpose_bm`` (the old wheel, without that flag, through a transposed view): "" when it matches the
+    torch reference within :data:`KUP_CHECK_TOLERANCE`."""
     from glm_pack.runtime.reference import bmm_a16wfp4
 
     w, scale = proj.weight, proj.scale
@@ -201,10 +205,12 @@ def _engine_kup_problem(fn, proj: ProjectionWeights, engine: str) -> str:
     worst = 0.0
     for tokens in KUP_CHECK_TOKENS:
         x = torch.randn(w.shape[0], tokens, k, generator=gen, device=w.device).to(torch.bfloat16)
-        y = torch.empty(w.shape[0], tokens, w.shape[1], dtype=torch.bfloat16, device=w.device)
+        shape = (tokens, w.shape[0], w.shape[1]) if transpose_bm else (w.shape[0], tokens, w.shape[1])
+        out = torch.empty(shape, dtype=torch.bfloat16, device=w.device)  # what the engine has the GEMM write
+        y = out.transpose(0, 1) if transpose_bm else out  # [H, T, N]
         try:
             if fn.bmm_kind == "a16wfp4":
-                fn.bmm(x, w, scale, dtype=torch.bfloat16, y=y, config=None, prequant=True)
+                fn.bmm(x, w, scale, dtype=torch.bfloat16, y=out, config=None, transpose_bm=transpose_bm, prequant=True)
             else:
                 fn.bmm(x, w, scale, torch.bfloat16, y)
         except torch.OutOfMemoryError:  # says nothing about aiter's K-up: not cached as its failure
@@ -216,7 +222,8 @@ def _engine_kup_problem(fn, proj: ProjectionWeights, engine: str) -> str:
     if worst <= KUP_CHECK_TOLERANCE:  # False for NaN too
         return ""
     return (
-        f"gets K-up with K={k} wrong (max |y - ref| / max |ref| = {worst:.3g}; aiter's ragged-K bug): {engine} would "
+        f"gets K-up with K={k} wrong (max |y - ref| / max |ref| = {worst:.3g}; aiter's ragged-K bug, or its output "
+        f"stored through the wrong strides): {engine} would "
         "compute garbage from this MXFP4 overlay"
     )
 

@@ -72,7 +72,7 @@ def absorbed_attributes(mla: MlaLayer, *, fp4_path: bool, act_dtype: torch.dtype
                 "convert with --mla-precision bf16 for this setup"
             )
         common.require_unpadded(kc, ENGINE, mla.layer)
-        common.check_engine_kup(kc, ENGINE, mla.layer)
+        common.check_engine_kup(kc, ENGINE, mla.layer, transpose_bm=True)  # vLLM writes [T, H, N]
         return {
             "W_K": kc.weight,
             "W_K_scale": kc.scale,

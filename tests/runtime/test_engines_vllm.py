@@ -10,7 +10,7 @@ import types
 
 import pytest
 import torch
-from engine_standins import aiter_functions, ragged_k_bug, vllm_mla
+from engine_standins import aiter_functions, ragged_k_bug, transposed_store_bug, vllm_mla
 from engine_standins.overlay_fixture import GEOM, LAYERS, kv_b_name, make_served, make_served_fp8
 
 from glm_pack.packing.errors import BackendError, VerifyError
@@ -111,6 +111,22 @@ def test_an_aiter_with_the_ragged_k_bug_is_caught_before_any_weight_is_set(tmp_p
     monkeypatch.setattr(aiter_backend, "load_aiter", lambda: buggy)
     _, layer = engine_pair(weights, 0, fp4=True)
     with pytest.raises(BackendError, match=rf"gets K-up with K={P} wrong .*ragged-K bug.*--mla-precision bf16"):
+        vllm.apply(layer, overlay(tmp_path), torch.bfloat16)
+    assert getattr(layer, "W_K", None) is None
+
+
+def test_the_aiter_k_up_check_makes_vllms_transposed_output_call(tmp_path, monkeypatch):
+    """vLLM has aiter's GEMM write [T, H, N] itself (transpose_bm=True), which the kernel stores through other
+    strides than the [H, T, N] output SGLang passes: an aiter wrong only for vLLM's call is refused for vLLM."""
+    weights = make_served(tmp_path)
+    buggy = aiter_functions(transposed_store_bug(vllm_mla.batched_gemm_a16wfp4), "a16wfp4")
+    monkeypatch.setattr(vllm_mla, "batched_gemm_a16wfp4", buggy.bmm)  # the engine's own calls get it too
+    ref, _ = engine_pair(weights, 0, fp4=True)
+    q, attn_out = decode_inputs(GEOM.num_heads)
+    assert rel(ref.decode(q, attn_out)[0], float_reference(ref.kv_b_proj.weight, q, attn_out, GEOM.num_heads)[0]) > 1
+    monkeypatch.setattr(aiter_backend, "load_aiter", lambda: buggy)
+    _, layer = engine_pair(weights, 0, fp4=True)
+    with pytest.raises(BackendError, match=rf"gets K-up with K={P} wrong .*wrong strides.*--mla-precision bf16"):
         vllm.apply(layer, overlay(tmp_path), torch.bfloat16)
     assert getattr(layer, "W_K", None) is None
 

@@ -33,3 +33,18 @@ def ragged_k_bug(bmm):
         return bmm(x, w, w_scales, *args, **kwargs)
 
     return buggy
+
+
+def transposed_store_bug(bmm):
+    """``bmm`` as an aiter that stores a ``transpose_bm=True`` output (``[M, B, N]``) through the strides of the
+    plain ``[B, M, N]`` layout, as its split-K reduce can (``notes/aiter-contract.md``): right for ``[H, T, N]``
+    outputs, scrambled for ``[T, H, N]`` ones."""
+
+    def buggy(x, w, w_scales, *args, y=None, transpose_bm=False, **kwargs):
+        if not transpose_bm:
+            return bmm(x, w, w_scales, *args, y=y, **kwargs)
+        plain = bmm(x, w, w_scales, *args, **kwargs)  # [B, M, N]
+        y = plain.new_empty(plain.shape[1], plain.shape[0], plain.shape[2]) if y is None else y
+        return y.copy_(plain.contiguous().view(y.shape))
+
+    return buggy
