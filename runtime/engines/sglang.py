@@ -114,7 +114,8 @@ def apply(self_attn, layer_id: int, overlay: common.Overlay, *, fp4_path: bool, 
     dtype = loaded if loaded in common.FLOAT else torch.bfloat16  # a quantized kv_b_proj: SGLang's bf16 rebuild
     build = functools.partial(absorbed_attributes, fp4_path=fp4_path, dtype=dtype)
     kv_b = functools.partial(loaded_kv_b, self_attn.kv_b_proj, quant_config)
-    return overlay.apply(self_attn, layer_id, engine_geometry(self_attn), build, kv_b)
+    geometry = engine_geometry(self_attn)
+    return overlay.apply(self_attn, layer_id, geometry, build, kv_b, engine_quantized=loaded not in common.FLOAT)
 
 
 def apply_model(model, overlay: common.Overlay, is_nextn: bool, weight_names, *, fp4_path: bool):

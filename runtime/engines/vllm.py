@@ -107,7 +107,9 @@ def apply(layer, overlay: common.Overlay, act_dtype: torch.dtype) -> bool:
     fp4_path = bool(layer.is_aiter_triton_fp4_bmm_enabled)
     build = functools.partial(absorbed_attributes, fp4_path=fp4_path, act_dtype=act_dtype)
     kv_b = functools.partial(loaded_kv_b, layer)
-    return overlay.apply(layer, layer_index(layer.layer_name), engine_geometry(layer), build, kv_b)
+    quantized = layer.kv_b_proj.weight.dtype not in common.FLOAT  # e.g. vLLM's online FP8 of a BF16 checkpoint
+    geometry = engine_geometry(layer)
+    return overlay.apply(layer, layer_index(layer.layer_name), geometry, build, kv_b, engine_quantized=quantized)
 
 
 def _overlay_for(layer) -> common.Overlay | None:

@@ -12,6 +12,7 @@ import torch
 from engine_standins import aiter_functions, ragged_k_bug, sglang_mla
 from engine_standins.overlay_fixture import GEOM, LAYERS, kv_b_name, make_served, make_served_fp8
 
+from glm_pack.convert.formats import encode_fp8_block
 from glm_pack.packing.errors import BackendError, VerifyError
 from glm_pack.runtime.backends import aiter_backend
 from glm_pack.runtime.engines import common, sglang
@@ -192,6 +193,22 @@ def test_fp8_kv_b_proj_slice_is_dequantized_and_checked(tmp_path, where):
         with pytest.raises(VerifyError, match="tensor-parallel slice"):
             sglang.apply_model(wrong, overlay(tmp_path, tp_rank=rank, tp_size=2 if rank else 1), False, None,
                                fp4_path=False)  # fmt: skip
+
+
+def test_a_kv_b_proj_the_engine_quantized_at_load_passes_the_slice_check(tmp_path):
+    """SGLang's online FP8 (a BF16 checkpoint served with FP8 linears) holds kv_b_proj with FP8 rounding the
+    overlay's BF16 source never had: the right rank's slice passes, another rank's is still refused."""
+    block = (32, 32)
+    weights = make_served(tmp_path, policy="bf16")
+    encoded = {name: encode_fp8_block(w.float(), block) for name, w in weights.items()}
+    fp8_weights, scales = {n: e[0] for n, e in encoded.items()}, {n: e[1] for n, e in encoded.items()}
+    config = types.SimpleNamespace(weight_block_size=list(block), linear_fp8_config=None)
+    models = [fp8_model(fp8_weights, scales, block, tp_rank=rank, tp_size=2) for rank in (1, 0)]
+    for model in models:
+        model.quant_config = config
+    assert sglang.apply_model(models[0], overlay(tmp_path, tp_rank=1, tp_size=2), False, None, fp4_path=False) is None
+    with pytest.raises(VerifyError, match="tensor-parallel slice"):
+        sglang.apply_model(models[1], overlay(tmp_path, tp_rank=1, tp_size=2), False, None, fp4_path=False)
 
 
 def test_kv_b_proj_in_an_unknown_form_skips_the_check_with_a_warning(tmp_path, caplog):

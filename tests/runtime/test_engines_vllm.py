@@ -13,6 +13,7 @@ import torch
 from engine_standins import aiter_functions, ragged_k_bug, transposed_store_bug, vllm_mla
 from engine_standins.overlay_fixture import GEOM, LAYERS, kv_b_name, make_served, make_served_fp8
 
+from glm_pack.convert.formats import encode_fp8_block
 from glm_pack.packing.errors import BackendError, VerifyError
 from glm_pack.runtime.backends import aiter_backend
 from glm_pack.runtime.engines import common, vllm
@@ -288,3 +289,20 @@ def test_fp8_kv_b_proj_is_dequantized_by_vllm_for_the_slice_check(tmp_path, fake
         common._OPEN.clear()
         with pytest.raises(VerifyError, match="tensor-parallel slice"):
             vllm.apply(layer, overlay(tmp_path, tp_rank=1 - rank, tp_size=2), torch.bfloat16)
+
+
+def test_a_kv_b_proj_vllm_quantized_at_load_passes_the_slice_check(tmp_path, fake_vllm):
+    """vLLM's online FP8 (a BF16 checkpoint served with FP8 linears) holds kv_b_proj with FP8 rounding the
+    overlay's BF16 source never had: the right rank's slice passes, another rank's is still refused."""
+    block = (32, 32)
+    weights = make_served(tmp_path, policy="bf16")
+    name = kv_b_name(1)
+    fp8, scale = encode_fp8_block(weights[name].float(), block)
+    for rank in (0, 1):
+        layer = fake_vllm("model.layers.1.self_attn.attn", GEOM, fp8, fp4=True, tp_rank=rank, tp_size=2,
+                          fp8=(scale, block))  # fmt: skip
+        assert vllm.apply(layer, overlay(tmp_path, tp_rank=rank, tp_size=2), torch.bfloat16)
+        common._OPEN.clear()
+        with pytest.raises(VerifyError, match="tensor-parallel slice"):
+            vllm.apply(layer, overlay(tmp_path, tp_rank=1 - rank, tp_size=2), torch.bfloat16)
+        common._OPEN.clear()
