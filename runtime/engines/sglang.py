@@ -7,6 +7,11 @@ commit 0201c04e983820f371aedd97154d07453badd814 (``DeepseekV2WeightLoaderMixin.p
 (``quark_post_load_weights``), ``models/glm4_moe.py`` (``GlmMoeDsaForCausalLM(DeepseekV2ForCausalLM)``),
 ``models/deepseek_nextn.py`` and ``models/registry.py`` (``SGLANG_EXTERNAL_MODEL_PACKAGE`` is registered with
 ``overwrite=True``; each module's ``EntryClass`` replaces the built-in class of the same ``__name__``).
+Re-read at commit 0340c90c71c1e2d212b1cb1327dea4d757ca2ecf (the newest stored; its weight loader was not
+available): the ROCm K-up / V-up moved to ``.../attention_forward_methods/forward_mla_rocm.py``
+(``rocm_absorb_q_bmm`` / ``rocm_absorb_v_bmm``) with the same calls and gates on these attributes; DCP query
+replication's ``w_kc_qrep`` is made by the model runner from ``w_kc`` after ``post_load_weights`` (bf16/fp16
+only), so it follows the overlay's.
 
 SGLang's attributes (per rank, H = local heads, L = kv_lora, P = nope, V = v):
 
