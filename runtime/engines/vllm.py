@@ -103,7 +103,14 @@ def loaded_kv_b(layer) -> torch.Tensor:
 
 
 def apply(layer, overlay: common.Overlay, act_dtype: torch.dtype) -> bool:
-    """Set one ``MLAAttention``'s absorbed weights from ``overlay``; False when the overlay lacks the layer."""
+    """Set one ``MLAAttention``'s absorbed weights from ``overlay``; False when the overlay lacks the layer.
+    BackendError on a vLLM that keeps them in ``kv_b_proj.mla_bmm`` objects instead (the layout of vLLM pull
+    request 55741, open when this was written), whose forward would never read the attributes set here."""
+    if hasattr(layer.kv_b_proj, "mla_bmm"):
+        raise BackendError(
+            f"{layer.layer_name}: this vLLM keeps its absorbed MLA weights in kv_b_proj.mla_bmm, a layout glm-pack's "
+            f"adapter does not fill; unset {common.ENV} to let vLLM rebuild them"
+        )
     fp4_path = bool(layer.is_aiter_triton_fp4_bmm_enabled)
     build = functools.partial(absorbed_attributes, fp4_path=fp4_path, act_dtype=act_dtype)
     kv_b = functools.partial(loaded_kv_b, layer)

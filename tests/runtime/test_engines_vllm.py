@@ -243,6 +243,18 @@ def fake_vllm(monkeypatch):
     return MLAAttention
 
 
+def test_a_vllm_with_mla_bmm_objects_is_refused_by_name(tmp_path):
+    """A vLLM whose forward reads kv_b_proj.mla_bmm (vLLM pull request 55741's layout) has no aiter flags on the
+    layer: one line naming the layer and what to do, not an AttributeError, and nothing set."""
+    weights = make_served(tmp_path)
+    layer = vllm_mla.MLAAttention("model.layers.0.self_attn.attn", GEOM, weights[kv_b_name(0)], fp4=True)
+    layer.kv_b_proj.mla_bmm = None
+    del layer.is_aiter_triton_fp4_bmm_enabled
+    with pytest.raises(BackendError, match=r"model\.layers\.0\.self_attn\.attn: .*kv_b_proj\.mla_bmm.*unset GLM_"):
+        vllm.apply(layer, overlay(tmp_path), torch.bfloat16)
+    assert getattr(layer, "W_K", None) is None
+
+
 def test_plugin_is_inert_without_the_variable(fake_vllm, monkeypatch):
     monkeypatch.delenv(common.ENV, raising=False)
     original = fake_vllm.process_weights_after_loading
