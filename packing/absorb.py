@@ -73,9 +73,8 @@ def rel_error(approx: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _finite(errors: tuple[float, float], w: torch.Tensor, what: str, fmt: str) -> tuple[float, float]:
     """The relative errors (whole, worst head) of ``w`` stored as ``fmt`` when finite; else FormatError: ``w``'s
-    values, finite but near
-    float32's maximum, overflow to Inf in ``fmt`` (MXFP4: a block scale of 2**127 makes code 2 decode to 2**128;
-    BF16: values from (2 - 2**-8) * 2**127 up round to Inf)."""
+    values, finite but near float32's maximum, overflow to Inf in ``fmt`` (MXFP4: a block scale of 2**127 makes
+    code 2 decode to 2**128; BF16: values from (2 - 2**-8) * 2**127 up round to Inf)."""
     if not all(map(math.isfinite, errors)):
         raise FormatError(
             f"{what} overflows to Inf in {fmt}: its values (up to {float(w.abs().max()):.3g}) are too close to "
