@@ -184,8 +184,17 @@ def test_auto_keeps_planted_hard_layer_in_bf16(synth_ckpt, tmp_path, ckpt_copy, 
     assert layers[1]["w_kc"]["precision"] == layers[1]["w_vc"]["precision"] == "bf16"
     assert layers[1]["w_kc"]["mxfp4_rel_error"] > 0.2 and layers[1]["w_kc"]["rel_error"] < 5e-3
     assert layers[0]["w_kc"]["precision"] == "mxfp4"
-    assert "bf16" in result.output  # the summary table shows the decision
     mla = manifest(out)["mla"]
+    rows = [line.strip("│").split("│") for line in result.stdout.splitlines() if line.startswith("│")]
+    cells = {int(row[0]): [cell.strip() for cell in row[1:]] for row in rows}
+    for e in mla:  # the summary table shows each projection's decision, error and worst head's error
+        want = [
+            v
+            for p in (e["w_kc"], e["w_vc"])
+            for v in (p["precision"], f"{p['rel_error']:.4f}", f"{p['max_head_rel_error']:.4f}")
+        ]
+        assert cells.pop(e["layer"]) == want, result.stdout
+    assert not cells, result.stdout
     kc, vc = (f"{max(e[p]['rel_error'] for e in mla):.4f}" for p in ("w_kc", "w_vc"))
     hkc, hvc = (f"{max(e[p]['max_head_rel_error'] for e in mla):.4f}" for p in ("w_kc", "w_vc"))
     summary = [line for line in result.stdout.splitlines() if " MLA layers, overlay " in line]
@@ -533,6 +542,12 @@ def test_verify_catches_flipped_byte(converted):
 def test_verify_catches_missing_file_and_edited_manifest(converted):
     path = converted / "glm-pack" / "manifest.json"
     original = path.read_text()
+    m = json.loads(original)
+    for entry in m["mla"]:  # as written before max_head_rel_error was recorded: nothing to recompute it against
+        for p in ("w_kc", "w_vc"):
+            del entry[p]["max_head_rel_error"]
+    path.write_text(json.dumps(m))
+    assert verify(converted).ok
     m = json.loads(original)
     m["mla"][0]["w_vc"]["max_head_rel_error"] = 0.02
     path.write_text(json.dumps(m))

@@ -333,6 +333,32 @@ def test_resume_summary_counts_the_kept_files(converted, tmp_path):
     assert "resumed: 2 finished overlay files re-checked by hash and kept" in r.stdout.splitlines(), r.stdout
 
 
+def test_resume_keeps_journal_entries_written_before_worst_head_errors(converted, tmp_path):
+    """A journal written by a glm-pack build that did not record max_head_rel_error yet (same tool version, so its
+    run resumes): its layers are kept and lack the key in the manifest, as older manifests do, and the summary says
+    n/a for them rather than ending in a KeyError traceback."""
+    src, _ = converted
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(src), str(out), "manifest", "none"], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    journal = out / "glm-pack" / ".journal.jsonl"
+    entries = [json.loads(line)["entry"] for line in journal.read_text().splitlines()]
+    for entry in entries:
+        for p in ("w_kc", "w_vc"):
+            del entry["mla"][p]["max_head_rel_error"]
+    journal.write_bytes(b"".join(state._line(entry) for entry in entries))
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "copy", "--resume"])
+    assert r.exit_code == 0, r.output
+    assert f"resumed: {len(entries)} finished overlay files re-checked by hash and kept" in r.stdout, r.stdout
+    mla = json.loads((out / "glm-pack" / "manifest.json").read_text())["mla"]
+    assert len(mla) == len(entries) and not any("max_head_rel_error" in e[p] for e in mla for p in ("w_kc", "w_vc"))
+    rows = [line for line in r.stdout.splitlines() if line.startswith("│")]
+    assert len(rows) == len(mla) and all(row.count(" n/a ") == 2 for row in rows), r.stdout
+    (summary,) = [line for line in r.stdout.splitlines() if " MLA layers, overlay " in line]
+    assert "rel error w_kc max " in summary and "worst head" not in summary, summary
+    assert verify(out).ok
+
+
 def test_resume_onto_a_folder_where_an_overlay_file_goes_is_one_line(converted, tmp_path):
     src, _ = converted
     out = tmp_path / "out"
