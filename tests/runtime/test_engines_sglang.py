@@ -14,6 +14,7 @@ from engine_standins.overlay_fixture import GEOM, LAYERS, kv_b_name, make_served
 
 from glm_pack.convert.formats import encode_fp8_block
 from glm_pack.packing.errors import BackendError, VerifyError
+from glm_pack.packing.mxfp4 import dequantize, quantize
 from glm_pack.runtime.backends import aiter_backend
 from glm_pack.runtime.engines import common, sglang
 
@@ -209,6 +210,19 @@ def test_a_kv_b_proj_the_engine_quantized_at_load_passes_the_slice_check(tmp_pat
     assert sglang.apply_model(models[0], overlay(tmp_path, tp_rank=1, tp_size=2), False, None, fp4_path=False) is None
     with pytest.raises(VerifyError, match="tensor-parallel slice"):
         sglang.apply_model(models[1], overlay(tmp_path, tp_rank=1, tp_size=2), False, None, fp4_path=False)
+
+
+def test_a_float_kv_b_proj_gets_no_quantization_allowance(tmp_path):
+    """A BF16 kv_b_proj that differs from the overlay's source by MXFP4 rounding (relative error ~0.1) is another
+    checkpoint, not an engine's own load rounding: refused against a BF16-policy overlay."""
+    weights = make_served(tmp_path, policy="bf16")
+    kv_b = weights[kv_b_name(0)].float()
+    rounded = dequantize(*quantize(kv_b, mode="even", axis=-1), axis=-1)
+    assert 0.05 < float((rounded - kv_b).norm() / kv_b.norm()) < 0.2
+    attn = sglang_mla.SelfAttn(GEOM, rounded.bfloat16())
+    with pytest.raises(VerifyError, match="wrong checkpoint"):
+        sglang.apply(attn, 0, overlay(tmp_path), fp4_path=False)
+    assert attn.w_kc is None
 
 
 def test_kv_b_proj_in_an_unknown_form_skips_the_check_with_a_warning(tmp_path, caplog):

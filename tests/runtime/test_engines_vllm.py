@@ -10,11 +10,12 @@ import types
 
 import pytest
 import torch
-from engine_standins import aiter_functions, ragged_k_bug, transposed_store_bug, vllm_mla
+from engine_standins import aiter_functions, ragged_k_bug, sglang_mla, transposed_store_bug, vllm_mla
 from engine_standins.overlay_fixture import GEOM, LAYERS, kv_b_name, make_served, make_served_fp8
 
 from glm_pack.convert.formats import encode_fp8_block
 from glm_pack.packing.errors import BackendError, VerifyError
+from glm_pack.packing.mxfp4 import dequantize, quantize
 from glm_pack.runtime.backends import aiter_backend
 from glm_pack.runtime.engines import common, vllm
 
@@ -130,6 +131,35 @@ def test_the_aiter_k_up_check_makes_vllms_transposed_output_call(tmp_path, monke
     with pytest.raises(BackendError, match=rf"gets K-up with K={P} wrong .*wrong strides.*--mla-precision bf16"):
         vllm.apply(layer, overlay(tmp_path), torch.bfloat16)
     assert getattr(layer, "W_K", None) is None
+
+
+def test_the_k_up_check_caches_each_output_layout_on_its_own(tmp_path, monkeypatch):
+    """One process checking SGLang's call ([H, T, N] output) and then vLLM's (transpose_bm=True, [T, H, N]): an aiter
+    wrong only for the transposed store passes the first and is still refused for the second."""
+    make_served(tmp_path)
+    buggy = aiter_functions(transposed_store_bug(vllm_mla.batched_gemm_a16wfp4), "a16wfp4")
+    monkeypatch.setattr(aiter_backend, "load_aiter", lambda: buggy)
+    kc = overlay(tmp_path).model.mla(0).w_kc
+    common.check_engine_kup(kc, "sglang", 0)
+    with pytest.raises(BackendError, match=rf"layer 0: .* as vllm calls it .*K={P} wrong .*wrong strides"):
+        common.check_engine_kup(kc, "vllm", 0, transpose_bm=True)
+
+
+def test_an_old_aiter_wheel_writes_vllms_output_layout_through_a_transposed_view(tmp_path, monkeypatch):
+    """aiter's older batched_gemm_afp4wfp4_pre_quant has no transpose_bm: a [T, H, N] output is passed to it as its
+    [H, T, N] transposed view (notes/aiter-contract.md), so the check of vLLM's call runs on such a wheel, and a
+    correct one passes."""
+    make_served(tmp_path)
+    outputs = []
+
+    def old_wheel(x, w, w_scales, dtype, y):
+        outputs.append(y)
+        sglang_mla.batched_gemm_afp4wfp4_pre_quant(x, w, w_scales, dtype, y)
+
+    monkeypatch.setattr(aiter_backend, "load_aiter", lambda: aiter_functions(old_wheel, "pre_quant"))
+    common.check_engine_kup(overlay(tmp_path).model.mla(0).w_kc, "vllm", 0, transpose_bm=True)
+    assert [y.shape for y in outputs] == [(GEOM.num_heads, t, L) for t in common.KUP_CHECK_TOKENS]
+    assert all(y.transpose(0, 1).is_contiguous() and not y.is_contiguous() for y in outputs)
 
 
 def test_the_aiter_k_up_check_runs_once_per_shape_and_not_for_bf16(tmp_path, monkeypatch):
@@ -318,3 +348,20 @@ def test_a_kv_b_proj_vllm_quantized_at_load_passes_the_slice_check(tmp_path, fak
         with pytest.raises(VerifyError, match="tensor-parallel slice"):
             vllm.apply(layer, overlay(tmp_path, tp_rank=1 - rank, tp_size=2), torch.bfloat16)
         common._OPEN.clear()
+
+
+def test_the_engine_quantization_allowance_is_only_for_a_quantized_kv_b_proj(tmp_path):
+    """A BF16-policy overlay against a kv_b_proj carrying MXFP4 rounding (relative error ~0.1, the rounding an
+    engine's own MXFP4 load quantization adds): allowed where the engine holds kv_b_proj quantized, refused where it
+    holds it in float, where such a difference means another checkpoint (e.g. an MXFP4 release dequantized)."""
+    weights = make_served(tmp_path, policy="bf16")
+    kv_b = weights[kv_b_name(0)].float()
+    rounded = dequantize(*quantize(kv_b, mode="even", axis=-1), axis=-1)
+    assert 0.05 < rel(rounded, kv_b) < 0.2
+    mla = overlay(tmp_path).model.mla(0)
+    common.check_slice(mla, rounded, "kv_b_proj", engine_quantized=True)
+    with pytest.raises(VerifyError, match="wrong checkpoint"):
+        common.check_slice(mla, rounded, "kv_b_proj")
+    _, layer = engine_pair({kv_b_name(0): rounded.bfloat16()}, 0, fp4=False)
+    with pytest.raises(VerifyError, match="wrong checkpoint"):
+        vllm.apply(layer, overlay(tmp_path), torch.bfloat16)
