@@ -118,7 +118,7 @@ def _check_depth(value, depth: int = 0) -> None:
 def loads(text: str | bytes) -> dict:
     """Parse manifest JSON with size (in UTF-8 bytes, also for str input) and depth limits; no validation of the
     content."""
-    size = len(text.encode("utf-8") if isinstance(text, str) else text)
+    size = len(text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text)  # lone surrogates: 3 bytes
     if size > MAX_MANIFEST_BYTES:
         _fail(f"{size} bytes, larger than the {MAX_MANIFEST_BYTES} byte limit")
     try:

@@ -365,6 +365,13 @@ def test_manifest_loads_size_limit(monkeypatch):
         mf.loads(wide)
 
 
+def test_manifest_loads_str_with_a_lone_surrogate():
+    """str text holding a lone surrogate (what the JSON escape \\ud800 decodes to) is measured and parsed like the
+    bytes of the same JSON: it was a UnicodeEncodeError out of the size check, not a ManifestError or a manifest."""
+    escaped = b'{"a": "\\ud800"}'
+    assert mf.loads(json.dumps({"a": "\ud800"}, ensure_ascii=False)) == mf.loads(escaped) == {"a": "\ud800"}
+
+
 def test_rel_errors_whole_and_worst_head_by_hand():
     """Heads off by 0%, 10% and 20% of equal norms: the whole is sqrt((0 + 0.01 + 0.04) / 3), the worst head 0.2;
     an all-zero head stored exactly counts 0, not 0 / 0."""
