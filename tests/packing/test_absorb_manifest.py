@@ -299,6 +299,8 @@ def _k_stored_64(m):
         (lambda m: m["mla"][0]["w_kc"].update(max_head_rel_error=float("nan")), "max_head_rel_error must be a fin"),
         (lambda m: m["mla"][0]["w_kc"].update(max_head_rel_error="0.1"), "max_head_rel_error"),
         (lambda m: m["mla"][0]["w_vc"].update(max_head_rel_error=None), "w_vc.max_head_rel_error must be"),
+        (lambda m: m["mla"][0]["w_kc"].pop("rel_error"), "w_kc lacks 'rel_error'"),
+        (lambda m: m["mla"][0]["w_vc"].pop("mxfp4_rel_error"), "w_vc lacks 'mxfp4_rel_error'"),
         (lambda m: m["mla"][0]["w_kc"]["quant"].update(mode="half"), "quant.mode 'half'"),
         (lambda m: m["mla"][0]["w_kc"]["quant"].update(block=16), r"w_kc.quant must be \{'format': 'mxfp4'"),
         (lambda m: m["mla"][0]["w_vc"]["quant"].update(format="nvfp4", scale="e4m3"), r"w_vc.quant must be"),
