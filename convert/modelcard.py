@@ -224,7 +224,8 @@ def worst_head_text(projections) -> str:
 
 
 def _error_summary(layers) -> str:
-    """Max and mean relative error per projection and stored precision, never mixing MXFP4 and BF16 errors."""
+    """Max and mean relative error per projection and stored precision, never mixing MXFP4 and BF16 errors, with
+    the worst head's error over the same layers where the manifest records it."""
     parts = []
     for name in mf.PROJECTIONS:
         for precision in mf.PRECISIONS:

@@ -66,11 +66,6 @@ def rel_errors(approx: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return _ratio(float(num.sum()), float(denom.sum())), max(heads, default=0.0)
 
 
-def rel_error(approx: torch.Tensor, ref: torch.Tensor) -> float:
-    """||approx - ref||_F / ||ref||_F (0 when both are zero), in float64 from float32 values."""
-    return rel_errors(approx, ref)[0]
-
-
 def _finite(errors: tuple[float, float], w: torch.Tensor, what: str, fmt: str) -> tuple[float, float]:
     """The relative errors (whole, worst head) of ``w`` stored as ``fmt`` when finite; else FormatError: ``w``'s
     values, finite but near float32's maximum, overflow to Inf in ``fmt`` (MXFP4: a block scale of 2**127 makes

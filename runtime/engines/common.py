@@ -176,8 +176,8 @@ _KUP_CHECKED: dict[tuple, str] = {}  # (device, N, K, transpose_bm) -> "" (passe
 def check_engine_kup(proj: ProjectionWeights, engine: str, layer_id: int, *, transpose_bm: bool = False) -> None:
     """The engines run MXFP4 K-up through aiter's A16WFP4 GEMM with its default config (``config=None``), whose
     256-deep K blocks split GLM's K = 192 raggedly, and aiter's ragged-K path is wrong in many versions
-    (``notes/aiter-contract.md``). Run that call on this w_kc, once per process and shape, with random
-    activations and compare it with the torch reference; BackendError when the installed aiter gets it wrong or
+    (``notes/aiter-contract.md``). Run that call on this w_kc, once per process, shape and output layout, with
+    random activations and compare it with the torch reference; BackendError when the installed aiter gets it wrong or
     the call raises (aiter v0.1.7's wrapper: NameError on its default split-K configs). ``transpose_bm``: the
     engine has the GEMM write ``[T, H, N]`` itself (vLLM: ``transpose_bm=True``) instead of ``[H, T, N]``
     (SGLang); the kernel then stores through other output strides (its split-K reduce too), so that is the
