@@ -177,11 +177,11 @@ def check_engine_kup(proj: ProjectionWeights, engine: str, layer_id: int, *, tra
     """The engines run MXFP4 K-up through aiter's A16WFP4 GEMM with its default config (``config=None``), whose
     256-deep K blocks split GLM's K = 192 raggedly, and aiter's ragged-K path is wrong in many versions
     (``notes/aiter-contract.md``). Run that call on this w_kc, once per process, shape and output layout, with
-    random activations and compare it with the torch reference; BackendError when the installed aiter gets it wrong or
-    the call raises (aiter v0.1.7's wrapper: NameError on its default split-K configs). ``transpose_bm``: the
-    engine has the GEMM write ``[T, H, N]`` itself (vLLM: ``transpose_bm=True``) instead of ``[H, T, N]``
-    (SGLang); the kernel then stores through other output strides (its split-K reduce too), so that is the
-    call checked."""
+    random activations and compare it with the torch reference; BackendError when the installed aiter gets it
+    wrong or the call raises (aiter v0.1.7's wrapper: NameError on its default split-K configs).
+    ``transpose_bm``: the engine has the GEMM write ``[T, H, N]`` itself (vLLM: ``transpose_bm=True``) instead
+    of ``[H, T, N]`` (SGLang); the kernel then stores through other output strides (its split-K reduce too), so
+    that is the call checked."""
     from glm_pack.runtime.backends.aiter_backend import load_aiter
 
     w = proj.weight
@@ -253,8 +253,8 @@ def check_slice(
     Catches a wrong checkpoint, layer numbering or TP slice: on about ``rows`` evenly spaced output rows of
     each projection (every head, all of K) the relative error must stay near the one the converter recorded
     (a mismatch gives about 1.4). ``engine_quantized``: the engine holds kv_b_proj quantized, possibly by
-    itself at load from a float checkpoint (vLLM's and SGLang's online FP8), so its
-    float view carries rounding the overlay's source did not: :data:`ENGINE_QUANT_ALLOWANCE` more is allowed.
+    itself at load from a float checkpoint (vLLM's and SGLang's online FP8), so its float view carries rounding
+    the overlay's source did not: :data:`ENGINE_QUANT_ALLOWANCE` more is allowed.
     """
     g = mla.geometry
     per_head = kv_b_local.reshape(g.num_heads, g.qk_nope_head_dim + g.v_head_dim, g.kv_lora_rank)  # any strides
