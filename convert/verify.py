@@ -72,8 +72,8 @@ class VerifyReport:
 
 
 def read_manifest(out: Path) -> dict:
-    """Load and validate ``OUT/glm-pack/manifest.json`` (raises IncompleteOutputError when it is missing,
-    ManifestError / GlmPackError)."""
+    """Load and validate ``OUT/glm-pack/manifest.json`` (raises IncompleteOutputError when it is missing from an
+    existing ``glm-pack/``, ManifestError / GlmPackError)."""
     if not Path(out).is_dir():
         raise GlmPackError(f"{out} is not a directory: there is no converted output to check")
     path = Path(out) / mf.OVERLAY_DIR / mf.MANIFEST_NAME
@@ -81,6 +81,11 @@ def read_manifest(out: Path) -> dict:
         raise GlmPackError(
             f"{out} is the {mf.OVERLAY_DIR}/ folder of a converted output: pass the output itself, "
             f"{Path(out).resolve().parent}"  # resolved: 'verify .' inside it named '.'
+        )
+    if not path.parent.is_dir():  # every conversion makes glm-pack/ first: this folder was never an output
+        raise GlmPackError(
+            f"{out} is not a glm-pack output: it has no {mf.OVERLAY_DIR}/ folder "
+            "(`glm-pack convert SRC OUT` writes one)"
         )
     if not path.is_file():
         raise IncompleteOutputError(

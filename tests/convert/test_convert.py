@@ -593,6 +593,20 @@ def test_verify_tells_a_missing_out_and_a_corrupt_manifest_from_an_interrupted_o
     assert not report.ok and not report.incomplete, report.problems
 
 
+def test_verify_and_card_of_a_folder_that_is_no_output_say_so(synth_ckpt, tmp_path):
+    """A checkpoint or any folder without glm-pack/ was reported INCOMPLETE, 'the conversion did not finish', though
+    no conversion ever ran there; both commands now say it is not a glm-pack output, and verify says FAILED."""
+    src = synth_ckpt("glm-5", "bf16")
+    r = CliRunner().invoke(main, ["verify", str(src)])
+    assert r.exit_code == 1 and r.output.splitlines() == [
+        f"problem {src} is not a glm-pack output: it has no glm-pack/ folder (`glm-pack convert SRC OUT` writes one)",
+        f"verify {src}: FAILED",
+    ], r.output
+    r = CliRunner().invoke(main, ["card", str(src)])
+    assert r.exit_code == 1 and "did not finish" not in r.output, r.output
+    assert r.output.startswith(f"glm-pack: error: {src} is not a glm-pack output"), r.output
+
+
 def test_link_mode_hard_links_and_follows_symlinked_sources(synth_ckpt, tmp_path, ckpt_copy):
     src = ckpt_copy(synth_ckpt("glm-5", "bf16"))  # every file a symlink, as in a HF cache snapshot
     out = tmp_path / "out"
