@@ -64,6 +64,13 @@ def is_generated(text: str) -> bool:
     return CARD_MARKER in text
 
 
+def _earlier_base_model(out: Path, overlay_only: bool) -> str | list | None:
+    """The base_model of the glm-pack card already at OUT (what an earlier ``--base-model`` set), else None."""
+    path = card_path(out, overlay_only)
+    text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+    return source_metadata(text).get("base_model") if is_generated(text) else None
+
+
 def _source_card_text(out: Path, manifest: dict) -> str | None:
     """The source card: README.source.md, else a root README.md glm-pack did not write, else the source's."""
     candidates = [out / SOURCE_README, out / "README.md"]
@@ -438,7 +445,10 @@ def _template() -> Template:
 def render_card(
     out: str | Path, *, overlay_only: bool = False, base_model: str | None = None, repo_id: str | None = None
 ) -> str:
-    """The card text (``---`` YAML ``---`` + body) of a converted OUT; reads only the manifest and cards."""
+    """The card text (``---`` YAML ``---`` + body) of a converted OUT; reads only the manifest and cards.
+
+    ``base_model`` wins over the one the card already at OUT names, which wins over the manifest's source repo.
+    """
     from .verify import read_manifest
 
     out = Path(out)
@@ -446,6 +456,7 @@ def render_card(
     if not overlay_only:
         require_originals(out, manifest, "write its card")
     source_text = _source_card_text(out, manifest)
+    base_model = base_model or _earlier_base_model(out, overlay_only)
     data = card_metadata(
         manifest, source_metadata(source_text), overlay_only=overlay_only, base_model=base_model
     )

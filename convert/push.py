@@ -45,7 +45,7 @@ class PushOptions:
     dry_run: bool = False
     commit_message: str | None = None
     endpoint: str | None = None  # default: HF_ENDPOINT, else https://huggingface.co
-    base_model: str | None = None  # card base_model; wins over the manifest's source repo (needed for a local one)
+    base_model: str | None = None  # card base_model; wins over the card in OUT and the manifest's source repo
     max_commit_bytes: int = MAX_COMMIT_BYTES
     max_commit_files: int = MAX_COMMIT_FILES
 

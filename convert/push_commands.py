@@ -91,7 +91,10 @@ def _finite_positive(ctx, param, value: float) -> float:
     return value
 
 
-BASE_MODEL_HELP = "Card base_model (the source repo): needed for a local source; wins over the manifest's."
+BASE_MODEL_HELP = (
+    "Card base_model (the source repo): needed for a local source unless the card in OUT names one (kept on "
+    "refresh); wins over that and the manifest's."
+)
 
 
 @click.command("push")

@@ -136,6 +136,22 @@ def test_base_model_from_the_manifest_and_no_source_card(out):
 
 
 
+@pytest.mark.parametrize("overlay_only", [False, True])
+def test_a_refresh_keeps_the_base_model_an_earlier_card_named(out, overlay_only):
+    """README's sequence `card OUT --base-model REPO`, then `push OUT ...` (which refreshes the card) published a card
+    without base_model for a local source: the refresh rendered it from the manifest alone. It now keeps the one the
+    card at OUT names; an explicit --base-model still replaces it."""
+    flag = ["--overlay-only"] if overlay_only else []
+    path = out / "glm-pack" / "README.md" if overlay_only else out / "README.md"
+    assert CliRunner().invoke(main, ["card", str(out), *flag, "--base-model", "zai-org/GLM-5"]).exit_code == 0
+    assert CliRunner().invoke(main, ["card", str(out), *flag, "--repo-id", "me/GLM-5-gfx950"]).exit_code == 0
+    data = ModelCard.load(path).data.to_dict()
+    assert data["base_model"] == "zai-org/GLM-5" and data["base_model_relation"] == "quantized"
+    assert "me/GLM-5-gfx950" in path.read_text()
+    assert CliRunner().invoke(main, ["card", str(out), *flag, "--base-model", "someone/GLM-5-tuned"]).exit_code == 0
+    assert ModelCard.load(path).data.to_dict()["base_model"] == "someone/GLM-5-tuned"
+
+
 @pytest.fixture(scope="session")
 def precision_outs(tmp_path_factory) -> dict:
     """Real conversions of one 2-layer synthetic checkpoint under each MLA precision policy, by case name.
