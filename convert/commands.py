@@ -31,7 +31,8 @@ def _max_errors(projections) -> str:
 
 
 def _summary(report: ConvertReport) -> None:
-    table = Table(title=f"MLA overlay in {escape(str(report.out))}", show_lines=False)
+    # No padding at the table's edges: 79 columns, so piped output (80) does not wrap a header in two.
+    table = Table(title=f"MLA overlay in {escape(str(report.out))}", show_lines=False, pad_edge=False)
     for col in ("layer", "w_kc", "w_kc rel err", "worst head", "w_vc", "w_vc rel err", "worst head"):
         table.add_column(col, justify="right" if "err" in col or col in ("layer", "worst head") else "left")
     for r in report.layers:

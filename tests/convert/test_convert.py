@@ -371,7 +371,7 @@ def test_a_checkpoint_without_mla_layers_is_refused(synth_ckpt, tmp_path, comman
 
 def test_long_paths_and_summaries_stay_on_one_line_when_piped(synth_ckpt, tmp_path):
     """Piped output (80 columns) was wrapped mid-word: inspect's first line split its path, convert's summary ran
-    over three lines, so `grep` and `tail -1` got pieces."""
+    over three lines, so `grep` and `tail -1` got pieces; the summary table's header split a column name."""
     src = tmp_path / ("a-long-folder-name-" * 5) / "GLM-5-source"
     src.parent.mkdir()
     src.symlink_to(synth_ckpt("glm-5", "bf16"), target_is_directory=True)
@@ -384,6 +384,9 @@ def test_long_paths_and_summaries_stay_on_one_line_when_piped(synth_ckpt, tmp_pa
     summary = [line for line in r.stdout.splitlines() if " MLA layers, overlay " in line]
     assert len(summary) == 1 and summary[0].endswith(" s") and "rel error w_kc max" in summary[0], r.stdout
     assert f"MLA overlay in {out}" in r.stdout.splitlines()
+    # The table's header is one row: 'w_vc rel err' was wrapped into 'w_vc rel' over 'err' at 80 columns.
+    header = [line for line in r.stdout.splitlines() if "w_kc rel err" in line]
+    assert len(header) == 1 and "w_vc rel err" in header[0] and header[0].count("worst head") == 2, r.stdout
 
 
 @pytest.mark.parametrize("tag", ["[old]", ":cd:"])

@@ -353,7 +353,7 @@ def test_resume_keeps_journal_entries_written_before_worst_head_errors(converted
     mla = json.loads((out / "glm-pack" / "manifest.json").read_text())["mla"]
     assert len(mla) == len(entries) and not any("max_head_rel_error" in e[p] for e in mla for p in ("w_kc", "w_vc"))
     rows = [line for line in r.stdout.splitlines() if line.startswith("│")]
-    assert len(rows) == len(mla) and all(row.count(" n/a ") == 2 for row in rows), r.stdout
+    assert len(rows) == len(mla) and all(row.count("n/a") == 2 for row in rows), r.stdout
     (summary,) = [line for line in r.stdout.splitlines() if " MLA layers, overlay " in line]
     assert "rel error w_kc max " in summary and "worst head" not in summary, summary
     assert verify(out).ok
