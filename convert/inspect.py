@@ -139,6 +139,11 @@ def _ranges(ids: list[int]) -> str:
     return compact_ranges(ids) or "-"
 
 
+def _mtp(ids: list[int]) -> str:
+    """The MTP layers by id: 'MTP layer 2', 'MTP layers 78-79' or 'no MTP'."""
+    return f"MTP layer{'s' if len(ids) > 1 else ''} {_ranges(ids)}" if ids else "no MTP"
+
+
 def _shape(shape) -> str:
     return "x".join(map(str, shape))
 
@@ -157,7 +162,7 @@ def render(report: dict, console: Console) -> None:
         f"rope {g['qk_rope_head_dim']}, v {g['v_head_dim']}"
     )
     console.print(
-        f"layers: {layers['num_hidden_layers']} + MTP {_ranges(layers['mtp'])}; MLA {_ranges(layers['mla'])}; "
+        f"layers: {layers['num_hidden_layers']} decoder, {_mtp(layers['mtp'])}; MLA {_ranges(layers['mla'])}; "
         f"dense {_ranges(layers['dense'])}; indexer {_ranges(layers['indexer'])}"
     )
     fmts = ", ".join(f"{k} {v}" for k, v in report["formats"].items())

@@ -158,3 +158,12 @@ def test_inspect_table_for_people(synth_ckpt):
         shards = ",".join(str(int(f.split("-")[1])) for f in sorted(files))
         row = next(line for line in out.splitlines() if line.startswith(f"│ {layer} "))
         assert f"│ {shards} " in row, row
+
+
+@pytest.mark.parametrize(
+    "mtp, says", [(True, "layers: 2 decoder, MTP layer 2; MLA 0-2; "), (False, "layers: 2 decoder, no MTP; ")]
+)
+def test_inspect_layers_line_names_the_mtp_layer_not_a_count(synth_ckpt, mtp, says):
+    """The line read 'layers: 2 + MTP 2' (layer 2 is the MTP layer, not two MTP layers) and 'layers: 2 + MTP -'."""
+    r = CliRunner().invoke(main, ["inspect", str(synth_ckpt("glm-5", "bf16", mtp=mtp))])
+    assert r.exit_code == 0 and r.stdout.splitlines()[2].startswith(says), r.stdout
