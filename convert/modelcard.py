@@ -198,25 +198,39 @@ def _quant_text(manifest: dict, layers) -> str:
 def source_error_text(layers) -> str:
     """What the errors leave out when the source kv_b_proj was itself quantized (FP8 or MXFP4): its own
     quantization error, which glm-pack cannot see; that a w_vc kept as the MXFP4 source's bytes has error 0 by
-    construction; and that a w_kc stored as MXFP4 is quantized again (unlike a BF16 one). Empty for float sources.
+    construction; and that a w_kc stored as MXFP4 is quantized again (unlike a BF16 one). The layers are named where
+    only some are concerned (a float MTP layer beside MXFP4 attention). Empty for float sources.
     ``layers``: each with ``source_format`` and ``w_kc`` / ``w_vc`` having ``precision`` and ``quant_mode`` (the
     manifest's :class:`~glm_pack.packing.manifest.MlaLayer`, or convert's ``LayerReport``). Shared by the card and
     convert's summary."""
-    quantized = sorted({lay.source_format for lay in layers} - set(FLOAT_FORMATS.values()))
+    floats = set(FLOAT_FORMATS.values())
+    quantized = [lay for lay in layers if lay.source_format not in floats]
     if not quantized:
         return ""
+    formats = ", ".join(sorted({lay.source_format for lay in quantized}))
     text = (
-        f"The source `kv_b_proj` is already quantized ({', '.join(quantized)}): these errors are measured against"
-        " its dequantized values and do not include the error of that quantization, which glm-pack cannot see."
+        f"The source `kv_b_proj`{_of_layers(quantized, layers)} is already quantized ({formats}): these errors are"
+        " measured against its dequantized values and do not include the error of that quantization, which glm-pack"
+        " cannot see."
     )
-    if any(lay.w_vc.quant_mode == "source" for lay in layers):
-        text += " w_vc keeps the source's MXFP4 bytes (scale rule `source`), so its error here is 0 by construction"
+    if kept := [lay for lay in layers if lay.w_vc.quant_mode == "source"]:
+        text += (
+            f" w_vc{_of_layers(kept, layers)} keeps the source's MXFP4 bytes (scale rule `source`), so its error here"
+            " is 0 by construction"
+        )
         text += (
             "; w_kc stored as MXFP4 is quantized again along its own reduction axis, an error on top of the source's."
             if any(lay.w_kc.precision == "mxfp4" for lay in layers)
             else "."
         )
     return text
+
+
+def _of_layers(some, layers) -> str:
+    """' of layers 0-1' when ``some`` is not all of ``layers`` (a mixed source, e.g. a float MTP layer), else ''."""
+    if len(some) == len(layers):
+        return ""
+    return f" of layer{'s' if len(some) > 1 else ''} {compact_ranges(sorted(lay.layer for lay in some))}"
 
 
 def error_cells(p) -> tuple[str, str, str]:

@@ -823,6 +823,21 @@ def test_summary_says_what_errors_against_a_quantized_source_leave_out(synth_ckp
     assert ("w_vc keeps the source's MXFP4 bytes" in text) == (source_format == "mxfp4"), text
 
 
+def test_summary_names_the_quantized_layers_of_a_mixed_source(synth_ckpt, tmp_path):
+    """An MXFP4-attention checkpoint keeps its MTP layer's kv_b_proj in BF16: the note said the source `kv_b_proj`
+    was quantized and every w_vc kept its bytes (error 0), though the MTP layer's is neither; it names the layers."""
+    src = synth_ckpt("glm-5", "mxfp4-attn", layers=2, experts=1, mtp=True)
+    r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "o"), "--files", "none", "--workers", "1"])
+    assert r.exit_code == 0, r.output
+    mla = manifest(tmp_path / "o")["mla"]
+    mx = [e["layer"] for e in mla if e["source"]["format"] == "mxfp4"]
+    assert mx == [0, 1] and [e["source"]["format"] for e in mla if e["layer"] not in mx] == ["bf16"]
+    assert [e["layer"] for e in mla if e["w_vc"]["rel_error"] == 0] == mx
+    text = " ".join(r.output.split())
+    assert "The source `kv_b_proj` of layers 0-1 is already quantized (mxfp4): " in text, text
+    assert "w_vc of layers 0-1 keeps the source's MXFP4 bytes" in text, text
+
+
 def test_ctrl_c_in_any_command_is_one_line_and_exit_130(monkeypatch, tmp_path):
     """click turned a Ctrl-C outside convert into 'Aborted!' and exit code 1, like a failure."""
     from glm_pack.convert import commands
