@@ -279,7 +279,10 @@ def test_card_names_a_layer_file_and_the_repacked_experts(synth_ckpt, tmp_path, 
     groups = manifest["experts"]["groups"]
     text = " ".join(render_card(repacked, overlay_only=True).split())
     layer_file = manifest["tensors"][manifest["mla"][0]["w_kc"]["weight"]]["file"]
-    assert f"one overlay file per layer (`glm-pack/{layer_file}`)" in text
+    assert f"one overlay file per layer (e.g. `glm-pack/{layer_file}`)" in text
+    # the source tensor is one layer's, given as an example: it read as if it were the only one
+    source = manifest["mla"][0]["source"]["tensor"]
+    assert f"Source tensors: each MLA layer's `kv_b_proj` (e.g. `{source}`; source format " in text, text
     assert "No other tensor was changed" not in text
     n_tensors = sum(len(g["tensors"]) for g in groups)
     assert f"{n_tensors} expert tensors" in text and "`aiter_moe_a4w4`" in text
