@@ -347,7 +347,8 @@ def open_checkpoint(src: str | os.PathLike, *, card: str | None = None) -> Check
 
         store = hub_store(src)
         if store is None:
-            raise CheckpointError("not a checkpoint directory", file=str(root))
+            why = "is a file" if root.exists() else "does not exist"
+            raise CheckpointError(f"not a checkpoint directory: the path {why}", file=str(root))
     config = _load_json(store, "config.json")
     try:
         family = load_card(card) if card else detect_card(config)

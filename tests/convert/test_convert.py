@@ -438,6 +438,13 @@ def test_refusals(synth_ckpt, tmp_path):
         assert not (tmp_path / "o").exists()
     r = runner.invoke(main, ["convert", str(tmp_path / "nope"), str(tmp_path / "o2")])
     assert r.exit_code == 1 and "nope" in r.output
+    # a mistyped or wrong SRC says what is wrong with the path ('not a checkpoint directory' alone did not)
+    for cmd in ("convert", "inspect"):
+        for path, why in ((tmp_path / "nope", "does not exist"), (src / "config.json", "is a file")):
+            r = runner.invoke(main, [cmd, str(path), *([str(tmp_path / "o2")] if cmd == "convert" else [])])
+            assert r.exit_code == 1 and r.output.splitlines() == [
+                f"glm-pack: error: not a checkpoint directory: the path {why} (file {path})"
+            ], r.output
     r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o"), "--workers", "0"])
     assert r.exit_code == 1 and "--workers must be at least 1, got 0" in r.output and not (tmp_path / "o").exists()
 
