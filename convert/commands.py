@@ -219,7 +219,11 @@ def verify_command(out, as_json):
 @click.command("demo")
 @click.argument("workdir", required=False, type=click.Path(file_okay=False))
 @click.option(
-    "--layers", default=4, show_default=True, help="Decoder layers of the synthetic GLM-5 checkpoint (MTP on top)."
+    "--layers",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Decoder layers of the synthetic GLM-5 checkpoint (MTP on top).",
 )
 def demo_command(workdir, layers):
     """Synthesize a small GLM-5 checkpoint, convert it, verify it and run one layer through the runtime."""

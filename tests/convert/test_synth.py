@@ -71,6 +71,15 @@ def test_shard_size_must_be_positive(tmp_path, mb):
     assert r.exit_code == 2 and "--shard-mb" in r.output and not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("layers", ["0", "-1"])
+def test_demo_refuses_no_layers_by_its_own_option(tmp_path, layers):
+    """`demo --layers 0` printed its first step, then 'need at least one layer and one expert, got layers=0
+    experts=4', naming an experts count the demo has no option for; it is now a usage error naming --layers."""
+    r = CliRunner().invoke(main, ["demo", str(tmp_path / "d"), "--layers", layers])
+    assert r.exit_code == 2 and "'--layers'" in r.output and "experts" not in r.output, r.output
+    assert "1/4" not in r.output and not (tmp_path / "d").exists()
+
+
 def test_values_are_realistic(synth_ckpt):
     ck = open_checkpoint(synth_ckpt("glm-5", "bf16"))
     w = ck.read_float("model.layers.0.self_attn.kv_b_proj.weight")
