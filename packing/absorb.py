@@ -59,11 +59,17 @@ def _ratio(num: float, denom: float) -> float:
 
 def rel_errors(approx: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     """(||approx - ref||_F / ||ref||_F over the whole tensor, the largest of the same over one index of the first
-    axis, i.e. one head): float64 from float32 values; 0 where both are zero, inf where only ``ref`` is."""
+    axis, i.e. one head): float64 from float32 values; 0 where both are zero, inf where only ``ref`` is; NaN where
+    ``approx`` holds one (a NaN head is the worst, whatever its position)."""
     denom = _head_sum_squares(ref.float())
     num = _head_sum_squares(approx.float() - ref.float())
     heads = [_ratio(n, d) for n, d in zip(num.tolist(), denom.tolist(), strict=True)]
-    return _ratio(float(num.sum()), float(denom.sum())), max(heads, default=0.0)
+    return _ratio(float(num.sum()), float(denom.sum())), max(heads, default=0.0, key=_nan_first)
+
+
+def _nan_first(error: float) -> float:
+    """Order key that makes NaN the largest (Python's ``max`` keeps a NaN only when it comes first)."""
+    return math.inf if math.isnan(error) else error
 
 
 def _finite(errors: tuple[float, float], w: torch.Tensor, what: str, fmt: str) -> tuple[float, float]:

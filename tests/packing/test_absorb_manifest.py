@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -387,6 +388,17 @@ def test_rel_errors_whole_and_worst_head_by_hand():
     approx = ref * torch.tensor([1.0, 1.1, 1.2, 1.0])[:, None, None]
     whole, worst = rel_errors(approx, ref)
     assert whole == pytest.approx((0.05 / 3) ** 0.5, rel=1e-6) and worst == pytest.approx(0.2, rel=1e-6)
+
+
+@pytest.mark.parametrize("head", [0, 2])
+def test_rel_errors_worst_head_is_nan_where_a_head_is(head):
+    """A NaN in one head makes the worst head NaN wherever that head is (Python's max kept a finite error when
+    the NaN head came after the first), as it makes the whole NaN."""
+    ref = torch.ones(3, 2, 32)
+    approx = ref * 1.1
+    approx[head, 1, 5] = float("nan")
+    whole, worst = rel_errors(approx, ref)
+    assert math.isnan(whole) and math.isnan(worst)
 
 
 def test_absorb_records_the_worst_head():
