@@ -239,9 +239,13 @@ def error_cells(p) -> tuple[str, str, str]:
 
 
 def worst_head_text(projections) -> str:
-    """``, worst head E``: the largest per-head error over ``projections`` that record one; empty if none does."""
+    """``, worst head E``: the largest per-head error over ``projections`` that record one, saying how many do
+    where not all do (a run resumed from a journal that predates it); empty if none does."""
     heads = [p.max_head_rel_error for p in projections if p.max_head_rel_error is not None]
-    return f", worst head {fmt_error(max(heads))}" if heads else ""
+    if not heads:
+        return ""
+    some = "" if len(heads) == len(projections) else f" (recorded in {len(heads)} of {len(projections)} layers)"
+    return f", worst head {fmt_error(max(heads))}{some}"
 
 
 def _error_summary(layers) -> str:

@@ -333,29 +333,40 @@ def test_resume_summary_counts_the_kept_files(converted, tmp_path):
     assert "resumed: 2 finished overlay files re-checked by hash and kept" in r.stdout.splitlines(), r.stdout
 
 
-def test_resume_keeps_journal_entries_written_before_worst_head_errors(converted, tmp_path):
+@pytest.mark.parametrize("older", ["all", "first"])
+def test_resume_keeps_journal_entries_written_before_worst_head_errors(converted, tmp_path, older):
     """A journal written by a glm-pack build that did not record max_head_rel_error yet (same tool version, so its
     run resumes): its layers are kept and lack the key in the manifest, as older manifests do, and the summary says
-    n/a for them rather than ending in a KeyError traceback."""
+    n/a for them rather than ending in a KeyError traceback. Where only some entries lack it, the summary's worst
+    head says over how many layers it was taken."""
     src, _ = converted
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-c", DRIVER, str(src), str(out), "manifest", "none"], capture_output=True)
     assert proc.returncode == -signal.SIGKILL
     journal = out / "glm-pack" / ".journal.jsonl"
     entries = [json.loads(line)["entry"] for line in journal.read_text().splitlines()]
-    for entry in entries:
+    mla_entries = [entry["mla"] for entry in entries if "mla" in entry]
+    stripped = mla_entries if older == "all" else mla_entries[:1]
+    assert len(mla_entries) > 1 and all("max_head_rel_error" in e[p] for e in stripped for p in ("w_kc", "w_vc"))
+    for entry in stripped:
         for p in ("w_kc", "w_vc"):
-            del entry["mla"][p]["max_head_rel_error"]
+            del entry[p]["max_head_rel_error"]
     journal.write_bytes(b"".join(state._line(entry) for entry in entries))
     r = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "copy", "--resume"])
     assert r.exit_code == 0, r.output
     assert f"resumed: {len(entries)} finished overlay files re-checked by hash and kept" in r.stdout, r.stdout
     mla = json.loads((out / "glm-pack" / "manifest.json").read_text())["mla"]
-    assert len(mla) == len(entries) and not any("max_head_rel_error" in e[p] for e in mla for p in ("w_kc", "w_vc"))
+    recorded = [e for e in mla if "max_head_rel_error" in e["w_kc"]]
+    assert len(mla) == len(mla_entries) and len(recorded) == len(mla_entries) - len(stripped)
     rows = [line for line in r.stdout.splitlines() if line.startswith("│")]
-    assert len(rows) == len(mla) and all(row.count("n/a") == 2 for row in rows), r.stdout
+    assert len(rows) == len(mla) and sum(row.count("n/a") == 2 for row in rows) == len(stripped), r.stdout
     (summary,) = [line for line in r.stdout.splitlines() if " MLA layers, overlay " in line]
-    assert "rel error w_kc max " in summary and "worst head" not in summary, summary
+    if older == "all":
+        assert "rel error w_kc max " in summary and "worst head" not in summary, summary
+    else:
+        for p in ("w_kc", "w_vc"):
+            worst = max(e[p]["max_head_rel_error"] for e in recorded)
+            assert f"worst head {worst:.4f} (recorded in {len(recorded)} of {len(mla)} layers)" in summary, summary
     assert verify(out).ok
 
 
