@@ -165,6 +165,9 @@ def convert_command(
     )
     manifest = Path(out) / mf.OVERLAY_DIR / mf.MANIFEST_NAME
     before = _file_identity(manifest)  # an earlier conversion's manifest, which --overwrite replaces
+    interrupted = (manifest.parent / state.RUN_NAME).is_file()  # an interrupted run's record, which --resume continues
+    if resume and not quiet and not interrupted and before is None:  # e.g. a mistyped OUT: said before hours of work
+        console.print(f"--resume: {out} holds no interrupted conversion; converting from the start")
     try:
         run_convert(src, out, options, quiet)
     except KeyboardInterrupt:

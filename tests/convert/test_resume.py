@@ -331,6 +331,22 @@ def test_resume_summary_counts_the_kept_files(converted, tmp_path):
     r = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "copy", "--resume"])
     assert r.exit_code == 0, r.output
     assert "resumed: 2 finished overlay files re-checked by hash and kept" in r.stdout.splitlines(), r.stdout
+    assert "holds no interrupted conversion" not in r.stdout, r.stdout
+
+
+def test_resume_with_nothing_to_resume_says_so_before_converting(converted, tmp_path):
+    """--resume on an OUT with no interrupted run (e.g. a mistyped path) converts from the start and says so first,
+    not only through a summary without its 'resumed:' line at the end."""
+    src, _ = converted
+    out = tmp_path / "typo"
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "copy", "--resume"])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"--resume: {out} holds no interrupted conversion; converting from the start", r.stdout
+    assert not any(line.startswith("resumed:") for line in lines) and verify(out).ok
+    again = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "copy", "--resume"])
+    assert again.exit_code == 1 and "already complete; nothing to resume" in again.stderr, again.output
+    assert "holds no interrupted conversion" not in again.output, again.output
 
 
 @pytest.mark.parametrize("older", ["all", "first"])
