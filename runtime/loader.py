@@ -255,6 +255,9 @@ def open_packed(
     """
     root = Path(path)
     manifest_path = root / mf.OVERLAY_DIR / mf.MANIFEST_NAME
+    if not root.is_dir():  # a typo, or a file given for the output folder
+        why = "is a file" if root.exists() else "does not exist"
+        raise ManifestError(f"not a glm-pack output directory: the path {why}", file=root)
     if not manifest_path.is_file():
         raise ManifestError(
             "no glm-pack manifest: not a converted output, or the conversion did not finish", file=manifest_path

@@ -234,6 +234,11 @@ def test_open_refusals(packed_dirs, tmp_path):
     shutil.rmtree(bad / "glm-pack")
     with pytest.raises(ManifestError, match="no glm-pack manifest"):
         runtime.open(bad)
+    # a mistyped path, or a file given for the output folder, says what is wrong with the path
+    for path, why in ((tmp_path / "nope", "does not exist"), (bad / "config.json", "is a file")):
+        with pytest.raises(ManifestError) as err:
+            runtime.open(path)
+        assert str(err.value) == f"not a glm-pack output directory: the path {why} (file {path})"
 
 
 def test_backend_selection_on_cpu(packed_dirs):
