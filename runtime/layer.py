@@ -123,10 +123,12 @@ class MlaLayer:
         self._check_act(q, "q")
         width = q.shape[-1]
         if width not in (P, P + g.qk_rope_head_dim):  # also a width equal to a padded K (a latent against K 512)
-            raise BackendError(
-                f"layer {self.layer}: q must be [T, H, {P}] (nope) or [T, H, {P + g.qk_rope_head_dim}] (nope+rope), "
-                f"got width {width}"
+            widths = (
+                f"[T, H, {P}] (nope) or [T, H, {P + g.qk_rope_head_dim}] (nope+rope)"
+                if g.qk_rope_head_dim
+                else f"[T, H, {P}] (nope; this model is rope-free)"
             )
+            raise BackendError(f"layer {self.layer}: q must be {widths}, got width {width}")
         if width == kc.k_stored:
             return q
         nope = q[..., :P]

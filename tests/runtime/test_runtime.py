@@ -369,6 +369,14 @@ def test_a_width_other_than_the_stored_k_never_reaches_the_backend():
     assert Recording.calls == ["k_up"]
 
 
+def test_k_up_names_the_one_q_width_of_a_rope_free_layer():
+    """Rope-free (nope+rope == nope): the refusal names the one width, not the same width twice as nope and
+    nope+rope."""
+    with pytest.raises(BackendError) as err:
+        tiny_layer(Backend()).k_up(torch.zeros(3, 2, 48, dtype=torch.bfloat16))
+    assert str(err.value) == "layer 0: q must be [T, H, 32] (nope; this model is rope-free), got width 48"
+
+
 def test_v_up_writes_an_out_apart_from_latent_directly_and_one_sharing_its_memory_through_a_copy():
     """The kernel gets ``out``'s own memory when no byte of it is one of ``latent``'s (no extra copy), and a
     temporary when even one is: an out right after latent in one buffer is direct, one reaching back a single
