@@ -270,7 +270,9 @@ def open_packed(
         raise
     geometry = mf.parse_geometry(manifest)
     tp_rank, tp_size = _integer(tp_rank, "tp_rank"), _integer(tp_size, "tp_size")
-    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+    if tp_size < 1:
+        raise GlmPackError(f"tp_size must be at least 1, got {tp_size}")
+    if not 0 <= tp_rank < tp_size:
         raise GlmPackError(f"tp_rank {tp_rank} is not in [0, tp_size={tp_size})")
     if geometry.num_heads % tp_size:
         raise GlmPackError(f"{geometry.num_heads} heads cannot be split evenly over tp_size={tp_size}")

@@ -192,6 +192,10 @@ def test_open_refusals(packed_dirs, tmp_path):
         runtime.open(out, tp_size=3)
     with pytest.raises(GlmPackError, match=r"tp_rank 2 is not in \[0, tp_size=2\)"):
         runtime.open(out, tp_rank=2, tp_size=2)  # ranks are 0 and 1
+    for tp_size in (0, -2):  # the size is named, not the rank 0 a default gave
+        with pytest.raises(GlmPackError) as err:
+            runtime.open(out, tp_size=tp_size)
+        assert str(err.value) == f"tp_size must be at least 1, got {tp_size}"
     with pytest.raises(GlmPackError, match="tp_size must be an integer, got 2.0"):
         runtime.open(out, tp_size=2.0)
     with pytest.raises(GlmPackError, match="tp_rank must be an integer, got True"):
