@@ -195,7 +195,9 @@ class MlaLayer:
             raise BackendError(f"kv_indices must be flat (1-D) global slot ids, got {tuple(kv_indices.shape)}")
         real = isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
         if not real or not math.isfinite(softmax_scale) or softmax_scale <= 0:  # 0 would flatten every softmax
-            raise BackendError(f"softmax_scale must be a finite positive number, got {softmax_scale!r}")
+            tensor = isinstance(softmax_scale, torch.Tensor)
+            hint = " (a tensor, not a number: pass float(softmax_scale))" if tensor else ""
+            raise BackendError(f"softmax_scale must be a finite positive number, got {softmax_scale!r}{hint}")
         if kv_indptr.shape != (q_latent.shape[0] + 1,):
             raise BackendError(f"kv_indptr must be [T+1] = [{q_latent.shape[0] + 1}], got {tuple(kv_indptr.shape)}")
         with self._on_device():

@@ -524,6 +524,9 @@ def test_attend_checks(packed_dirs):
     for scale in (float("nan"), float("inf"), None, "0.1", 0.0, -0.1, True):  # 0: every row weighs the same
         with pytest.raises(BackendError, match="softmax_scale must be a finite positive number"):
             layer.attend(latent, cache, indptr, indices, scale, q_rope=q[..., 192:])
+    with pytest.raises(BackendError) as err:  # a 0-d tensor (a scale computed in torch) is a number only in looks
+        layer.attend(latent, cache, indptr, indices, torch.tensor(0.1), q_rope=q[..., 192:])
+    assert str(err.value).endswith("got tensor(0.1000) (a tensor, not a number: pass float(softmax_scale))")
     for wrong in (indptr[:-1], torch.cat([indptr, indptr[-1:]])):  # one row pointer short (or extra) for T = 3
         with pytest.raises(BackendError, match=rf"kv_indptr must be \[T\+1\] = \[4\], got \({len(wrong)},\)"):
             layer.attend(latent, cache, wrong, indices, 0.1, q_rope=q[..., 192:])
