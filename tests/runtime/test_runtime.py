@@ -6,6 +6,7 @@ import json
 import math
 import shutil
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -745,3 +746,19 @@ def test_open_verify_names_a_corrupt_original(packed_dirs, tmp_path):
     with pytest.raises(VerifyError, match="cannot read: No such file or directory") as err:
         runtime.open(bad, verify=True)
     assert err.value.file == str(shard)
+
+
+def test_the_readmes_runtime_example_runs_as_written(packed_dirs):
+    """README's Runtime example, with only its path, device and layer id replaced (the test output has layers 0-2):
+    every input it uses is defined there, in the shapes and dtypes the layer accepts."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    code = readme.split("## Runtime\n\n```python\n", 1)[1].split("```\n", 1)[0]
+    _, out = packed_dirs("glm-5")
+    edits = {'"/models/GLM-5-gfx950"': repr(str(out)), 'dev = "cuda"': 'dev = "cpu"', "model.mla(7)": "model.mla(1)"}
+    for old, new in edits.items():
+        assert code.count(old) == 1, old
+        code = code.replace(old, new)
+    scope = {}
+    exec(compile(code, "README.md (Runtime)", "exec"), scope)
+    y = scope["y"]
+    assert y.shape == (4, 8, 256) and y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
