@@ -168,8 +168,13 @@ class MlaLayer:
     def attend(
         self, q_latent, kv_cache, kv_indptr, kv_indices, softmax_scale: float, *, q_rope=None, return_lse: bool = False
     ):
-        """Sparse MLA over top-k rows of a BF16 latent cache (row L, or L+R with rope) -> ``[T, H, L]``
-        (and lse ``[T, H]`` when ``return_lse``). FP8 caches are not supported."""
+        """Sparse MLA over top-k rows of a BF16 latent cache (row L, or L+R with rope) -> ``[T, H, L]`` bf16
+        (and lse ``[T, H]`` float32 when ``return_lse``). FP8 caches are not supported.
+
+        q_latent ``[T, H, L]`` bf16 (``k_up``'s output); q_rope ``[T, H, R]`` bf16, rope applied (None when rope-free);
+        kv_cache bf16 ``[slots, L+R]`` (also paged ``[blocks, block, L+R]`` or ``[slots, 1, 1, L+R]``), each row
+        ``[latent | k_rope]``; token t attends to the slots ``kv_indices[kv_indptr[t]:kv_indptr[t+1]]``: kv_indptr
+        ``[T+1]`` int32, kv_indices flat int32 global slot ids (-1: skip); softmax_scale the model's, a float > 0."""
         g = self.geometry
         self._check_act(q_latent, "q_latent", g.kv_lora_rank)
         if g.qk_rope_head_dim:

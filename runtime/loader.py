@@ -250,8 +250,11 @@ def open_packed(
 ) -> PackedModel:
     """Open a converted output directory (the one holding ``glm-pack/manifest.json``) for one TP rank.
 
-    ``verify=True`` also checks every overlay file's sha256 and, where the original files are reachable (in OUT
-    or at the recorded source path), that the source tensors still hash as recorded.
+    ``device``: where the weights go and every operation's tensors must be (a torch device). ``backend``: "auto"
+    (aiter on gfx950, then Triton on a GPU, else torch), or "aiter", "triton" or "torch" (a forced one that is
+    unavailable raises BackendError saying why). Rank r of ``tp_size`` t gets the H heads' slice ``[r*H/t, (r+1)*H/t)``.
+    ``verify=True`` also checks every overlay file's sha256 and, where the original files are reachable (in OUT or
+    at the recorded source path), that the source tensors still hash as recorded.
     """
     root = Path(path)
     manifest_path = root / mf.OVERLAY_DIR / mf.MANIFEST_NAME
