@@ -104,7 +104,7 @@ class MlaLayer:
 
     def _bmm(self, proj: ProjectionWeights, x_thk: torch.Tensor, out_thn: torch.Tensor, op: str, act_quant: str):
         if act_quant not in ACT_QUANT_MODES:
-            raise BackendError(f"act_quant must be one of {ACT_QUANT_MODES}, got {act_quant!r}")
+            raise BackendError(f"layer {self.layer}: act_quant must be one of {ACT_QUANT_MODES}, got {act_quant!r}")
         if x_thk.shape[-1] != proj.k_stored:  # aiter does not check this and returns garbage
             raise BackendError(f"layer {self.layer} {op}: x has K={x_thk.shape[-1]}, weight stores K={proj.k_stored}")
         x, out = x_thk.transpose(0, 1), out_thn.transpose(0, 1)
@@ -152,9 +152,7 @@ class MlaLayer:
         if out is not None:
             self._check_device(out, "out")
             if tuple(out.shape) != shape or out.dtype != torch.bfloat16:
-                raise BackendError(
-                    f"layer {self.layer}: out must be bf16 {shape}, got {out.dtype} {tuple(out.shape)}"
-                )
+                raise BackendError(f"layer {self.layer}: out must be bf16 {shape}, got {out.dtype} {tuple(out.shape)}")
         # an out sharing latent's memory is not written directly: a kernel's programs would read others' results
         direct = out is not None and not _spans_overlap(out, latent)
         y = out if direct else torch.empty(shape, dtype=torch.bfloat16, device=latent.device)
@@ -190,21 +188,31 @@ class MlaLayer:
         for name, t in (("kv_cache", kv_cache), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
             self._check_device(t, name)
         if kv_cache.dtype != torch.bfloat16:
-            raise BackendError(f"kv_cache must be bf16 (FP8 caches are not supported yet), got {kv_cache.dtype}")
+            raise BackendError(
+                f"layer {self.layer}: kv_cache must be bf16 (FP8 caches are not supported yet), got {kv_cache.dtype}"
+            )
         if kv_cache.shape[-1] != g.cache_row:
-            raise BackendError(f"kv_cache rows must be {g.cache_row} wide, got {kv_cache.shape[-1]}")
+            raise BackendError(
+                f"layer {self.layer}: kv_cache rows must be {g.cache_row} wide, got {kv_cache.shape[-1]}"
+            )
         for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
             if t.dtype != torch.int32:  # e.g. torch.topk's int64 ids
                 raise BackendError(f"layer {self.layer}: {name} must be int32, got {t.dtype}")
         if kv_indices.dim() != 1:
-            raise BackendError(f"kv_indices must be flat (1-D) global slot ids, got {tuple(kv_indices.shape)}")
+            raise BackendError(
+                f"layer {self.layer}: kv_indices must be flat (1-D) global slot ids, got {tuple(kv_indices.shape)}"
+            )
         real = isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
         if not real or not math.isfinite(softmax_scale) or softmax_scale <= 0:  # 0 would flatten every softmax
             tensor = isinstance(softmax_scale, torch.Tensor)
             hint = " (a tensor, not a number: pass float(softmax_scale))" if tensor else ""
-            raise BackendError(f"softmax_scale must be a finite positive number, got {softmax_scale!r}{hint}")
+            raise BackendError(
+                f"layer {self.layer}: softmax_scale must be a finite positive number, got {softmax_scale!r}{hint}"
+            )
         if kv_indptr.shape != (q_latent.shape[0] + 1,):
-            raise BackendError(f"kv_indptr must be [T+1] = [{q_latent.shape[0] + 1}], got {tuple(kv_indptr.shape)}")
+            raise BackendError(
+                f"layer {self.layer}: kv_indptr must be [T+1] = [{q_latent.shape[0] + 1}], got {tuple(kv_indptr.shape)}"
+            )
         with self._on_device():
             out, lse = self.backend.sparse_mla(
                 q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, return_lse=return_lse

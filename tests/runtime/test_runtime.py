@@ -501,6 +501,27 @@ def test_out_of_cache_slot_ids_are_named_by_the_torch_backend(packed_dirs):
     assert torch.isfinite(layer.attend(latent, cache, indptr, wrong, 0.1, q_rope=q[..., 192:]).float()).all()
 
 
+def test_every_argument_refusal_names_the_layer(packed_dirs):
+    """The layer's argument checks all start with 'layer N: ' (six of them named the argument only, so a log line
+    of a model with 78 MLA layers did not say which layer's call was wrong)."""
+    _, out = packed_dirs("glm-5")
+    layer = runtime.open(out, backend="torch").mla(1)
+    q, cache, indptr, indices = inputs(layer.geometry)
+    latent, rope = layer.k_up(q), q[..., 192:]
+    calls = [
+        lambda: layer.k_up(q, act_quant="fp8"),
+        lambda: layer.attend(latent, cache.float(), indptr, indices, 0.1, q_rope=rope),
+        lambda: layer.attend(latent, cache[:, :512], indptr, indices, 0.1, q_rope=rope),
+        lambda: layer.attend(latent, cache, indptr, indices[:24].reshape(3, 8), 0.1, q_rope=rope),
+        lambda: layer.attend(latent, cache, indptr, indices, 0.0, q_rope=rope),
+        lambda: layer.attend(latent, cache, indptr[:-1], indices, 0.1, q_rope=rope),
+    ]
+    for call in calls:
+        with pytest.raises(BackendError) as err:
+            call()
+        assert str(err.value).startswith("layer 1: "), err.value
+
+
 def test_attend_checks(packed_dirs):
     _, out = packed_dirs("glm-5")
     layer = runtime.open(out, backend="torch").mla(0)
