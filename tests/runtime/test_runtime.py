@@ -22,6 +22,8 @@ from glm_pack.runtime.backends.base import Backend
 from glm_pack.runtime.layer import MlaLayer, ProjectionWeights
 from glm_pack.runtime.reference import sparse_mla, unabsorbed_mla
 
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
 
 def read_source_kv_b(src, layer, prefix="model.layers"):
     index = json.loads((src / "model.safetensors.index.json").read_text())
@@ -769,13 +771,14 @@ def test_open_verify_names_a_corrupt_original(packed_dirs, tmp_path):
     assert err.value.file == str(shard)
 
 
-def test_the_readmes_runtime_example_runs_as_written(packed_dirs):
-    """README's Runtime example, with only its path, device and layer id replaced (the test output has layers 0-2):
-    every input it uses is defined there, in the shapes and dtypes the layer accepts."""
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=GPU)])
+def test_the_readmes_runtime_example_runs_as_written(packed_dirs, dev):
+    """README's Runtime example, with only its path, layer id and (on CPU) device replaced (the test output has
+    layers 0-2): every input it uses is defined there, in the shapes and dtypes the layer accepts."""
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     code = readme.split("## Runtime\n\n```python\n", 1)[1].split("```\n", 1)[0]
     _, out = packed_dirs("glm-5")
-    edits = {'"/models/GLM-5-gfx950"': repr(str(out)), 'dev = "cuda"': 'dev = "cpu"', "model.mla(7)": "model.mla(1)"}
+    edits = {'"/models/GLM-5-gfx950"': repr(str(out)), 'dev = "cuda"': f"dev = {dev!r}", "model.mla(7)": "model.mla(1)"}
     for old, new in edits.items():
         assert code.count(old) == 1, old
         code = code.replace(old, new)
@@ -783,3 +786,4 @@ def test_the_readmes_runtime_example_runs_as_written(packed_dirs):
     exec(compile(code, "README.md (Runtime)", "exec"), scope)
     y = scope["y"]
     assert y.shape == (4, 8, 256) and y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
+    assert y.device.type == dev and scope["model"].backend.name == ("triton" if dev == "cuda" else "torch")
