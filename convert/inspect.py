@@ -45,6 +45,7 @@ from rich.table import Table
 from .checkpoint import Checkpoint, open_checkpoint
 from .commands import console, mla_precision_option
 from .convert import files_mode, is_hub
+from .humanize import size_text
 from .modelcard import compact_ranges
 from .plan import FILE_MODES, make_plan
 
@@ -131,10 +132,6 @@ def _experts(ckpt: Checkpoint) -> list[dict]:
     ]
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
-
-
 def _ranges(ids: list[int]) -> str:
     return compact_ranges(ids) or "-"
 
@@ -167,7 +164,7 @@ def render(report: dict, console: Console) -> None:
     )
     fmts = ", ".join(f"{k} {v}" for k, v in report["formats"].items())
     console.print(
-        f"{len(report['files'])} files, {report['num_tensors']} tensors, {_mib(report['total_bytes'])}; {fmts}"
+        f"{len(report['files'])} files, {report['num_tensors']} tensors, {size_text(report['total_bytes'])}; {fmts}"
     )
     table = Table(title="MLA layers (kv_b_proj -> w_kc / w_vc)")
     for col in ("layer", "source", "stored", "shard", "w_kc", "w_vc", "overlay"):
@@ -183,7 +180,7 @@ def render(report: dict, console: Console) -> None:
             ",".join(map(_shard, entry["files"])),
             f"{kc['dtype']} {_shape(kc['shape'])}",
             f"{vc['dtype']} {_shape(vc['shape'])}",
-            _mib(jobs[entry["layer"]]["nbytes"]),
+            size_text(jobs[entry["layer"]]["nbytes"]),
         )
     console.print(table)
     if report["experts"]:
@@ -200,7 +197,7 @@ def render(report: dict, console: Console) -> None:
         f"plan: route {plan['route']} (K {g['qk_nope_head_dim']} -> {plan['k_stored']}), "
         f"{plan['mla_precision']} w_kc/w_vc, quant mode {plan['quant_mode']}; overlay {_overlay_size(plan)} "
         f"in {len(plan['jobs'])} layers; originals reused ({plan['files_mode']}): {len(plan['reused_files'])} files, "
-        f"{_mib(plan['reused_bytes'])}"
+        f"{size_text(plan['reused_bytes'])}"
     )
     if report.get("hub"):
         console.print(f"read {report['hub']['bytes_transferred']:,} bytes from the Hub (config, index, shard headers)")
@@ -208,10 +205,10 @@ def render(report: dict, console: Console) -> None:
 
 def _overlay_size(plan: dict) -> str:
     if plan["overlay_bytes_bf16"] is None:
-        return _mib(plan["overlay_bytes"])
+        return size_text(plan["overlay_bytes"])
     return (
-        f"{_mib(plan['overlay_bytes'])} (every tensor MXFP4) to {_mib(plan['overlay_bytes_bf16'])} (every tensor "
-        "BF16; auto decides per tensor from its MXFP4 error at convert time)"
+        f"{size_text(plan['overlay_bytes'])} (every tensor MXFP4) to {size_text(plan['overlay_bytes_bf16'])} "
+        "(every tensor BF16; auto decides per tensor from its MXFP4 error at convert time)"
     )
 
 

@@ -12,18 +12,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .humanize import size_text
 from .modelcard import write_card
 from .push import PushOptions, PushReport, push
 
 console = Console(stderr=False, emoji=False, soft_wrap=True)  # ":cd:" in a path is no emoji code; lines never wrap
-
-
-def _mib(n: int) -> str:
-    """Human size: B below 1 KiB, else KiB / MiB / GiB with one decimal."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def _print_report(report: PushReport, repo_id: str) -> None:
@@ -36,12 +29,12 @@ def _print_report(report: PushReport, repo_id: str) -> None:
             table.add_row("1", escape(path), "-", "deleted first: the remote's manifest differs")
         for i, commit in enumerate(plan.commits):
             for u in commit:
-                table.add_row(str(i + 1), escape(u.file.path_in_repo), _mib(u.file.size), u.reason)
+                table.add_row(str(i + 1), escape(u.file.path_in_repo), size_text(u.file.size), u.reason)
         for path in plan.stale:
             table.add_row(str(len(plan.commits)), escape(path), "-", "deleted: stale")
         console.print(table)
         console.print(
-            f"{len(plan.uploads)} files ({_mib(plan.upload_bytes)}) in {len(plan.commits)} commits would be "
+            f"{len(plan.uploads)} files ({size_text(plan.upload_bytes)}) in {len(plan.commits)} commits would be "
             f"uploaded{_stale_note(plan.stale, 'would be')}; {len(plan.unchanged)} already up to date; "
             "nothing was uploaded"
         )
@@ -52,7 +45,7 @@ def _print_report(report: PushReport, repo_id: str) -> None:
         )
         return
     console.print(
-        f"uploaded {report.uploaded_files} files ({_mib(report.uploaded_bytes)}){_stale_note(plan.stale, 'were')} "
+        f"uploaded {report.uploaded_files} files ({size_text(report.uploaded_bytes)}){_stale_note(plan.stale, 'were')} "
         f"in {len(report.commit_urls)} commits to {repo_id}@{plan.revision}; "
         f"{len(plan.unchanged)} were already up to date"
     )
@@ -184,7 +177,7 @@ def _quiet_hub():
 
 
 def _progress(done: int, total: int, nbytes: int) -> None:
-    console.print(f"committed {done}/{total} files ({_mib(nbytes)})")
+    console.print(f"committed {done}/{total} files ({size_text(nbytes)})")
 
 
 @click.command("card")

@@ -167,3 +167,10 @@ def test_inspect_layers_line_names_the_mtp_layer_not_a_count(synth_ckpt, mtp, sa
     """The line read 'layers: 2 + MTP 2' (layer 2 is the MTP layer, not two MTP layers) and 'layers: 2 + MTP -'."""
     r = CliRunner().invoke(main, ["inspect", str(synth_ckpt("glm-5", "bf16", mtp=mtp))])
     assert r.exit_code == 0 and r.stdout.splitlines()[2].startswith(says), r.stdout
+
+
+def test_inspect_prints_sizes_as_convert_and_push_do(synth_ckpt):
+    """inspect had a size format of its own: no originals reused read '0 files, 0.0 MiB' (and GiB had two decimals
+    where convert's summary and push print one)."""
+    r = CliRunner().invoke(main, ["inspect", str(synth_ckpt("glm-5", "bf16")), "--files", "none"])
+    assert r.exit_code == 0 and r.stdout.rstrip().endswith("originals reused (none): 0 files, 0 B"), r.stdout

@@ -336,10 +336,12 @@ def test_json_report_of_an_upload(hub, out):
 
 
 def test_sizes_are_printed_in_binary_units():
-    from glm_pack.convert.push_commands import _mib
+    from glm_pack.convert.humanize import size_text
 
-    sizes = (0, 1023, 1024, 1536, 2**20, 5 * 2**30 + 2**29)
-    assert [_mib(n) for n in sizes] == ["0 B", "1023 B", "1.0 KiB", "1.5 KiB", "1.0 MiB", "5.5 GiB"]
+    sizes = (0, 1023, 1024, 1536, 2**20, 5 * 2**30 + 2**29, 1500 * 2**30)
+    assert [size_text(n) for n in sizes] == [
+        "0 B", "1023 B", "1.0 KiB", "1.5 KiB", "1.0 MiB", "5.5 GiB", "1,500.0 GiB"
+    ]  # fmt: skip
 
 
 def test_push_refuses_an_out_verify_rejects(hub, out):
