@@ -19,7 +19,7 @@ from glm_pack.packing.errors import VerifyError
 
 from . import state
 from .convert import FILE_MODES, ConvertOptions, ConvertReport, convert
-from .humanize import size_text
+from .humanize import counted, size_text
 from .modelcard import error_cells, fmt_error, source_error_text, worst_head_text
 from .verify import VerifyReport, verify
 
@@ -41,16 +41,16 @@ def _summary(report: ConvertReport) -> None:
     console.print(table)
     bf16 = sum((r.w_kc.precision == "bf16") + (r.w_vc.precision == "bf16") for r in report.layers)
     console.print(
-        f"{len(report.layers)} MLA layers, overlay {size_text(report.overlay_bytes)}, "
-        f"{report.expert_tensors} expert tensors repacked, {report.original_files} original files placed, "
-        f"{bf16} tensors kept in BF16; rel error "
+        f"{counted(len(report.layers), 'MLA layer')}, overlay {size_text(report.overlay_bytes)}, "
+        f"{counted(report.expert_tensors, 'expert tensor')} repacked, "
+        f"{counted(report.original_files, 'original file')} placed, {counted(bf16, 'tensor')} kept in BF16; rel error "
         + ", ".join(f"{name} {_max_errors([getattr(r, name) for r in report.layers])}" for name in ("w_kc", "w_vc"))
         + f"; {report.seconds:.1f} s"
     )
     if note := source_error_text(report.layers):
         console.print(note)
     if report.resumed_items:
-        console.print(f"resumed: {report.resumed_items} finished overlay files re-checked by hash and kept")
+        console.print(f"resumed: {counted(report.resumed_items, 'finished overlay file')} re-checked by hash and kept")
     if report.hub_bytes is not None:
         console.print(f"read {report.hub_bytes:,} bytes ({size_text(report.hub_bytes)}) from the Hub")
 

@@ -45,7 +45,7 @@ from rich.table import Table
 from .checkpoint import Checkpoint, open_checkpoint
 from .commands import console, mla_precision_option
 from .convert import files_mode, is_hub
-from .humanize import size_text
+from .humanize import counted, plural, size_text
 from .modelcard import compact_ranges
 from .plan import FILE_MODES, make_plan
 
@@ -138,7 +138,7 @@ def _ranges(ids: list[int]) -> str:
 
 def _mtp(ids: list[int]) -> str:
     """The MTP layers by id: 'MTP layer 2', 'MTP layers 78-79' or 'no MTP'."""
-    return f"MTP layer{'s' if len(ids) > 1 else ''} {_ranges(ids)}" if ids else "no MTP"
+    return f"MTP {plural('layer', len(ids))} {_ranges(ids)}" if ids else "no MTP"
 
 
 def _shape(shape) -> str:
@@ -164,7 +164,8 @@ def render(report: dict, console: Console) -> None:
     )
     fmts = ", ".join(f"{k} {v}" for k, v in report["formats"].items())
     console.print(
-        f"{len(report['files'])} files, {report['num_tensors']} tensors, {size_text(report['total_bytes'])}; {fmts}"
+        f"{counted(len(report['files']), 'file')}, {counted(report['num_tensors'], 'tensor')}, "
+        f"{size_text(report['total_bytes'])}; {fmts}"
     )
     table = Table(title="MLA layers (kv_b_proj -> w_kc / w_vc)")
     for col in ("layer", "source", "stored", "shard", "w_kc", "w_vc", "overlay"):
@@ -196,7 +197,8 @@ def render(report: dict, console: Console) -> None:
     console.print(
         f"plan: route {plan['route']} (K {g['qk_nope_head_dim']} -> {plan['k_stored']}), "
         f"{plan['mla_precision']} w_kc/w_vc, quant mode {plan['quant_mode']}; overlay {_overlay_size(plan)} "
-        f"in {len(plan['jobs'])} layers; originals reused ({plan['files_mode']}): {len(plan['reused_files'])} files, "
+        f"in {counted(len(plan['jobs']), 'layer')}; originals reused ({plan['files_mode']}): "
+        f"{counted(len(plan['reused_files']), 'file')}, "
         f"{size_text(plan['reused_bytes'])}"
     )
     if report.get("hub"):

@@ -18,6 +18,7 @@ from glm_pack.packing import manifest as mf
 from glm_pack.packing.errors import PlanError
 
 from .formats import FLOAT_FORMATS
+from .humanize import plural
 from .state import OutputLock
 from .writer import atomic_write, write_text
 
@@ -230,7 +231,7 @@ def _of_layers(some, layers) -> str:
     """' of layers 0-1' when ``some`` is not all of ``layers`` (a mixed source, e.g. a float MTP layer), else ''."""
     if len(some) == len(layers):
         return ""
-    return f" of layer{'s' if len(some) > 1 else ''} {compact_ranges(sorted(lay.layer for lay in some))}"
+    return f" of {plural('layer', len(some))} {compact_ranges(sorted(lay.layer for lay in some))}"
 
 
 def error_cells(p) -> tuple[str, str, str]:

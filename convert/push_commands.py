@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .humanize import size_text
+from .humanize import counted, size_text
 from .modelcard import write_card
 from .push import PushOptions, PushReport, push
 
@@ -34,27 +34,28 @@ def _print_report(report: PushReport, repo_id: str) -> None:
             table.add_row(str(len(plan.commits)), escape(path), "-", "deleted: stale")
         console.print(table)
         console.print(
-            f"{len(plan.uploads)} files ({size_text(plan.upload_bytes)}) in {len(plan.commits)} commits would be "
-            f"uploaded{_stale_note(plan.stale, 'would be')}; {len(plan.unchanged)} already up to date; "
-            "nothing was uploaded"
+            f"{counted(len(plan.uploads), 'file')} ({size_text(plan.upload_bytes)}) in "
+            f"{counted(len(plan.commits), 'commit')} would be uploaded{_stale_note(plan.stale, dry_run=True)}; "
+            f"{len(plan.unchanged)} already up to date; nothing was uploaded"
         )
         return
     if not plan.commits:
         console.print(
-            f"{repo_id}@{plan.revision} is up to date ({len(plan.unchanged)} files); nothing to upload"
+            f"{repo_id}@{plan.revision} is up to date ({counted(len(plan.unchanged), 'file')}); nothing to upload"
         )
         return
     console.print(
-        f"uploaded {report.uploaded_files} files ({size_text(report.uploaded_bytes)}){_stale_note(plan.stale, 'were')} "
-        f"in {len(report.commit_urls)} commits to {repo_id}@{plan.revision}; "
-        f"{len(plan.unchanged)} were already up to date"
+        f"uploaded {counted(report.uploaded_files, 'file')} ({size_text(report.uploaded_bytes)})"
+        f"{_stale_note(plan.stale, dry_run=False)} in {counted(len(report.commit_urls), 'commit')} to "
+        f"{repo_id}@{plan.revision}; {len(plan.unchanged)} already up to date"
     )
     for url in report.commit_urls:
         console.print(f"  {url}")
 
 
-def _stale_note(stale: list[str], verb: str) -> str:
-    return f" and {len(stale)} stale glm-pack/ files {verb} deleted" if stale else ""
+def _stale_note(stale: list[str], *, dry_run: bool) -> str:
+    verb = "would be" if dry_run else "was" if len(stale) == 1 else "were"
+    return f" and {counted(len(stale), 'stale glm-pack/ file')} {verb} deleted" if stale else ""
 
 
 def _report_json(report: PushReport, repo_id: str) -> dict:

@@ -41,7 +41,7 @@ from glm_pack.packing.errors import PlanError
 
 from . import formats
 from .cards import Card, load_card
-from .humanize import size_text
+from .humanize import counted, size_text
 from .safetensors_io import byte_size, encode_header
 from .writer import OutputError, atomic_write, clear_directory, write_text
 
@@ -351,6 +351,6 @@ def synth_command(out, card_name, layers, experts, fmt, profile, seed, mtp, shar
     )
     shards = sorted(path.glob("model-*.safetensors"))
     size = sum(p.stat().st_size for p in shards)
-    click.echo(f"wrote {path}: {len(shards)} shards, {size_text(size)} ({card_name}, {fmt}, {profile})")
+    click.echo(f"wrote {path}: {counted(len(shards), 'shard')}, {size_text(size)} ({card_name}, {fmt}, {profile})")
     for key, why in assumptions(card_name).items():
         click.echo(f"assumed {key}: {why}")

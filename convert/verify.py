@@ -28,6 +28,7 @@ from glm_pack.packing.mxfp4 import MODES, dequantize
 
 from .checkpoint import INDEX_NAME
 from .convert import file_sha256, store_sha256
+from .humanize import counted
 from .modelcard import SOURCE_README
 from .safetensors_io import LocalFile, parse_header, read_tensor
 from .state import OutputLock
@@ -144,7 +145,7 @@ def _check_files(report: VerifyReport, overlay: Path, manifest: dict, tensors) -
             changed = _changed_tensors(overlay, name, tensors)
             what = f" (changed tensors: {', '.join(changed)})" if changed else " (header or layout changed)"
             report.problems.append(f"overlay file {path} does not match its sha256 in the manifest{what}")
-    report.checked.append(f"{len(manifest['files']) - len(missing)} overlay files hashed")
+    report.checked.append(f"{counted(len(manifest['files']) - len(missing), 'overlay file')} hashed")
     return bad_files
 
 
@@ -260,7 +261,7 @@ def verify_unlocked(out: str | Path) -> VerifyReport:
             hashed += 1
         except (GlmPackError, OSError) as err:
             report.problems.append(f"source tensor {name} unreadable: {err}")
-    report.checked.append(f"{hashed} source tensors hashed")
+    report.checked.append(f"{counted(hashed, 'source tensor')} hashed")
     _check_layer_set(report, ckpt, layers)
     if not same_geometry:
         return report
@@ -273,7 +274,7 @@ def verify_unlocked(out: str | Path) -> VerifyReport:
         with _rederiving(report, ckpt, f"MLA layer {layer.layer}", layer.source_tensor):
             _check_layer(report, ckpt, layer, geom, overlay, tensors, quant_mode)
             derived += 1
-    report.checked.append(f"{derived} MLA layers re-derived from their source and compared byte for byte")
+    report.checked.append(f"{counted(derived, 'MLA layer')} re-derived from the source and compared byte for byte")
     groups = mf.parse_experts(manifest)
     for _, file, names in groups:
         if file not in bad_files:
@@ -282,7 +283,7 @@ def verify_unlocked(out: str | Path) -> VerifyReport:
                     _check_expert(report, ckpt, overlay, manifest, tensors, name)
                     unshuffled += 1
     if groups:
-        report.checked.append(f"{unshuffled} repacked expert tensors unshuffled to the source bytes")
+        report.checked.append(f"{counted(unshuffled, 'repacked expert tensor')} unshuffled to the source bytes")
     return report
 
 

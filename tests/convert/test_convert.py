@@ -775,8 +775,21 @@ def test_verify_counts_only_what_it_checked(synth_ckpt, tmp_path):
     assert report.checked == [
         f"{len(m['files']) - 2} overlay files hashed",
         f"{len(m['source']['tensors'])} source tensors hashed",
-        f"{len(m['mla']) - 1} MLA layers re-derived from their source and compared byte for byte",
+        f"{len(m['mla']) - 1} MLA layers re-derived from the source and compared byte for byte",
         f"{n_experts} repacked expert tensors unshuffled to the source bytes",
+    ]
+
+
+def test_counts_of_one_are_singular(synth_ckpt, tmp_path):
+    """A one-layer checkpoint: convert's summary said '1 MLA layers, overlay ...', verify '1 overlay files hashed',
+    '1 source tensors hashed' and '1 MLA layers re-derived from their source'."""
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(synth_ckpt("glm-5", "bf16", layers=1, mtp=False)), str(out)])
+    assert r.exit_code == 0 and "\n1 MLA layer, overlay " in r.stdout, r.stdout
+    assert verify(out).checked == [
+        "1 overlay file hashed",
+        "1 source tensor hashed",
+        "1 MLA layer re-derived from the source and compared byte for byte",
     ]
 
 

@@ -174,3 +174,10 @@ def test_inspect_prints_sizes_as_convert_and_push_do(synth_ckpt):
     where convert's summary and push print one)."""
     r = CliRunner().invoke(main, ["inspect", str(synth_ckpt("glm-5", "bf16")), "--files", "none"])
     assert r.exit_code == 0 and r.stdout.rstrip().endswith("originals reused (none): 0 files, 0 B"), r.stdout
+
+
+def test_inspect_counts_of_one_are_singular(synth_ckpt):
+    """A one-layer checkpoint in one file read '1 files, ...' and 'overlay 8.5 MiB in 1 layers'."""
+    r = CliRunner().invoke(main, ["inspect", str(synth_ckpt("glm-5", "bf16", layers=1, mtp=False))])
+    assert r.exit_code == 0 and r.stdout.splitlines()[3].startswith("1 file, "), r.stdout
+    assert " in 1 layer; originals reused (link): 3 files, " in r.stdout, r.stdout  # shard, index, config

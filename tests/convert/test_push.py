@@ -306,6 +306,7 @@ def test_stale_overlay_files_alone_make_one_commit_of_deletions(hub, out):
     before = len(hub.repos[REPO].commits)
     result = run_cli("push", out, REPO)
     assert result.exit_code == 0 and "uploaded 0 files" in result.output, result.output
+    assert " and 1 stale glm-pack/ file was deleted in 1 commit to " in result.output, result.output  # not '1 commits'
     assert hub.files(REPO) == published(out)
     assert [c["files"] for c in hub.repos[REPO].commits[before:]] == [["glm-pack/experts-000.safetensors"]]
     hub.reset_requests()

@@ -213,3 +213,10 @@ def test_transformers_loads_the_synthetic_checkpoint(synth_ckpt, card, config_cl
     assert [k for k in info["missing_keys"] if not k.startswith("model.visual.")] == []
     assert not info["mismatched_keys"]
     assert info["unexpected_keys"] and all(k.startswith(mtp) for k in info["unexpected_keys"])
+
+
+def test_one_shard_is_singular(tmp_path):
+    """synth's line said 'wrote OUT: 1 shards, ...'."""
+    args = ["synth", str(tmp_path / "s"), "--card", "glm-5", "--layers", "1", "--experts", "1", "--format", "bf16"]
+    r = CliRunner().invoke(main, [*args, "--no-mtp"])
+    assert r.exit_code == 0 and f"wrote {tmp_path / 's'}: 1 shard, " in r.stdout, r.stdout
