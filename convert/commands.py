@@ -18,9 +18,10 @@ from glm_pack.packing.absorb import POLICIES
 from glm_pack.packing.errors import VerifyError
 
 from . import state
-from .convert import FILE_MODES, ConvertOptions, ConvertReport, convert
+from .convert import ConvertOptions, ConvertReport, convert
 from .humanize import counted, size_text
 from .modelcard import error_cells, fmt_error, source_error_text, worst_head_text
+from .plan import FILE_MODES
 from .verify import VerifyReport, verify
 
 console = Console(stderr=False, emoji=False, soft_wrap=True)  # ":cd:" in a path is no emoji code; lines never wrap

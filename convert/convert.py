@@ -35,10 +35,9 @@ from glm_pack.packing.experts import moe_layout_description
 from . import state
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from .items import Settings, is_entry_of, plan_items, run_item, run_item_in_worker, worker_init
-from .plan import kernel_route, resolve_k_up
+from .plan import check_files_mode, kernel_route, resolve_k_up
 from .writer import OutputError, clear_directory, fsync_path, is_temp, remove, temp_path, write_text
 
-FILE_MODES = ("link", "copy", "none")
 TOOL_VERSION = "0.1.0"
 
 
@@ -115,8 +114,7 @@ def is_hub(ckpt: Checkpoint) -> bool:
 def files_mode(ckpt: Checkpoint, files: str | None) -> str:
     """``--files`` for this source: default link (local) or none (Hub); a Hub source cannot be linked."""
     files = files or ("none" if is_hub(ckpt) else "link")
-    if files not in FILE_MODES:
-        raise PlanError(f"--files must be one of {', '.join(FILE_MODES)}, got {files!r}")
+    check_files_mode(files)
     if files == "link" and is_hub(ckpt):
         raise PlanError(
             "--files link needs a local source: a Hub repo has no local files to link; use --files copy "

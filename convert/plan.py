@@ -29,6 +29,12 @@ from .checkpoint import Checkpoint
 FILE_MODES = ("link", "copy", "none")
 
 
+def check_files_mode(files: str) -> None:
+    """PlanError unless ``files`` (``--files``) is one of :data:`FILE_MODES`."""
+    if files not in FILE_MODES:
+        raise PlanError(f"--files must be one of {', '.join(FILE_MODES)}, got {files!r}")
+
+
 @dataclass(frozen=True)
 class OutputTensor:
     name: str
@@ -159,8 +165,7 @@ def make_plan(
         raise PlanError(f"unknown quant mode {quant_mode!r}; choose one of {', '.join(mxfp4.MODES)}")
     if mla_precision not in POLICIES:
         raise PlanError(f"unknown MLA precision {mla_precision!r}; choose one of {', '.join(POLICIES)}")
-    if files not in FILE_MODES:
-        raise PlanError(f"files must be one of {', '.join(FILE_MODES)}, got {files!r}")
+    check_files_mode(files)
     geom = ckpt.geometry
     k_multiple, k_kc = resolve_k_up(ckpt.card, geom, k_pad, mla_precision)
     route = kernel_route(k_kc, geom.qk_nope_head_dim)
