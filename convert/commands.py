@@ -89,42 +89,42 @@ def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> Conve
     return report
 
 
-def mla_precision_option(help_text: str):
-    """``--mla-precision`` (default mxfp4) of convert and inspect."""
-    return click.option(
-        "--mla-precision", type=click.Choice(POLICIES), default="mxfp4", show_default=True, help=help_text
-    )
+# The options convert and inspect share (inspect shows the plan convert would carry out with them).
+_PLAN_OPTIONS = {
+    "--quant-mode": {"type": click.Choice(["even", "mse"]), "default": "even", "show_default": True},
+    "--k-pad": {"default": "card", "show_default": True},
+    "--mla-precision": {"type": click.Choice(POLICIES), "default": "mxfp4", "show_default": True},
+    "--files": {"type": click.Choice(FILE_MODES), "default": None},
+}
+
+
+def plan_option(name: str, help_text: str):
+    """One of the options convert and inspect share (same choices and default), with the command's own help."""
+    return click.option(name, help=help_text, **_PLAN_OPTIONS[name])
 
 
 @click.command("convert")
 @click.argument("src")
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option(
-    "--quant-mode",
-    type=click.Choice(["even", "mse"]),
-    default="even",
-    show_default=True,
-    help="MXFP4 scale rule: even (aiter/Quark) or mse (best of three exponents per block).",
-)
-@click.option(
+@plan_option("--quant-mode", "MXFP4 scale rule: even (aiter/Quark) or mse (best of three exponents per block).")
+@plan_option(
     "--k-pad",
-    default="card",
-    show_default=True,
-    help="K padding of w_kc: 'card' (family default: 192 -> 256 for GLM-5), 'none', or N, a multiple of 32 "
+    "K padding of w_kc: 'card' (family default: 192 -> 256 for GLM-5), 'none', or N, a multiple of 32 "
     "(K rounded up to a multiple of N).",
 )
-@mla_precision_option("Storage of w_kc/w_vc; auto keeps a tensor in BF16 when its MXFP4 error exceeds --max-rel-error.")
+@plan_option(
+    "--mla-precision",
+    "Storage of w_kc/w_vc; auto keeps a tensor in BF16 when its MXFP4 error exceeds --max-rel-error.",
+)
 @click.option(
     "--max-rel-error",
     type=float,
     default=None,
     help="Threshold for --mla-precision auto (e.g. 0.12): a finite relative error >= 0; only with auto.",
 )
-@click.option(
+@plan_option(
     "--files",
-    type=click.Choice(FILE_MODES),
-    default=None,
-    help="Original files: hard-link (copy across filesystems), copy, or leave out. Default: link for a local "
+    "Original files: hard-link (copy across filesystems), copy, or leave out. Default: link for a local "
     "SRC, none for a Hub SRC (copy downloads the originals into the HF cache and hard-links them into OUT).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace the contents of a non-empty OUT (everything in it goes).")

@@ -43,11 +43,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from .checkpoint import Checkpoint, open_checkpoint
-from .commands import console, mla_precision_option
+from .commands import console, plan_option
 from .convert import files_mode, is_hub
 from .humanize import counted, plural, size_text
 from .modelcard import compact_ranges
-from .plan import FILE_MODES, make_plan
+from .plan import make_plan
 
 SCHEMA = "glm-pack.inspect/1"
 
@@ -217,18 +217,13 @@ def _overlay_size(plan: dict) -> str:
 @click.command("inspect")
 @click.argument("src")
 @click.option("--json", "as_json", is_flag=True, help="Print the stable JSON report (schema glm-pack.inspect/1).")
-@click.option(
-    "--k-pad", default="card", show_default=True, help="As for convert: 'card', 'none' or N, a multiple of 32."
+@plan_option("--k-pad", "As for convert: 'card', 'none' or N, a multiple of 32.")
+@plan_option(
+    "--mla-precision",
+    "As for convert; with auto the overlay size is a range (every tensor MXFP4 to every tensor BF16).",
 )
-@mla_precision_option(
-    "As for convert; with auto the overlay size is a range (every tensor MXFP4 to every tensor BF16)."
-)
-@click.option(
-    "--quant-mode", type=click.Choice(["even", "mse"]), default="even", show_default=True, help="As for convert."
-)
-@click.option(
-    "--files", type=click.Choice(FILE_MODES), default=None, help="As for convert (default: link; none for a Hub SRC)."
-)
+@plan_option("--quant-mode", "As for convert.")
+@plan_option("--files", "As for convert (default: link; none for a Hub SRC).")
 def inspect_command(src, as_json, k_pad, mla_precision, quant_mode, files):
     """Show a checkpoint's family, geometry, per-layer source formats and the plan convert would carry out.
 
