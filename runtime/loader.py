@@ -68,6 +68,19 @@ def raw_tensor_sha256(path: Path, name: str) -> str:
     return h.hexdigest()
 
 
+def check_source_tensors(files: dict[str, Path], digests: dict[str, str], advice: str = "") -> None:
+    """Every source tensor in ``digests`` (name -> the sha256 the converter recorded) must be in ``files`` (name ->
+    safetensors file, :func:`tensor_files`) and still hash as recorded; else VerifyError naming it, ``advice``
+    appended to its text."""
+    for name, digest in sorted(digests.items()):
+        if name not in files:
+            raise VerifyError(f"the checkpoint's index lacks a source tensor of the overlay{advice}", tensor=name)
+        if raw_tensor_sha256(files[name], name) != digest:
+            raise VerifyError(
+                f"source tensor differs from the one the overlay was made from{advice}", file=files[name], tensor=name
+            )
+
+
 def tensor_files(served: Path) -> dict[str, Path]:
     """Source tensor name -> the served safetensors file holding it (from the index, or the single file);
     VerifyError naming the index or the file when it cannot be read as one."""
@@ -226,13 +239,7 @@ def _verify_source(root: Path, manifest: dict) -> None:
             break
     else:
         return  # overlay-only output of an unreachable source: nothing to compare with
-    for name, digest in sorted(source["tensors"].items()):
-        if name not in files:
-            raise VerifyError("the checkpoint's index lacks a source tensor of the overlay", tensor=name)
-        if raw_tensor_sha256(files[name], name) != digest:
-            raise VerifyError(
-                "source tensor differs from the one the overlay was made from", file=files[name], tensor=name
-            )
+    check_source_tensors(files, source["tensors"])
 
 
 def _verify_files(root: Path, manifest: dict) -> None:

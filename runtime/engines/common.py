@@ -25,7 +25,7 @@ from glm_pack.packing.errors import BackendError, GlmPackError, VerifyError
 from glm_pack.packing.mla import MlaGeometry
 from glm_pack.packing.mxfp4 import dequantize, dequantize_reference
 from glm_pack.runtime.layer import MlaLayer, ProjectionWeights
-from glm_pack.runtime.loader import PackedModel, file_sha256, open_packed, raw_tensor_sha256, tensor_files
+from glm_pack.runtime.loader import PackedModel, check_source_tensors, file_sha256, open_packed, tensor_files
 
 log = logging.getLogger("glm_pack.engines")
 ENV = "GLM_PACK_OVERLAY"
@@ -85,19 +85,9 @@ def check_source(manifest: dict, served: Path, level: str) -> None:
         )
     if level != "full":
         return
-    files = tensor_files(served)
-    kv_b = {e["source"]["tensor"].rsplit(".", 1)[0] + "." for e in manifest["mla"]}
-    for name, digest in sorted((source.get("tensors") or {}).items()):
-        if not any(name.startswith(p) for p in kv_b):
-            continue
-        if name not in files:
-            raise VerifyError("the served checkpoint's index lacks a source tensor of the overlay", tensor=name)
-        if raw_tensor_sha256(files[name], name) != digest:
-            raise VerifyError(
-                "tensor differs from the one the glm-pack overlay was converted from (reconvert, or unset " + ENV + ")",
-                file=files[name],
-                tensor=name,
-            )
+    kv_b = tuple(e["source"]["tensor"].rsplit(".", 1)[0] + "." for e in manifest["mla"])
+    digests = {name: d for name, d in (source.get("tensors") or {}).items() if name.startswith(kv_b)}
+    check_source_tensors(tensor_files(served), digests, f" (reconvert, or unset {ENV})")
 
 
 @dataclass(frozen=True)
