@@ -94,20 +94,22 @@ def tensor_files(served: Path) -> dict[str, Path]:
     return {name: single for name in _header(single)} if single.is_file() else {}
 
 
-def _read_bytes(path: Path) -> bytes:
+def _read_bytes(path: Path, error: type[GlmPackError] = VerifyError) -> bytes:
     try:
         return path.read_bytes()
     except OSError as err:
-        raise VerifyError(f"cannot read: {err.strerror or err}", file=path) from err
+        raise error(f"cannot read: {err.strerror or err}", file=path) from err
 
 
-def _json_object(data: bytes, path: Path, what: str) -> dict:
+def _json_object(data: bytes, path: Path, what: str, error: type[GlmPackError] = VerifyError) -> dict:
+    """``data`` parsed as a JSON object; ``error`` naming ``what`` and ``path`` for anything else (invalid UTF-8 or
+    JSON, nesting too deep for the parser, another JSON type)."""
     try:
         value = json.loads(data)
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         value = None
     if not isinstance(value, dict):
-        raise VerifyError(f"{what} is not a JSON object", file=path)
+        raise error(f"{what} is not a JSON object", file=path)
     return value
 
 
@@ -216,12 +218,7 @@ def _check_config(root: Path, manifest: dict, geometry: MlaGeometry) -> None:
     config_path = next((p for p in candidates if p.is_file()), None)
     if config_path is None:
         return
-    try:
-        config = json.loads(config_path.read_text())
-    except ValueError as err:
-        raise ManifestError(f"config.json is not valid JSON ({err})", file=config_path) from err
-    if not isinstance(config, dict):
-        raise ManifestError("config.json is not a JSON object", file=config_path)
+    config = _json_object(_read_bytes(config_path, ManifestError), config_path, "config.json", ManifestError)
     found = config_geometry(config)
     expected = geometry.as_dict()
     wrong = {k: (found[k], expected[k]) for k in found if found[k] != expected[k]}

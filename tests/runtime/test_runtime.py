@@ -226,8 +226,8 @@ def test_open_refusals(packed_dirs, tmp_path):
         runtime.open(bad)
     (bad / "config.json").write_text(json.dumps({**config, "kv_lora_rank": 512, "text_config": "x"}))
     runtime.open(bad)  # a text_config that is no object is not where the geometry is
-    for text in ("[1, 2]", "null"):
-        (bad / "config.json").write_text(text)
+    for text in ("[1, 2]", "null", "[" * 100_000, "\udcff"):  # nesting past the parser's depth: a RecursionError
+        (bad / "config.json").write_text(text, errors="surrogateescape")
         with pytest.raises(ManifestError, match="config.json is not a JSON object"):
             runtime.open(bad)
     shutil.copy(out / "config.json", bad / "config.json")
