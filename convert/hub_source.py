@@ -148,14 +148,8 @@ class HubStore:
             raise CheckpointError(f"cannot read: {err}", file=self.where(rel)) from err
 
     def open(self, rel: str):
-        cached = self._cached(rel)
-        if cached is not None:
-            return LocalFile(cached, name=self.where(rel))
-        if rel not in self._known:
-            raise CheckpointError("file is missing", file=self.where(rel))
-        if self.offline:
-            raise self._not_cached(rel)
-        return RangeFile(self, rel)
+        cached = self._cached_or_fetchable(rel)
+        return RangeFile(self, rel) if cached is None else LocalFile(cached, name=self.where(rel))
 
     def safetensors_files(self) -> list[str]:
         return sorted(name for name in self._sizes if "/" not in name and name.endswith(".safetensors"))
@@ -178,6 +172,16 @@ class HubStore:
         found = try_to_load_from_cache(self.repo_id, rel, revision=self.sha)
         return found if isinstance(found, str) else None
 
+    def _cached_or_fetchable(self, rel: str) -> str | None:
+        """The file's path in the HF cache, else None where it can be fetched: CheckpointError when the commit
+        lacks it, HubError when HF_HUB_OFFLINE is set."""
+        cached = self._cached(rel)
+        if cached is None and rel not in self._known:
+            raise CheckpointError("file is missing", file=self.where(rel))
+        if cached is None and self.offline:
+            raise self._not_cached(rel)
+        return cached
+
     def _not_cached(self, rel: str) -> HubError:
         return HubError(
             "not in the local Hugging Face cache and HF_HUB_OFFLINE is set: run once online "
@@ -187,14 +191,8 @@ class HubStore:
 
     def download(self, rel: str) -> Path:
         """The file in the HF cache, downloaded (resumably, by huggingface_hub) if it is not there yet."""
-        cached = self._cached(rel)
-        if cached is not None:
-            return Path(cached)
-        if rel not in self._known:
-            raise CheckpointError("file is missing", file=self.where(rel))
-        if self.offline:
-            raise self._not_cached(rel)
-        return self._fetch(rel, self.sha)
+        cached = self._cached_or_fetchable(rel)
+        return self._fetch(rel, self.sha) if cached is None else Path(cached)
 
     def _fetch(self, rel: str, revision: str) -> Path:
         from huggingface_hub import hf_hub_download
