@@ -147,6 +147,19 @@ def open_overlay(setting: str, served: Path, *, tp_rank: int, tp_size: int, devi
     return _OPEN[key]
 
 
+def check_mxfp4_path(mla: MlaLayer, engine: str, fp4_path: bool, needs: str, *, transpose_bm: bool = False) -> None:
+    """An MXFP4 overlay layer needs the engine's MXFP4 BMM path (``fp4_path``; ``needs`` says what the engine lacks
+    without it), an unpadded w_kc (:func:`require_unpadded`) and an aiter that computes its K-up right
+    (:func:`check_engine_kup`); BackendError otherwise."""
+    if not fp4_path:
+        raise BackendError(
+            f"layer {mla.layer}: the overlay holds MXFP4 w_kc/w_vc but {engine} is not {needs}; convert with "
+            "--mla-precision bf16 for this setup"
+        )
+    require_unpadded(mla.w_kc, engine, mla.layer)
+    check_engine_kup(mla.w_kc, engine, mla.layer, transpose_bm=transpose_bm)
+
+
 def require_unpadded(proj: ProjectionWeights, engine: str, layer_id: int) -> None:
     """The engines pass only the nope part of q to the K-up GEMM, so a K-padded w_kc would meet a q row
     narrower than its K (aiter does not check and returns garbage)."""

@@ -43,7 +43,6 @@ import logging
 import torch
 
 from glm_pack.packing import fp8
-from glm_pack.packing.errors import BackendError
 from glm_pack.packing.mla import MlaGeometry
 from glm_pack.runtime.layer import MlaLayer
 
@@ -68,13 +67,7 @@ def absorbed_attributes(mla: MlaLayer, *, fp4_path: bool, dtype: torch.dtype = t
     ones in ``dtype``, the dtype SGLang's rebuild keeps (its loaded kv_b_proj's)."""
     kc, vc = mla.w_kc, mla.w_vc
     if kc.precision == "mxfp4" and vc.precision == "mxfp4":
-        if not fp4_path:
-            raise BackendError(
-                f"layer {mla.layer}: the overlay holds MXFP4 w_kc/w_vc but SGLang is not on ROCm gfx950 with aiter "
-                "(its only MXFP4 BMM path); convert with --mla-precision bf16 for this setup"
-            )
-        common.require_unpadded(kc, ENGINE, mla.layer)
-        common.check_engine_kup(kc, ENGINE, mla.layer)
+        common.check_mxfp4_path(mla, ENGINE, fp4_path, "on ROCm gfx950 with aiter (its only MXFP4 BMM path)")
         return {
             "w_kc": kc.weight.transpose(1, 2),
             "w_scale_k": kc.scale.transpose(1, 2),

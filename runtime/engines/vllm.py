@@ -65,14 +65,11 @@ def absorbed_attributes(mla: MlaLayer, *, fp4_path: bool, act_dtype: torch.dtype
     """The attributes vLLM's forward reads, built from one overlay layer (see the module docstring)."""
     kc, vc = mla.w_kc, mla.w_vc
     if kc.precision == "mxfp4" and vc.precision == "mxfp4":
-        if not fp4_path:
-            raise BackendError(
-                f"layer {mla.layer}: the overlay holds MXFP4 w_kc/w_vc but vLLM is not on its gfx950 FP4 BMM path "
-                "(needs ROCm gfx950, VLLM_ROCM_USE_AITER=1, VLLM_ROCM_USE_AITER_FP4BMM=1 and a BF16 kv_b_proj); "
-                "convert with --mla-precision bf16 for this setup"
-            )
-        common.require_unpadded(kc, ENGINE, mla.layer)
-        common.check_engine_kup(kc, ENGINE, mla.layer, transpose_bm=True)  # vLLM writes [T, H, N]
+        needs = (
+            "on its gfx950 FP4 BMM path (needs ROCm gfx950, VLLM_ROCM_USE_AITER=1, VLLM_ROCM_USE_AITER_FP4BMM=1 and "
+            "a BF16 kv_b_proj)"
+        )
+        common.check_mxfp4_path(mla, ENGINE, fp4_path, needs, transpose_bm=True)  # vLLM writes [T, H, N]
         return {
             "W_K": kc.weight,
             "W_K_scale": kc.scale,
