@@ -93,12 +93,17 @@ class ConvertReport:
     seconds: float = 0.0
 
 
-def file_sha256(path: Path, chunk: int = 16 << 20) -> str:
-    h = hashlib.sha256()
+def file_digest(path: Path, h) -> str:
+    """Hex digest of the hashlib object ``h`` (possibly fed a prefix already) once the file's bytes follow, read in
+    16 MiB blocks."""
     with open(path, "rb") as f:
-        while block := f.read(chunk):
+        while block := f.read(16 << 20):
             h.update(block)
     return h.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    return file_digest(path, hashlib.sha256())
 
 
 def store_sha256(store, rel: str) -> str:

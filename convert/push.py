@@ -26,7 +26,7 @@ from pathlib import Path
 from glm_pack.packing import manifest as mf
 from glm_pack.packing.errors import HubError, VerifyError
 
-from .convert import file_sha256
+from .convert import file_digest, file_sha256
 from .hub_common import exception_chain, first_line, is_kind, resolve_endpoint
 from .modelcard import SOURCE_README, require_originals, write_card_unlocked
 from .state import OutputLock
@@ -92,11 +92,7 @@ class PushReport:
 
 def git_blob_id(path: Path) -> str:
     """The git blob sha1 the Hub reports as a regular file's ``oid``."""
-    h = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
-    with open(path, "rb") as f:
-        while block := f.read(16 << 20):
-            h.update(block)
-    return h.hexdigest()
+    return file_digest(path, hashlib.sha1(b"blob %d\0" % path.stat().st_size))
 
 
 def local_files(out: Path, overlay_only: bool) -> list[LocalFile]:
