@@ -268,10 +268,7 @@ def parse_mla(manifest: dict) -> list[MlaLayer]:
     seen = set()
     for i, entry in enumerate(_get(manifest, "mla", list, "manifest")):
         where = f"mla[{i}]"
-        layer = _get(entry, "layer", int, where)
-        if layer < 0 or layer in seen:
-            _fail(f"{where}.layer {layer} is negative or repeated")
-        seen.add(layer)
+        layer = _new_layer(entry, seen, where)
         source = _get(entry, "source", dict, where)
         kc = _projection(entry, "w_kc", where, tensors)
         vc = _projection(entry, "w_vc", where, tensors)
@@ -290,6 +287,15 @@ def parse_mla(manifest: dict) -> list[MlaLayer]:
     return layers
 
 
+def _new_layer(entry: dict, seen: set[int], where: str) -> int:
+    """``entry``'s layer id, added to ``seen``; ManifestError when it is negative or already in ``seen``."""
+    layer = _get(entry, "layer", int, where)
+    if layer < 0 or layer in seen:
+        _fail(f"{where}.layer {layer} is negative or repeated")
+    seen.add(layer)
+    return layer
+
+
 def parse_experts(manifest: dict) -> list[tuple[int, str, list[str]]]:
     """Validate the optional experts section; returns [(layer, file, tensor names)] (empty when absent)."""
     section = manifest.get("experts")
@@ -303,10 +309,7 @@ def parse_experts(manifest: dict) -> list[tuple[int, str, list[str]]]:
         where = f"experts.groups[{i}]"
         names = _get(group, "tensors", list, where)
         file = _get(group, "file", str, where)
-        layer = _get(group, "layer", int, where)
-        if layer < 0 or layer in seen:
-            _fail(f"{where}.layer {layer} is negative or repeated")
-        seen.add(layer)
+        layer = _new_layer(group, seen, where)
         for name in names:
             if not isinstance(name, str) or name not in tensors or tensors[name].file != file:
                 _fail(f"{where} names tensor {str(name)[:80]!r} that the tensors table lacks in {file}")
