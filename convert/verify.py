@@ -93,13 +93,7 @@ def read_manifest(out: Path) -> dict:
             f"incomplete output: {path} is missing (the conversion did not finish); it is not a valid glm-pack output",
             file=path,
         )
-    try:
-        manifest = mf.loads(path.read_bytes())
-        mf.parse_mla(manifest)
-    except GlmPackError as err:
-        err.file = str(path)
-        raise
-    return manifest
+    return mf.loads_checked(path.read_bytes(), str(path))
 
 
 def _load_overlay_tensor(overlay: Path, entry: mf.TensorEntry) -> torch.Tensor:

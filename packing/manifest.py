@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .errors import ManifestError
+from .errors import GlmPackError, ManifestError
 from .layouts import padded_scale_shape
 from .mla import MlaGeometry
 from .mxfp4 import MODES
@@ -129,6 +129,18 @@ def loads(text: str | bytes) -> dict:
     if not isinstance(obj, dict):
         _fail("top level is not a JSON object")
     return obj
+
+
+def loads_checked(data: bytes, file: str) -> dict:
+    """The manifest in ``data`` (the bytes of ``file``) as the runtime reads it: :func:`loads`, then
+    :func:`parse_mla`, which checks every section it depends on; errors name ``file``."""
+    try:
+        manifest = loads(data)
+        parse_mla(manifest)
+    except GlmPackError as err:
+        err.file = file
+        raise
+    return manifest
 
 
 def dumps(manifest: dict) -> str:
