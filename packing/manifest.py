@@ -401,4 +401,3 @@ AITER_BMM_CONFIG_KEYS = (
     "matrix_instr_nonkdim",
     "cache_modifier",
 )
-KERNEL_OPS = ("k_up", "v_up")
