@@ -319,8 +319,7 @@ def _kernel_fields(manifest: dict, layers) -> dict:
         )
     else:
         k = kc[0].k_stored
-        configs = (kcfg.get("configs") or {}).values()
-        blocks = sorted({c["BLOCK_SIZE_K"] for ops in configs for c in ops.get("k_up", {}).values()})
+        blocks = mf.k_up_block_sizes(kcfg.get("configs") or {})
         pinned = ", ".join(f"`BLOCK_SIZE_K={b}`" for b in blocks)
         text = f"w_kc is stored unpadded (K = {k}); " + (
             f"the pinned K-up configs use {pinned}." if blocks else "no K-up configs are pinned."

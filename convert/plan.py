@@ -23,6 +23,7 @@ from glm_pack.packing import mxfp4
 from glm_pack.packing.absorb import POLICIES
 from glm_pack.packing.errors import PlanError
 from glm_pack.packing.layouts import bmm_nk_params, stored_k
+from glm_pack.packing.manifest import k_up_block_sizes
 
 from .checkpoint import Checkpoint
 
@@ -122,8 +123,8 @@ def resolve_k_up(card, geom, k_pad, mla_precision: str) -> tuple[int | None, int
     k_stored = stored_k(nope, k_multiple)
     if mla_precision != "bf16":
         configs = card.kernel_configs(kernel_route(k_stored, nope))
-        blocks = {cfg["BLOCK_SIZE_K"] for ops in configs.values() for cfg in ops.get("k_up", {}).values()}
-        ragged = sorted(b for b in blocks if k_stored % b)
+        blocks = k_up_block_sizes(configs)
+        ragged = [b for b in blocks if k_stored % b]
         if ragged:
             fit = -(-nope // max(blocks)) * max(blocks)
             raise PlanError(

@@ -401,3 +401,9 @@ AITER_BMM_CONFIG_KEYS = (
     "matrix_instr_nonkdim",
     "cache_modifier",
 )
+
+
+def k_up_block_sizes(configs: dict) -> list[int]:
+    """The BLOCK_SIZE_K values (sorted, each once) of the K-up configs in ``configs``
+    ``{arch: {op: {M bucket: config}}}`` (the manifest's ``kernel_configs.configs``, or a card's for one route)."""
+    return sorted({cfg["BLOCK_SIZE_K"] for ops in configs.values() for cfg in ops.get("k_up", {}).values()})
