@@ -46,6 +46,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .commands import console, plan_option
 from .convert import files_mode, is_hub
 from .humanize import counted, plural, size_text
+from .items import expert_groups
 from .modelcard import compact_ranges
 from .plan import make_plan
 
@@ -119,16 +120,14 @@ def _mla_entry(ckpt: Checkpoint, layer: int) -> dict:
 
 
 def _experts(ckpt: Checkpoint) -> list[dict]:
-    per_layer: dict[int, tuple[set, Counter]] = {}
-    for name in ckpt.names():
-        m = ckpt.card.expert_pattern.match(name)
-        if m and name.endswith(".weight"):
-            experts, fmts = per_layer.setdefault(int(m["layer"]), (set(), Counter()))
-            experts.add(int(m["expert"]))
-            fmts[ckpt.weight_format(name)] += 1
+    """Per MoE layer (the routed-expert weights ``--repack-experts`` would see): experts found, weight formats."""
     return [
-        {"layer": layer, "count": len(experts), "formats": dict(sorted(fmts.items()))}
-        for layer, (experts, fmts) in sorted(per_layer.items())
+        {
+            "layer": layer,
+            "count": len({int(ckpt.card.expert_pattern.match(name)["expert"]) for name in names}),
+            "formats": dict(sorted(Counter(ckpt.weight_format(name) for name in names).items())),
+        }
+        for layer, names in sorted(expert_groups(ckpt).items())
     ]
 
 
