@@ -42,15 +42,14 @@ from glm_pack.packing.errors import PlanError
 from . import formats
 from .cards import Card, load_card
 from .humanize import counted, size_text
-from .safetensors_io import byte_size, encode_header
-from .writer import OutputError, atomic_write, clear_directory, write_text
+from .safetensors_io import DTYPES, byte_size, encode_header
+from .writer import OutputError, atomic_write, clear_directory, tensor_bytes, write_text
 
 FORMATS = ("bf16", "fp8-block", "mxfp4-quark", "mxfp4-attn", "fp8-channel")
 PROFILES = ("full", "small")
 SHARD_BYTES = {"small": 48 << 20, "full": 5 << 30}
 STD = 0.02
 OUTLIER_GAIN = 8.0
-_TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 _MX = {
     "dtype": "fp4",
@@ -229,10 +228,6 @@ def _shards(entries: list[_Entry], shard_bytes: int) -> list[list[_Entry]]:
     return shards
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
-
-
 def _write_shard(path: Path, entries: list[_Entry], seed: int, cache: dict) -> None:
     atomic_write(path, _shard_chunks(entries, seed, cache))
 
@@ -242,18 +237,18 @@ def _shard_chunks(entries: list[_Entry], seed: int, cache: dict) -> Iterator[byt
     yield encode_header([(e.name, e.dtype, e.shape) for e in entries], {"format": "pt"})
     for e in entries:
         if e.fmt is None:
-            t = values(e.name, e.role, e.shape, seed).to(_TORCH_DTYPES[e.dtype])
+            t = values(e.name, e.role, e.shape, seed).to(DTYPES[e.dtype][1])
         else:
             if cache.get("source") != e.source:
                 w = values(e.source, e.role, _logical_shape(e), seed)
                 cache.clear()
                 cache.update(source=e.source, parts=formats.encode(e.fmt, w))
             t = cache["parts"][e.part]
-            if e.part == "weight" and e.dtype in _TORCH_DTYPES:
-                t = t.to(_TORCH_DTYPES[e.dtype])
+            if e.part == "weight" and e.dtype in formats.FLOAT_FORMATS:
+                t = t.to(DTYPES[e.dtype][1])
         if tuple(t.shape) != tuple(e.shape) or t.nbytes != byte_size(e.dtype, e.shape):
             raise PlanError(f"synth produced {t.dtype} {tuple(t.shape)} for {e.dtype} {e.shape}", tensor=e.name)
-        yield _tensor_bytes(t)
+        yield tensor_bytes(t)
 
 
 def _logical_shape(e: _Entry) -> tuple[int, ...]:
