@@ -43,9 +43,11 @@ from glm_pack.packing import fp8, mxfp4
 from glm_pack.packing.errors import FormatError
 
 from .config_values import config_value
+from .safetensors_io import DTYPES
 
 FORMATS = ("bf16", "fp16", "fp32", "fp8-block", "fp8-channel", "mxfp4")
-FLOAT_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+FLOAT_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}  # safetensors dtype -> format
+FLOAT_DTYPES = {fmt: dtype for dtype, fmt in FLOAT_FORMATS.items()}  # format -> safetensors dtype
 FP8_MAX = 448.0
 DEFAULT_FP8_BLOCK = (128, 128)
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
@@ -218,7 +220,7 @@ def _detect_fp8(weight: StoredTensor, scales: dict[str, StoredTensor], quant: Qu
 def dequantize(fmt: WeightFormat, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """Stored tensors -> float32 ``[out, in]`` module weight as the format defines it (FP8: the exact product
     rounded once to float32)."""
-    if fmt.name in ("bf16", "fp16", "fp32"):
+    if fmt.name in FLOAT_DTYPES:
         return weight.to(torch.float32)
     if fmt.name == "fp8-block":
         return fp8.dequantize_block(weight, scale, fmt.block)
@@ -257,12 +259,8 @@ def encode_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def encode(fmt: str, w: torch.Tensor, block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> dict[str, torch.Tensor]:
     """float weight -> stored tensors keyed by suffix (``weight`` and, if any, its scale suffix)."""
-    if fmt == "bf16":
-        return {"weight": w.to(torch.bfloat16)}
-    if fmt == "fp16":
-        return {"weight": w.to(torch.float16)}
-    if fmt == "fp32":
-        return {"weight": w.to(torch.float32)}
+    if fmt in FLOAT_DTYPES:
+        return {"weight": w.to(DTYPES[FLOAT_DTYPES[fmt]][1])}
     if fmt == "fp8-block":
         q, s = encode_fp8_block(w, block)
         return {"weight": q, "weight_scale_inv": s}
@@ -278,8 +276,8 @@ def encode(fmt: str, w: torch.Tensor, block: tuple[int, int] = DEFAULT_FP8_BLOCK
 def stored_specs(fmt: str, shape: tuple[int, int], block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> dict[str, tuple]:
     """Suffix -> (safetensors dtype, shape) of what :func:`encode` produces for a weight of ``shape``."""
     out, cols = shape
-    if fmt in ("bf16", "fp16", "fp32"):
-        return {"weight": ({"bf16": "BF16", "fp16": "F16", "fp32": "F32"}[fmt], (out, cols))}
+    if fmt in FLOAT_DTYPES:
+        return {"weight": (FLOAT_DTYPES[fmt], (out, cols))}
     if fmt == "fp8-block":
         return {
             "weight": ("F8_E4M3", (out, cols)),

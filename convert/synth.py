@@ -185,7 +185,7 @@ def tensor_entries(card: Card, config: dict, fmt: str) -> list[_Entry]:
         wfmt = _linear_format(fmt, formats.module_of(name), quant)
         module = formats.module_of(name)
         for part, (dtype, stored_shape) in formats.stored_specs(wfmt, shape).items():
-            if part == "weight" and wfmt in ("bf16", "fp16", "fp32"):
+            if part == "weight" and wfmt in formats.FLOAT_DTYPES:
                 dtype = t.dtype
             entries.append(_Entry(f"{module}.{part}", dtype, stored_shape, name, t.role, wfmt, part))
     return entries
@@ -210,7 +210,7 @@ def values(name: str, role: str, shape: tuple[int, ...], seed: int) -> torch.Ten
 
 
 def _shards(entries: list[_Entry], shard_bytes: int) -> list[list[_Entry]]:
-    scaled = [e.name for e in entries if e.part == "weight" and e.fmt not in ("bf16", "fp16", "fp32")]
+    scaled = [e.name for e in entries if e.part == "weight" and e.fmt not in formats.FLOAT_DTYPES]
     split_after = next((n for n in scaled if n.endswith("kv_b_proj.weight")), scaled[0] if scaled else None)
     shards, current, size = [], [], 0
     for e in entries:
