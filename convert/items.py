@@ -169,8 +169,8 @@ def run_mla_item(ckpt: Checkpoint, item: WorkItem, settings: Settings, overlay: 
         raise _locate(err, ckpt, kv_b_name) from None
     tensors, entry = {}, {"layer": item.layer, "prefix": prefix, "source": {"tensor": kv_b_name, "format": fmt}}
     for proj_name, stored in (("w_kc", kc), ("w_vc", vc)):
-        weight = f"{prefix}.self_attn.{proj_name}.weight"
-        scale = f"{prefix}.self_attn.{proj_name}.weight_scale" if stored.scale is not None else None
+        weight, scale = mf.projection_tensor_names(prefix, proj_name)
+        scale = scale if stored.scale is not None else None
         tensors[weight] = stored.weight
         if scale:
             tensors[scale] = stored.scale

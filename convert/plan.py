@@ -23,7 +23,7 @@ from glm_pack.packing import mxfp4
 from glm_pack.packing.absorb import POLICIES
 from glm_pack.packing.errors import PlanError
 from glm_pack.packing.layouts import bmm_nk_params, stored_k
-from glm_pack.packing.manifest import k_up_block_sizes
+from glm_pack.packing.manifest import k_up_block_sizes, projection_tensor_names
 
 from .checkpoint import Checkpoint
 
@@ -135,15 +135,18 @@ def resolve_k_up(card, geom, k_pad, mla_precision: str) -> tuple[int | None, int
     return k_multiple, k_stored
 
 
-def _projection(name: str, heads: int, n: int, k_logical: int, k_stored: int, precision: str) -> list[OutputTensor]:
+def _projection(
+    prefix: str, name: str, heads: int, n: int, k_logical: int, k_stored: int, precision: str
+) -> list[OutputTensor]:
     layout = bmm_nk_params(k_logical, k_stored)
+    weight, scale = projection_tensor_names(prefix, name)
     if precision == "bf16":
         shape = (heads, n, k_stored)
-        return [OutputTensor(f"{name}.weight", shape, "BF16", 2 * math.prod(shape), layout)]
+        return [OutputTensor(weight, shape, "BF16", 2 * math.prod(shape), layout)]
     codes, scales = (heads, n, k_stored // 2), (heads, n, k_stored // mxfp4.BLOCK)
     return [
-        OutputTensor(f"{name}.weight", codes, "U8", math.prod(codes), layout),
-        OutputTensor(f"{name}.weight_scale", scales, "U8", math.prod(scales), layout),
+        OutputTensor(weight, codes, "U8", math.prod(codes), layout),
+        OutputTensor(scale, scales, "U8", math.prod(scales), layout),
     ]
 
 
@@ -173,11 +176,11 @@ def make_plan(
     stored_precision = "mxfp4" if mla_precision == "auto" else mla_precision
 
     def projections(prefix: str, precision: str) -> list[OutputTensor]:
-        return _projection(
-            f"{prefix}.self_attn.w_kc", geom.num_heads, geom.kv_lora_rank, geom.qk_nope_head_dim, k_kc, precision
-        ) + _projection(
-            f"{prefix}.self_attn.w_vc", geom.num_heads, geom.v_head_dim, geom.kv_lora_rank, geom.kv_lora_rank, precision
-        )
+        heads, kv_lora = geom.num_heads, geom.kv_lora_rank
+        return [
+            *_projection(prefix, "w_kc", heads, kv_lora, geom.qk_nope_head_dim, k_kc, precision),
+            *_projection(prefix, "w_vc", heads, geom.v_head_dim, kv_lora, kv_lora, precision),
+        ]
 
     jobs = []
     for layer in layers_to_convert(ckpt):

@@ -373,6 +373,13 @@ def mxfp4_quant(mode: str) -> dict:
     return {"format": "mxfp4", "mode": mode, "block": 32, "scale": "e8m0", "rounding": "half_even"}
 
 
+def projection_tensor_names(prefix: str, name: str) -> tuple[str, str]:
+    """The overlay tensors of projection ``name`` ("w_kc" / "w_vc") of the layer at ``prefix`` (e.g.
+    ``model.layers.7``): ``(weight, MXFP4 scale)``; a BF16 projection has only the weight."""
+    base = f"{prefix}.self_attn.{name}"
+    return f"{base}.weight", f"{base}.weight_scale"
+
+
 def projection_entry(stored, weight: str, scale: str | None) -> dict:
     """Manifest PROJ object for a :class:`~glm_pack.packing.absorb.StoredProjection`."""
     quant = mxfp4_quant(stored.quant_mode) if stored.precision == "mxfp4" else {"format": "bf16"}
