@@ -93,7 +93,11 @@ def read_manifest(out: Path) -> dict:
             f"incomplete output: {path} is missing (the conversion did not finish); it is not a valid glm-pack output",
             file=path,
         )
-    return mf.loads_checked(path.read_bytes(), str(path))
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ManifestError(f"cannot read: {err.strerror or err}", file=path) from err
+    return mf.loads_checked(data, str(path))
 
 
 def _load_overlay_tensor(overlay: Path, entry: mf.TensorEntry) -> torch.Tensor:

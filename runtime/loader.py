@@ -269,7 +269,7 @@ def open_packed(
         raise ManifestError(
             "no glm-pack manifest: not a converted output, or the conversion did not finish", file=manifest_path
         )
-    manifest = mf.loads_checked(manifest_path.read_bytes(), str(manifest_path))
+    manifest = mf.loads_checked(_read_bytes(manifest_path, ManifestError), str(manifest_path))
     geometry = mf.parse_geometry(manifest)
     tp_rank, tp_size = _integer(tp_rank, "tp_rank"), _integer(tp_size, "tp_size")
     if tp_size < 1:

@@ -603,6 +603,27 @@ def test_verify_tells_a_missing_out_and_a_corrupt_manifest_from_an_interrupted_o
     assert not report.ok and not report.incomplete, report.problems
 
 
+def test_an_unreadable_manifest_is_one_line_naming_it(converted, monkeypatch):
+    """A manifest that cannot be read (a permission, an I/O error) is a ManifestError naming it, for verify / card
+    (exit 1, one line) and runtime.open; it was the raw OSError (a traceback from the CLI)."""
+    manifest = converted / "glm-pack" / "manifest.json"
+    real = type(manifest).read_bytes
+
+    def read_bytes(path):
+        if path == manifest:
+            raise PermissionError(13, "Permission denied")
+        return real(path)
+
+    monkeypatch.setattr(type(manifest), "read_bytes", read_bytes)
+    for command in ("verify", "card"):
+        r = CliRunner().invoke(main, [command, str(converted)])
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception  # no traceback
+        assert f"cannot read: Permission denied (file {manifest})" in r.output, r.output
+    with pytest.raises(GlmPackError) as err:
+        runtime.open(converted)
+    assert str(err.value) == f"cannot read: Permission denied (file {manifest})"
+
+
 def test_verify_and_card_of_a_folder_that_is_no_output_say_so(synth_ckpt, tmp_path):
     """A checkpoint or any folder without glm-pack/ was reported INCOMPLETE, 'the conversion did not finish', though
     no conversion ever ran there; both commands now say it is not a glm-pack output, and verify says FAILED."""
