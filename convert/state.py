@@ -123,7 +123,7 @@ def read_run(overlay: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        run = json.loads(path.read_text())
+        run = json.loads(_read_bytes(path, "the run state"))
     except ValueError as err:
         raise PlanError(f"unreadable run state ({err}); use --overwrite to start over", file=path) from err
     if not isinstance(run, dict):
@@ -146,7 +146,7 @@ class Journal:
         if not self.path.is_file():
             return []
         out = []
-        for text in self.path.read_text(errors="replace").splitlines():
+        for text in _read_bytes(self.path, "the journal").decode(errors="replace").splitlines():
             try:
                 line = json.loads(text)
             except ValueError:
@@ -170,6 +170,14 @@ class Journal:
 
     def rewrite(self, entries: list[dict]) -> None:
         atomic_write(self.path, [_line(e) for e in entries])
+
+
+def _read_bytes(path: Path, what: str) -> bytes:
+    """A run file's bytes; OutputError naming it where it cannot be read (a permission, an I/O error)."""
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise OutputError(f"cannot read {what}: {err.strerror or err}", file=path) from err
 
 
 def _entry_sha256(entry: dict) -> str:

@@ -334,6 +334,31 @@ def test_resume_summary_counts_the_kept_files(converted, tmp_path):
     assert "holds no interrupted conversion" not in r.stdout, r.stdout
 
 
+@pytest.mark.parametrize("name", [".run.json", ".journal.jsonl"])
+def test_resume_with_an_unreadable_run_file_is_one_line(converted, tmp_path, monkeypatch, name):
+    """An interrupted run's record or journal that cannot be read (a permission, an I/O error): one line naming it,
+    exit 1, OUT left as it was; it was the raw OSError (a traceback)."""
+    src, _ = converted
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, "-c", DRIVER, str(src), str(out), "between-files", "none"], capture_output=True)
+    target = out / "glm-pack" / name
+    assert target.is_file()
+    before = sorted((p.name, p.stat().st_size) for p in (out / "glm-pack").iterdir())
+    real = type(target).read_bytes
+
+    def read_bytes(path):
+        if path == target:
+            raise PermissionError(13, "Permission denied")
+        return real(path)
+
+    monkeypatch.setattr(type(target), "read_bytes", read_bytes)
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "copy", "--resume"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
+    what = "the run state" if name == ".run.json" else "the journal"
+    assert f"cannot read {what}: Permission denied (file {target})" in r.stderr, r.output
+    assert sorted((p.name, p.stat().st_size) for p in (out / "glm-pack").iterdir()) == before
+
+
 def test_resume_with_nothing_to_resume_says_so_before_converting(converted, tmp_path):
     """--resume on an OUT with no interrupted run (e.g. a mistyped path) converts from the start and says so first,
     not only through a summary without its 'resumed:' line at the end."""
