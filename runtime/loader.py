@@ -32,11 +32,15 @@ _GEOMETRY_KEYS = {
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 hex digest of a file's bytes, read in 16 MiB blocks."""
+    """sha256 hex digest of a file's bytes, read in 16 MiB blocks; VerifyError naming the file where it cannot be
+    read (a permission, an I/O error)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(16 << 20):
-            h.update(block)
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(16 << 20):
+                h.update(block)
+    except OSError as err:
+        raise VerifyError(f"cannot read: {err.strerror or err}", file=path) from err
     return h.hexdigest()
 
 

@@ -191,6 +191,24 @@ def test_other_checkpoint_config_is_refused(tmp_path):
     assert "config.json" in str(err.value)
 
 
+def test_a_served_config_that_cannot_be_read_is_refused_by_name(tmp_path, monkeypatch):
+    """The served config.json hashed against the overlay's record cannot be read (a permission, an I/O error): a
+    VerifyError naming it (it was the raw OSError, failing the engine's start-up with a traceback)."""
+    make_served(tmp_path)
+    config = tmp_path / "config.json"
+    real = open
+
+    def refuse(file, *args, **kwargs):
+        if str(file) == str(config):
+            raise PermissionError(13, "Permission denied")
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", refuse)
+    with pytest.raises(VerifyError) as err:
+        overlay(tmp_path)
+    assert str(err.value) == f"cannot read: Permission denied (file {config})"
+
+
 def test_changed_kv_b_tensor_is_refused(tmp_path):
     weights = make_served(tmp_path)
     from safetensors.torch import save_file
