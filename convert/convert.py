@@ -95,10 +95,13 @@ class ConvertReport:
 
 def file_digest(path: Path, h) -> str:
     """Hex digest of the hashlib object ``h`` (possibly fed a prefix already) once the file's bytes follow, read in
-    16 MiB blocks."""
-    with open(path, "rb") as f:
-        while block := f.read(16 << 20):
-            h.update(block)
+    16 MiB blocks; OutputError naming the file where it cannot be read (a permission, an I/O error)."""
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(16 << 20):
+                h.update(block)
+    except OSError as err:
+        raise OutputError(f"cannot read: {err.strerror or err}", file=path) from err
     return h.hexdigest()
 
 

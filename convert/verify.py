@@ -32,7 +32,7 @@ from .humanize import counted
 from .modelcard import SOURCE_README
 from .safetensors_io import LocalFile, parse_header, read_tensor
 from .state import OutputLock
-from .writer import sha256_tensor
+from .writer import OutputError, sha256_tensor
 
 # Recomputed errors may differ from the recorded ones only by float32 summation order (thread count).
 ERROR_TOLERANCE = 1e-4
@@ -130,20 +130,27 @@ def stored_to_float(proj: mf.Projection, overlay: Path, tensors: dict[str, mf.Te
 
 
 def _check_files(report: VerifyReport, overlay: Path, manifest: dict, tensors) -> set[str]:
-    bad_files, missing = set(), set()
+    bad_files, unhashed = set(), set()
     for name, info in sorted(manifest["files"].items()):
         path = overlay / name
         if not path.is_file():
             report.problems.append(f"overlay file missing: {path}")
             bad_files.add(name)
-            missing.add(name)
+            unhashed.add(name)
             continue
-        if path.stat().st_size != info.get("size") or file_sha256(path) != info.get("sha256"):
+        try:
+            same = path.stat().st_size == info.get("size") and file_sha256(path) == info.get("sha256")
+        except OutputError as err:  # unreadable (a permission, an I/O error): not hashed, its layers not re-derived
+            report.problems.append(str(err))
+            bad_files.add(name)
+            unhashed.add(name)
+            continue
+        if not same:
             bad_files.add(name)
             changed = _changed_tensors(overlay, name, tensors)
             what = f" (changed tensors: {', '.join(changed)})" if changed else " (header or layout changed)"
             report.problems.append(f"overlay file {path} does not match its sha256 in the manifest{what}")
-    report.checked.append(f"{counted(len(manifest['files']) - len(missing), 'overlay file')} hashed")
+    report.checked.append(f"{counted(len(manifest['files']) - len(unhashed), 'overlay file')} hashed")
     return bad_files
 
 
@@ -166,8 +173,11 @@ def _check_out_metadata(report: VerifyReport, out: Path, manifest: dict) -> None
     (the source's README.md as README.source.md once a glm-pack card took its place)."""
     for name, key in (("config.json", "config_sha256"), (INDEX_NAME, "index_sha256")):
         path, recorded = out / name, manifest["source"].get(key)
-        if path.is_file() and file_sha256(path) != recorded:
-            report.problems.append(f"{path} differs from the {name} the overlay was made from")
+        try:
+            if path.is_file() and file_sha256(path) != recorded:
+                report.problems.append(f"{path} differs from the {name} the overlay was made from")
+        except OutputError as err:
+            report.problems.append(str(err))
     if manifest["options"].get("files") == "none":
         return
     for name, info in sorted(manifest["source"].get("files", {}).items()):

@@ -624,6 +624,27 @@ def test_an_unreadable_manifest_is_one_line_naming_it(converted, monkeypatch):
     assert str(err.value) == f"cannot read: Permission denied (file {manifest})"
 
 
+@pytest.mark.parametrize("name", ["glm-pack/layer-001.safetensors", "config.json"])
+def test_verify_reports_an_unreadable_file_of_out_by_name(converted, monkeypatch, name):
+    """An overlay file, or OUT's config.json, that cannot be read (a permission, an I/O error) is a problem naming it:
+    FAILED, exit 1, the other checks still made; it was the raw OSError (a traceback)."""
+    target = converted / name
+    real = open
+
+    def refuse(file, *args, **kwargs):
+        if str(file) == str(target):
+            raise OSError(5, "Input/output error")
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", refuse)
+    r = CliRunner().invoke(main, ["verify", str(converted)])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception  # no traceback
+    assert f"cannot read: Input/output error (file {target})" in r.output, r.output
+    assert f"verify {converted}: FAILED" in r.output, r.output
+    hashed = 3 if name == "config.json" else 2  # of the 3 overlay files
+    assert f"checked {hashed} overlay files hashed" in r.output, r.output
+
+
 def test_verify_and_card_of_a_folder_that_is_no_output_say_so(synth_ckpt, tmp_path):
     """A checkpoint or any folder without glm-pack/ was reported INCOMPLETE, 'the conversion did not finish', though
     no conversion ever ran there; both commands now say it is not a glm-pack output, and verify says FAILED."""

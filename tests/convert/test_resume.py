@@ -359,6 +359,30 @@ def test_resume_with_an_unreadable_run_file_is_one_line(converted, tmp_path, mon
     assert sorted((p.name, p.stat().st_size) for p in (out / "glm-pack").iterdir()) == before
 
 
+def test_resume_with_an_unreadable_finished_file_is_one_line(converted, tmp_path, monkeypatch):
+    """A journalled overlay file that cannot be read (a permission, an I/O error) when --resume re-hashes it: one line
+    naming it, exit 1, OUT left as it was; it was the raw OSError (a traceback)."""
+    src, _ = converted
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, "-c", DRIVER, str(src), str(out), "between-files", "none"], capture_output=True)
+    entries = state.Journal(out / "glm-pack").entries()
+    assert len(entries) == 2
+    target = out / "glm-pack" / entries[0]["file"]
+    before = sorted((p.name, p.stat().st_size) for p in (out / "glm-pack").iterdir())
+    real = open
+
+    def refuse(file, *args, **kwargs):
+        if str(file) == str(target):
+            raise PermissionError(13, "Permission denied")
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", refuse)
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "copy", "--resume"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
+    assert f"cannot read: Permission denied (file {target})" in r.stderr, r.output
+    assert sorted((p.name, p.stat().st_size) for p in (out / "glm-pack").iterdir()) == before
+
+
 def test_resume_with_nothing_to_resume_says_so_before_converting(converted, tmp_path):
     """--resume on an OUT with no interrupted run (e.g. a mistyped path) converts from the start and says so first,
     not only through a summary without its 'resumed:' line at the end."""
