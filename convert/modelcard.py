@@ -516,6 +516,6 @@ def write_card_unlocked(
                         file=readme,
                     )
                 atomic_write(kept, [data])
-    if not target.is_file() or target.read_text(encoding="utf-8") != text:
+    if not target.is_file() or target.read_bytes() != text.encode():  # a source card need not be UTF-8
         write_text(target, text)
     return target

@@ -103,6 +103,19 @@ def test_source_readme_kept_and_source_untouched(out, converted):
     assert (out / "README.source.md").read_bytes() == SOURCE_README
 
 
+def test_a_source_card_that_is_no_utf8_is_kept_aside(out):
+    """A source README.md that is not UTF-8 (Latin-1 here) is kept as README.source.md, byte for byte, and the card
+    written; `card` failed with a UnicodeDecodeError traceback comparing it with the new card."""
+    latin1 = SOURCE_README.replace(b"# GLM-5 small", b"# GLM-5 caf\xe9")
+    (out / "README.md").unlink()  # replaced, never written through (a hard link to the shared OUT)
+    (out / "README.md").write_bytes(latin1)
+    r = CliRunner().invoke(main, ["card", str(out)])
+    assert r.exit_code == 0, r.output
+    assert (out / "README.source.md").read_bytes() == latin1
+    data = ModelCard.load(out / "README.md").data.to_dict()
+    assert data["license"] == "apache-2.0" and TAGS <= set(data["tags"])
+
+
 def test_overlay_only_card_beside_the_overlay(out):
     path = write_card(out, overlay_only=True)
     assert path == out / "glm-pack" / "README.md"
