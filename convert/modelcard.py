@@ -19,7 +19,7 @@ from glm_pack.packing.errors import PlanError
 
 from .formats import FLOAT_FORMATS
 from .humanize import plural
-from .state import OutputLock
+from .state import OutputLock, _read_bytes
 from .writer import atomic_write, write_text
 
 CARD_MARKER = (
@@ -68,7 +68,7 @@ def is_generated(text: str) -> bool:
 def _earlier_base_model(out: Path, overlay_only: bool) -> str | list | None:
     """The base_model of the glm-pack card already at OUT (what an earlier ``--base-model`` set), else None."""
     path = card_path(out, overlay_only)
-    text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+    text = _read_card(path) if path.is_file() else ""
     return source_metadata(text).get("base_model") if is_generated(text) else None
 
 
@@ -79,10 +79,15 @@ def _source_card_text(out: Path, manifest: dict) -> str | None:
         candidates.append(Path(manifest["source"]["path"]) / "README.md")
     for path in candidates:
         if path.is_file():
-            text = path.read_text(encoding="utf-8", errors="replace")
+            text = _read_card(path)
             if not is_generated(text):
                 return text
     return None
+
+
+def _read_card(path: Path) -> str:
+    """A model card's text (bytes that are no UTF-8 replaced); OutputError naming it where it cannot be read."""
+    return _read_bytes(path, "the model card").decode("utf-8", errors="replace")
 
 
 def source_metadata(text: str | None) -> dict:
@@ -507,15 +512,15 @@ def write_card_unlocked(
     if not overlay_only:
         readme, kept = out / "README.md", out / SOURCE_README
         if readme.is_file():
-            data = readme.read_bytes()
+            data = _read_bytes(readme, "the model card")
             if not is_generated(data.decode("utf-8", errors="replace")):
-                if kept.is_file() and kept.read_bytes() != data:
+                if kept.is_file() and _read_bytes(kept, "the model card") != data:
                     raise PlanError(
                         f"{readme} is not a glm-pack card and {kept} already holds a different source card; "
                         "remove one of them",
                         file=readme,
                     )
                 atomic_write(kept, [data])
-    if not target.is_file() or target.read_bytes() != text.encode():  # a source card need not be UTF-8
+    if not target.is_file() or _read_bytes(target, "the model card") != text.encode():  # no UTF-8 needed
         write_text(target, text)
     return target

@@ -173,7 +173,8 @@ class Journal:
 
 
 def _read_bytes(path: Path, what: str) -> bytes:
-    """A run file's bytes; OutputError naming it where it cannot be read (a permission, an I/O error)."""
+    """A file's bytes (a run file, a model card); OutputError naming it where it cannot be read (a permission, an I/O
+    error)."""
     try:
         return path.read_bytes()
     except OSError as err:
