@@ -60,13 +60,12 @@ class LocalStore:
     def list_files(self) -> list[tuple[str, int]]:
         """Every regular file under the root (symlinks followed; hidden and ``glm-pack/`` skipped), with sizes.
 
-        A symlink that resolves to nothing (a HF cache snapshot whose blob never finished downloading) is refused:
-        a conversion's output would silently lack that file."""
+        A symlink that resolves to nothing (a HF cache snapshot whose blob never finished downloading), or a folder
+        that cannot be listed (a permission, an I/O error), is refused: a conversion's output would silently lack
+        those files."""
         out = []
-        for path in sorted(self.root.rglob("*")):
+        for path in walk_files(self.root, is_original, CheckpointError, "the source"):
             rel = path.relative_to(self.root)
-            if not is_original(rel.parts):
-                continue
             if path.is_file():
                 out.append((rel.as_posix(), path.stat().st_size))
             elif path.is_symlink() and not path.exists():
@@ -93,6 +92,23 @@ def _load_json(store: LocalStore, rel: str) -> dict:
     if not isinstance(data, dict):
         raise CheckpointError("expected a JSON object", file=store.where(rel))
     return data
+
+
+def walk_files(root: Path, keep, error: type[GlmPackError], what: str) -> list[Path]:
+    """Sorted paths of the entries under ``root`` that are no folder (files, links to files, broken links) whose parts
+    relative to it ``keep`` accepts; only folders it accepts are entered, linked ones never. A folder that cannot be
+    listed (a permission, an I/O error) raises ``error`` naming it and ``what`` holds it (skipped, its files would
+    be silently missing from what is made of the listing)."""
+
+    def unlisted(err: OSError):
+        raise error(f"cannot list this folder of {what}: {err.strerror or err}", file=err.filename)
+
+    paths = []
+    for folder, dirs, files in os.walk(root, onerror=unlisted):
+        parts = Path(folder).relative_to(root).parts
+        dirs[:] = [d for d in dirs if keep((*parts, d))]
+        paths += [Path(folder, name) for name in files if keep((*parts, name))]
+    return sorted(paths)
 
 
 def is_original(parts) -> bool:

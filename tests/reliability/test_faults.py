@@ -475,6 +475,34 @@ def test_broken_symlink_in_the_source_fails_inspect_too(source, ckpt_copy, tmp_p
     assert f"file {src / 'tokenizer.json'}" in errors[0], errors
 
 
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_a_source_folder_that_cannot_be_listed_is_refused(source, ckpt_copy, tmp_path, monkeypatch, command):
+    """A folder of the source that cannot be listed (a permission, an I/O error): one line naming it, nothing written;
+    the walk skipped it, so the output silently lacked its files (and the manifest's source list them) and verify
+    passed."""
+    src = ckpt_copy(source)
+    (src / "original").mkdir()
+    (src / "original" / "notes.md").write_text("kept with the checkpoint")
+    real = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path) == str(src / "original"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    before = tree_digest(source)
+    out = tmp_path / "out"
+    if command == "convert":
+        r, errors = cli(src, out, "--files", "copy")
+    else:
+        r = CliRunner().invoke(main, ["inspect", str(src)])
+        errors = [line for line in r.output.splitlines() if line.startswith("glm-pack: error:")]
+    assert_failed_cleanly(r, errors, out, source, before, "cannot list this folder of the source: Permission denied")
+    assert f"file {src / 'original'}" in errors[0], errors
+    assert not out.exists()
+
+
 def test_a_link_to_a_folder_in_the_source_is_no_broken_link(source, ckpt_copy, tmp_path):
     """Only a link that resolves to nothing is refused: one to an existing folder (notes kept elsewhere) is not
     taken for an unfinished download."""
