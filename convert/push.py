@@ -26,10 +26,12 @@ from pathlib import Path
 from glm_pack.packing import manifest as mf
 from glm_pack.packing.errors import HubError, VerifyError
 
+from .checkpoint import walk_files
 from .convert import file_digest, file_sha256
 from .hub_common import exception_chain, first_line, is_kind, resolve_endpoint
 from .modelcard import SOURCE_README, require_originals, write_card_unlocked
 from .state import OutputLock
+from .writer import OutputError
 
 MAX_COMMIT_BYTES = 8 << 30  # per commit: a failed commit loses at most this much upload work
 MAX_COMMIT_FILES = 64
@@ -101,9 +103,9 @@ def local_files(out: Path, overlay_only: bool) -> list[LocalFile]:
     manifest = mf.loads((out / mf.OVERLAY_DIR / mf.MANIFEST_NAME).read_bytes())
     known = {f"{mf.OVERLAY_DIR}/{name}": info["sha256"] for name, info in manifest["files"].items()}
     files = []
-    for path in sorted(root.rglob("*")):
+    for path in walk_files(root, lambda parts: not any(p.startswith(".") for p in parts), OutputError, "the output"):
         rel = path.relative_to(out)
-        if any(part.startswith(".") for part in rel.parts) or not path.is_file():
+        if not path.is_file():
             continue
         key = rel.as_posix()
         files.append(LocalFile(key, path, path.stat().st_size, known.get(key)))

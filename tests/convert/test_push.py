@@ -509,6 +509,25 @@ def test_files_in_hidden_folders_are_not_published(out, overlay_only):
     assert listed == sorted(published(out, overlay_only)) and not any("/." in p for p in listed)
 
 
+def test_a_folder_of_out_that_cannot_be_listed_is_refused(hub, out, monkeypatch):
+    """A folder of OUT that cannot be listed (a permission, an I/O error): one line naming it, exit 1, nothing
+    committed; the walk skipped it, so its files were silently left out of the push, which reported success."""
+    (out / "original").mkdir()
+    (out / "original" / "notes.md").write_text("kept with the checkpoint")
+    real = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path) == str(out / "original"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    r = CliRunner().invoke(main, ["push", str(out), REPO])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert f"cannot list this folder of the output: Permission denied (file {out / 'original'})" in r.output, r.output
+    assert not hub.kinds("commit")
+
+
 @pytest.mark.parametrize("committed", [0, 1])
 def test_refused_connection_after_a_commit_says_what_is_kept(committed):
     """Refused before any commit: the Hub is unreachable; after one: the push was interrupted, rerun it."""
