@@ -324,10 +324,13 @@ def load_card(name: str) -> Card:
         ref = Path(name)
     elif not ref.is_file():
         raise PlanError(f"unknown card {name!r}; known cards: {', '.join(list_cards())}")
-    text = ref.read_text(encoding="utf-8")
     try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:
+        raw = ref.read_bytes()
+    except OSError as err:  # a card file given by path: a permission, an I/O error
+        raise PlanError(f"cannot read card {name}: {err.strerror or err}", file=str(ref)) from err
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as err:  # TOML is UTF-8
         raise PlanError(f"card {name} is not valid TOML: {err}", file=str(ref)) from err
     return Card(data, str(ref))
 

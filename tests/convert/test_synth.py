@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import pytest
 import torch
@@ -62,6 +63,29 @@ def test_an_out_that_cannot_be_created_is_one_line(tmp_path):
         assert r.exit_code == 1 and "Traceback" not in r.output and len(errors) == 1, r.output
         assert "cannot create the output folder: Not a directory (file " in errors[0], r.output
     assert (tmp_path / "afile").read_text() == "x"
+
+
+@pytest.mark.parametrize("fault", ["unreadable", "latin-1"])
+def test_a_card_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch, fault):
+    """A family card given by path (``--card my.toml``) that cannot be read (a permission, an I/O error) or is not
+    UTF-8: one line naming it, exit 1, nothing written (a raw OSError / UnicodeDecodeError traceback before)."""
+    card = tmp_path / "my.toml"
+    card.write_bytes((cards.resources.files("glm_pack.cards") / "glm-5.toml").read_bytes() + b"# caf\xe9\n")
+    if fault == "unreadable":
+        real = type(card).open
+
+        def refuse(path, *args, **kwargs):
+            if path == card:
+                raise OSError(5, "Input/output error")
+            return real(path, *args, **kwargs)
+
+        monkeypatch.setattr(type(card), "open", refuse)
+    args = ["--card", str(card), "--layers", "1", "--experts", "2", "--format", "bf16"]
+    r = CliRunner().invoke(main, ["synth", str(tmp_path / "out"), *args])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
+    why = "cannot read card .*: Input/output error" if fault == "unreadable" else "is not valid TOML: 'utf-8' codec"
+    assert re.search(f"glm-pack: error: .*{why}.*\\(file {re.escape(str(card))}\\)", r.output), r.output
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("mb", ["0", "-5"])
