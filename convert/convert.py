@@ -36,7 +36,7 @@ from . import state
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from .items import Settings, is_entry_of, plan_items, run_item, run_item_in_worker, worker_init
 from .plan import check_files_mode, kernel_route, resolve_k_up
-from .writer import OutputError, clear_directory, fsync_path, is_temp, remove, temp_path, write_text
+from .writer import OutputError, clear_directory, fsync_path, is_temp, list_folder, remove, temp_path, write_text
 
 TOOL_VERSION = "0.1.0"
 
@@ -170,7 +170,7 @@ def run_differences(previous: dict, run: dict) -> list[str]:
 def _unstarted_dir(path: Path) -> bool:
     """A real folder with nothing but temp files in it (what a run killed right after creating ``glm-pack/``, or
     while writing its run record there, leaves)."""
-    return path.is_dir() and not path.is_symlink() and all(is_temp(p) for p in path.iterdir())
+    return path.is_dir() and not path.is_symlink() and all(is_temp(p) for p in list_folder(path))
 
 
 def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict) -> list[dict]:
@@ -193,7 +193,7 @@ def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict)
             "or --overwrite to start over",
             file=out,
         )
-    leftovers = [p for p in out.iterdir() if p.name != state.LOCK_NAME and not _unstarted_dir(p)]
+    leftovers = [p for p in list_folder(out) if p.name != state.LOCK_NAME and not _unstarted_dir(p)]
     if leftovers and not options.overwrite:
         raise PlanError(f"output {out} is not empty; pass --overwrite to replace its contents", file=out)
     if leftovers:  # --overwrite: nothing of the old contents may stay beside the new output

@@ -201,14 +201,19 @@ def write_text(path: Path, text: str) -> None:
     atomic_write(path, [text.encode()])
 
 
+def list_folder(path: Path) -> list[Path]:
+    """The entries of folder ``path``, sorted; OutputError naming it where it cannot be listed (a permission, an I/O
+    error)."""
+    try:
+        return sorted(path.iterdir())
+    except OSError as err:
+        raise OutputError(f"cannot list {path}: {err.strerror or err}", file=path) from err
+
+
 def clear_directory(path: Path, keep: Collection[str] = ()) -> None:
     """Delete everything in folder ``path`` but the names in ``keep``: links and files are unlinked (a link is
     never followed, so a hard- or soft-linked original elsewhere stays as it is), folders go with their contents."""
-    try:
-        entries = sorted(path.iterdir())
-    except OSError as err:
-        raise OutputError(f"cannot list {path}: {err.strerror or err}", file=path) from err
-    for entry in entries:
+    for entry in list_folder(path):
         if entry.name not in keep:
             remove(entry)
 

@@ -365,6 +365,28 @@ def test_read_only_output_parent(source, read_only_dir):
     assert tree_digest(source) == before
 
 
+@pytest.mark.parametrize("folder", ["out", "out/glm-pack"])
+def test_an_output_folder_that_cannot_be_listed_is_one_line(source, tmp_path, monkeypatch, folder):
+    """OUT, or a glm-pack/ folder in it, that this user may write but not list (mode 0300, or an I/O error): one line
+    naming it, exit 1, nothing written but the lock; it was the raw OSError (a traceback)."""
+    out = tmp_path / "out"
+    (tmp_path / folder).mkdir(parents=True)
+    real = os.listdir
+
+    def listdir(path="."):
+        if os.fspath(path) == str(tmp_path / folder):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    before = tree_digest(source)
+    r, errors = cli(source, out)
+    assert_failed_cleanly(r, errors, out, source, before, f"cannot list {tmp_path / folder}: Permission denied")
+    monkeypatch.undo()
+    made = [".glm-pack.lock", "glm-pack"] if folder == "out/glm-pack" else [".glm-pack.lock"]
+    assert sorted(p.name for p in out.rglob("*")) == made
+
+
 def test_missing_source_creates_nothing(tmp_path):
     r, errors = cli(tmp_path / "nowhere", tmp_path / "out")
     assert r.exit_code == 1 and len(errors) == 1 and "nowhere" in errors[0]
