@@ -214,11 +214,11 @@ def place_original(src_file: Path, dst: Path, mode: str) -> bool:
     Returns True when the bytes were copied: the caller fsyncs copies, and the folders of every placed file (see
     :func:`fsync_files`), before the manifest claims completeness.
     """
-    dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(dst)
-    tmp.unlink(missing_ok=True)
     copied = mode != "link"
     try:
+        dst.parent.mkdir(parents=True, exist_ok=True)  # an original in a folder of the source
+        tmp.unlink(missing_ok=True)
         if not copied:
             try:
                 os.link(src_file.resolve(), tmp)  # a symlinked source (HF cache): link the real blob

@@ -365,6 +365,28 @@ def test_read_only_output_parent(source, read_only_dir):
     assert tree_digest(source) == before
 
 
+@pytest.mark.parametrize("files", ["link", "copy"])
+def test_a_folder_for_the_originals_that_cannot_be_made_is_one_line(source, ckpt_copy, tmp_path, monkeypatch, files):
+    """The folder an original in a folder of the source goes to cannot be made (no space: no inode left): one line
+    naming the original, exit 1, no manifest, no temp files; it was the raw OSError (a traceback)."""
+    src = ckpt_copy(source)
+    (src / "original").mkdir()
+    (src / "original" / "notes.md").write_text("kept with the checkpoint")
+    out = tmp_path / "out"
+    real = type(out).mkdir
+
+    def mkdir(path, *args, **kwargs):
+        if path == out / "original":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(type(out), "mkdir", mkdir)
+    before = tree_digest(source)
+    r, errors = cli(src, out, "--files", files)
+    phrase = f"no space left on device while placing {out / 'original' / 'notes.md'}"
+    assert_failed_cleanly(r, errors, out, source, before, phrase)
+
+
 @pytest.mark.parametrize("folder", ["out", "out/glm-pack"])
 def test_an_output_folder_that_cannot_be_listed_is_one_line(source, tmp_path, monkeypatch, folder):
     """OUT, or a glm-pack/ folder in it, that this user may write but not list (mode 0300, or an I/O error): one line
