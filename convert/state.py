@@ -57,7 +57,7 @@ class OutputLock:
 
     def __enter__(self) -> OutputLock:
         mode = os.O_RDONLY if self.shared else os.O_RDWR  # a reader writes nothing: a read-only file will do
-        if not (self.create or os.path.lexists(self.path) or (self.path.parent / OVERLAY_DIR).is_dir()):
+        if not (self.create or os.path.lexists(self.path) or os.path.isdir(self.path.parent / OVERLAY_DIR)):
             return self
         try:
             if self.create:

@@ -74,14 +74,24 @@ class VerifyReport:
 
 def read_manifest(out: Path) -> dict:
     """Load and validate ``OUT/glm-pack/manifest.json`` (raises IncompleteOutputError when it is missing from an
-    existing ``glm-pack/``, ManifestError / GlmPackError)."""
-    if not Path(out).is_dir():
-        raise GlmPackError(f"{out} is not a directory: there is no converted output to check")
+    existing ``glm-pack/``, ManifestError / GlmPackError; a ManifestError naming the path that cannot be looked at
+    or read: a folder this user may not enter, as after ``chmod -R 644``, an I/O error)."""
     path = Path(out) / mf.OVERLAY_DIR / mf.MANIFEST_NAME
-    if not path.is_file() and (Path(out) / mf.MANIFEST_NAME).is_file():
+    try:
+        data = _manifest_bytes(Path(out), path)
+    except OSError as err:
+        raise ManifestError(f"cannot read: {err.strerror or err}", file=err.filename or path) from err
+    return mf.loads_checked(data, str(path))
+
+
+def _manifest_bytes(out: Path, path: Path) -> bytes:
+    """The bytes of ``path``, OUT's manifest, or the GlmPackError saying why OUT has none."""
+    if not out.is_dir():
+        raise GlmPackError(f"{out} is not a directory: there is no converted output to check")
+    if not path.is_file() and (out / mf.MANIFEST_NAME).is_file():
         raise GlmPackError(
             f"{out} is the {mf.OVERLAY_DIR}/ folder of a converted output: pass the output itself, "
-            f"{Path(out).resolve().parent}"  # resolved: 'verify .' inside it named '.'
+            f"{out.resolve().parent}"  # resolved: 'verify .' inside it named '.'
         )
     if not path.parent.is_dir():  # every conversion makes glm-pack/ first: this folder was never an output
         raise GlmPackError(
@@ -93,11 +103,7 @@ def read_manifest(out: Path) -> dict:
             f"incomplete output: {path} is missing (the conversion did not finish); it is not a valid glm-pack output",
             file=path,
         )
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise ManifestError(f"cannot read: {err.strerror or err}", file=path) from err
-    return mf.loads_checked(data, str(path))
+    return path.read_bytes()
 
 
 def _load_overlay_tensor(overlay: Path, entry: mf.TensorEntry) -> torch.Tensor:

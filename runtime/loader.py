@@ -269,7 +269,11 @@ def open_packed(
     if not root.is_dir():  # a typo, or a file given for the output folder
         why = "is a file" if root.exists() else "does not exist"
         raise ManifestError(f"not a glm-pack output directory: the path {why}", file=root)
-    if not manifest_path.is_file():
+    try:
+        found = manifest_path.is_file()
+    except OSError as err:  # a folder this user may not enter (as after `chmod -R 644`), an I/O error
+        raise ManifestError(f"cannot read: {err.strerror or err}", file=manifest_path) from err
+    if not found:
         raise ManifestError(
             "no glm-pack manifest: not a converted output, or the conversion did not finish", file=manifest_path
         )

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+from pathlib import Path
 
 import click
 import pytest
@@ -21,7 +22,7 @@ from glm_pack.convert.cli import main
 from glm_pack.convert.convert import ConvertOptions, convert
 from glm_pack.convert.items import plan_items
 from glm_pack.convert.verify import verify
-from glm_pack.packing.errors import GlmPackError
+from glm_pack.packing.errors import GlmPackError, ManifestError
 from glm_pack.packing.mxfp4 import dequantize, quantize
 
 
@@ -620,6 +621,32 @@ def test_an_unreadable_manifest_is_one_line_naming_it(converted, monkeypatch):
         assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception  # no traceback
         assert f"cannot read: Permission denied (file {manifest})" in r.output, r.output
     with pytest.raises(GlmPackError) as err:
+        runtime.open(converted)
+    assert str(err.value) == f"cannot read: Permission denied (file {manifest})"
+
+
+@pytest.mark.parametrize("folder", ["glm-pack", "out"])
+def test_a_manifest_in_a_folder_that_cannot_be_entered_is_one_line_naming_it(converted, monkeypatch, folder):
+    """OUT/glm-pack/, or OUT without a lock file (as downloaded), that this user may list but not enter (`chmod -R
+    644 OUT`; stat fails with EACCES, as injected here): a ManifestError naming the manifest, for verify / card (exit
+    1, one line) and runtime.open; it was the raw PermissionError from Path.is_file / is_dir (a traceback)."""
+    manifest = converted / "glm-pack" / "manifest.json"
+    closed = converted / "glm-pack" if folder == "glm-pack" else converted
+    if folder == "out":
+        (converted / ".glm-pack.lock").unlink()
+    real = os.stat
+
+    def stat(path, *args, **kwargs):
+        if closed in Path(path).parents:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    for command in ("verify", "card"):
+        r = CliRunner().invoke(main, [command, str(converted)])
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception  # no traceback
+        assert f"cannot read: Permission denied (file {manifest})" in r.output, r.output
+    with pytest.raises(ManifestError) as err:
         runtime.open(converted)
     assert str(err.value) == f"cannot read: Permission denied (file {manifest})"
 
