@@ -8,6 +8,7 @@ The body template uses ``string.Template`` (``$name``) placeholders, no Jinja2.
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections import Counter
 from importlib import resources
@@ -78,7 +79,7 @@ def _source_card_text(out: Path, manifest: dict) -> str | None:
     if manifest["source"].get("path"):
         candidates.append(Path(manifest["source"]["path"]) / "README.md")
     for path in candidates:
-        if path.is_file():
+        if os.path.isfile(path):  # False in a source folder this user cannot enter
             text = _read_card(path)
             if not is_generated(text):
                 return text

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,7 +205,7 @@ def _source_root(out: Path, manifest: dict) -> Path | str | None:
     if manifest["source"].get("kind") == "hub":
         return f"hf://{manifest['source']['repo_id']}@{manifest['source']['revision']}"
     path = manifest["source"].get("path")
-    return Path(path) if path and Path(path, "config.json").is_file() else None
+    return Path(path) if path and os.path.isfile(Path(path, "config.json")) else None  # False where it cannot be seen
 
 
 def verify(out: str | Path) -> VerifyReport:

@@ -89,13 +89,13 @@ def tensor_files(served: Path) -> dict[str, Path]:
     """Source tensor name -> the served safetensors file holding it (from the index, or the single file);
     VerifyError naming the index or the file when it cannot be read as one."""
     index = served / "model.safetensors.index.json"
-    if index.is_file():
+    if os.path.isfile(index):  # False in a folder this user cannot enter (another user's source): unreachable
         weight_map = _json_object(_read_bytes(index), index, "the index").get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
             raise VerifyError("the index's weight_map must map tensor names to file names", file=index)
         return {name: served / file for name, file in weight_map.items()}
     single = served / "model.safetensors"
-    return {name: single for name in _header(single)} if single.is_file() else {}
+    return {name: single for name in _header(single)} if os.path.isfile(single) else {}
 
 
 def _read_bytes(path: Path, error: type[GlmPackError] = VerifyError) -> bytes:
@@ -219,7 +219,7 @@ def _check_config(root: Path, manifest: dict, geometry: MlaGeometry) -> None:
     candidates = [root / "config.json"]
     if manifest["source"].get("path"):
         candidates.append(Path(manifest["source"]["path"]) / "config.json")
-    config_path = next((p for p in candidates if p.is_file()), None)
+    config_path = next((p for p in candidates if os.path.isfile(p)), None)  # a source this user cannot enter: none
     if config_path is None:
         return
     config = _json_object(_read_bytes(config_path, ManifestError), config_path, "config.json", ManifestError)

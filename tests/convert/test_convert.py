@@ -765,6 +765,29 @@ def test_verify_checks_the_source_config_and_index_with_files_none(synth_ckpt, c
     assert report.problems == [f"the original index in {src} was changed or removed"], report.problems
 
 
+def test_an_overlay_only_out_whose_source_cannot_be_entered_is_served_without_it(synth_ckpt, ckpt_copy, tmp_path,
+                                                                                 monkeypatch):
+    """An overlay-only OUT whose recorded source is in a folder this user cannot enter (another user's; stat fails
+    with EACCES, as injected here) is one whose source is not reachable: verify passes on OUT's own files, card
+    writes the overlay's card, runtime.open (verify=True too) opens it; each raised the raw PermissionError."""
+    src, out = ckpt_copy(synth_ckpt("glm-5", "bf16")), tmp_path / "out"
+    convert(src, out, ConvertOptions(files="none"))
+    real = os.stat
+
+    def stat(path, *args, **kwargs):
+        if src in Path(path).parents:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    r = CliRunner().invoke(main, ["verify", str(out)])
+    assert r.exit_code == 0, r.output
+    assert f"verify {out}: OK (overlay files only: source not reachable" in r.output, r.output
+    r = CliRunner().invoke(main, ["card", str(out), "--overlay-only"])
+    assert r.exit_code == 0, r.output
+    assert runtime.open(out, verify=True).layers == [0, 1, 2]
+
+
 def test_verify_names_placed_originals_that_were_removed_or_resized(converted):
     shards = sorted(converted.glob("model-*.safetensors"))
     (converted / "model.safetensors.index.json").unlink()
