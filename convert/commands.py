@@ -167,7 +167,7 @@ def convert_command(
     )
     manifest = Path(out) / mf.OVERLAY_DIR / mf.MANIFEST_NAME
     before = _file_identity(manifest)  # an earlier conversion's manifest, which --overwrite replaces
-    interrupted = (manifest.parent / state.RUN_NAME).is_file()  # an interrupted run's record, which --resume continues
+    interrupted = os.path.isfile(manifest.parent / state.RUN_NAME)  # an interrupted run's record: --resume continues
     if resume and not quiet and not interrupted and before is None:  # e.g. a mistyped OUT: said before hours of work
         console.print(f"--resume: {out} holds no interrupted conversion; converting from the start")
     try:
@@ -177,7 +177,7 @@ def convert_command(
             what = f"{out} was not changed: it still holds its earlier conversion"
         elif now is not None:  # stopped after this run's manifest was written
             what = f"{out} holds a complete conversion (its manifest is written); `glm-pack verify {out}` checks it"
-        elif (manifest.parent / state.RUN_NAME).is_file():  # this run's record: --resume continues it
+        elif os.path.isfile(manifest.parent / state.RUN_NAME):  # this run's record: --resume continues it
             what = f"finished layers are kept: rerun the same command with --resume to complete {out}"
         else:  # e.g. while --overwrite emptied OUT
             what = f"nothing of this run is finished: rerun the same command to convert into {out}"

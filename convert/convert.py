@@ -174,7 +174,16 @@ def _unstarted_dir(path: Path) -> bool:
 
 
 def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict) -> list[dict]:
-    """Decide what an existing OUT means; returns journal entries a resume may keep (re-checked later)."""
+    """Decide what an existing OUT means; returns journal entries a resume may keep (re-checked later). OutputError
+    naming the path that cannot be looked at (a folder of OUT this user cannot enter, as after ``chmod -R 644``, an
+    I/O error)."""
+    try:
+        return _prepare_output(out, overlay, options, run)
+    except OSError as err:
+        raise OutputError(f"cannot read {err.filename}: {err.strerror or err}", file=err.filename) from err
+
+
+def _prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict) -> list[dict]:
     previous = state.read_run(overlay)
     complete = (overlay / mf.MANIFEST_NAME).is_file()
     if options.resume and previous is not None and not complete:

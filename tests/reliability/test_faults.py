@@ -13,6 +13,7 @@ import json
 import math
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -385,6 +386,31 @@ def test_a_folder_for_the_originals_that_cannot_be_made_is_one_line(source, ckpt
     r, errors = cli(src, out, "--files", files)
     phrase = f"no space left on device while placing {out / 'original' / 'notes.md'}"
     assert_failed_cleanly(r, errors, out, source, before, phrase)
+
+
+@pytest.mark.parametrize("flags", [[], ["--overwrite"], ["--resume"]])
+def test_an_output_folder_that_cannot_be_entered_is_one_line(source, tmp_path, monkeypatch, flags):
+    """A converted OUT whose glm-pack/ this user may list but not enter (`chmod -R 644`: stat fails with EACCES, as
+    injected here), converted again: one line naming the first file it cannot look at, exit 1, OUT unchanged; it
+    was the raw PermissionError from Path.is_file (a traceback)."""
+    out = tmp_path / "out"
+    convert(source, out, ConvertOptions(files="none", workers=1))
+    before = tree_digest(out)
+    del before[state.LOCK_NAME]  # rewritten with each run's pid
+    real = os.stat
+
+    def stat(path, *args, **kwargs):
+        if out / "glm-pack" in Path(path).parents:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    r, errors = cli(source, out, "--files", "none", *flags)
+    run = out / "glm-pack" / ".run.json"
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
+    assert len(errors) == 1 and f"cannot read {run}: Permission denied" in errors[0], r.output
+    monkeypatch.undo()
+    assert {k: v for k, v in tree_digest(out).items() if k != state.LOCK_NAME} == before
 
 
 @pytest.mark.parametrize("folder", ["out", "out/glm-pack"])
