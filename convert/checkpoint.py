@@ -61,19 +61,22 @@ class LocalStore:
         """Every regular file under the root (symlinks followed; hidden and ``glm-pack/`` skipped), with sizes.
 
         A symlink that resolves to nothing (a HF cache snapshot whose blob never finished downloading), or a folder
-        that cannot be listed (a permission, an I/O error), is refused: a conversion's output would silently lack
-        those files."""
+        that cannot be listed or a file that cannot be looked at (a permission, an I/O error), is refused: a
+        conversion's output would silently lack those files."""
         out = []
         for path in walk_files(self.root, is_original, CheckpointError, "the source"):
             rel = path.relative_to(self.root)
-            if path.is_file():
-                out.append((rel.as_posix(), path.stat().st_size))
-            elif path.is_symlink() and not path.exists():
-                raise CheckpointError(
-                    f"broken symlink in the source: it points to {os.readlink(path)}, which is missing or cannot be "
-                    "resolved (an unfinished download?); restore the file or remove the link",
-                    file=str(path),
-                )
+            try:
+                if path.is_file():
+                    out.append((rel.as_posix(), path.stat().st_size))
+                elif path.is_symlink() and not path.exists():
+                    raise CheckpointError(
+                        f"broken symlink in the source: it points to {os.readlink(path)}, which is missing or cannot "
+                        "be resolved (an unfinished download?); restore the file or remove the link",
+                        file=str(path),
+                    )
+            except OSError as err:  # in a folder this user may list but not enter (chmod -R 644), an I/O error
+                raise CheckpointError(f"cannot read: {err.strerror or err}", file=str(path)) from err
         return out
 
 

@@ -546,6 +546,34 @@ def test_broken_symlink_in_the_source_fails_inspect_too(source, ckpt_copy, tmp_p
 
 
 @pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_a_source_file_that_cannot_be_looked_at_is_refused(source, ckpt_copy, tmp_path, monkeypatch, command):
+    """A file in a folder of the source that this user may list but not enter (`chmod 644 SRC/original`: stat fails
+    with EACCES, as injected here): one line naming it, nothing written; it was the raw PermissionError (a
+    traceback)."""
+    src = ckpt_copy(source)
+    (src / "original").mkdir()
+    (src / "original" / "notes.md").write_text("kept with the checkpoint")
+    real = os.stat
+
+    def stat(path, *args, **kwargs):
+        if src / "original" in Path(path).parents:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    before = tree_digest(source)
+    out = tmp_path / "out"
+    if command == "convert":
+        r, errors = cli(src, out, "--files", "copy")
+    else:
+        r = CliRunner().invoke(main, ["inspect", str(src)])
+        errors = [line for line in r.output.splitlines() if line.startswith("glm-pack: error:")]
+    phrase = f"cannot read: Permission denied (file {src / 'original' / 'notes.md'})"
+    assert_failed_cleanly(r, errors, out, source, before, phrase)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect"])
 def test_a_source_folder_that_cannot_be_listed_is_refused(source, ckpt_copy, tmp_path, monkeypatch, command):
     """A folder of the source that cannot be listed (a permission, an I/O error): one line naming it, nothing written;
     the walk skipped it, so the output silently lacked its files (and the manifest's source list them) and verify
