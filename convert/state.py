@@ -191,5 +191,15 @@ def _line(entry: dict) -> bytes:
 
 
 def clear_run(overlay: Path) -> None:
+    """Remove the run state of a conversion whose manifest is written; OutputError naming a file that cannot be
+    removed (an I/O error, a file system gone read-only) and saying the output is complete: beside a manifest a run
+    state is ignored."""
     for name in (JOURNAL_NAME, RUN_NAME):
-        (overlay / name).unlink(missing_ok=True)
+        try:
+            (overlay / name).unlink(missing_ok=True)
+        except OSError as err:
+            raise OutputError(
+                f"the conversion is complete (its manifest is written), but its run state cannot be removed: "
+                f"{err.strerror or err}",
+                file=overlay / name,
+            ) from err

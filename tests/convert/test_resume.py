@@ -383,6 +383,28 @@ def test_resume_with_an_unreadable_finished_file_is_one_line(converted, tmp_path
     assert sorted((p.name, p.stat().st_size) for p in (out / "glm-pack").iterdir()) == before
 
 
+def test_a_run_state_that_cannot_be_removed_at_the_end_is_one_line(converted, tmp_path, monkeypatch):
+    """The journal cannot be removed once the manifest is written (an I/O error): one line naming it and saying the
+    conversion is complete, exit 1, and so it is (verify passes); it was the raw OSError (a traceback)."""
+    src, _ = converted
+    out = tmp_path / "out"
+    journal = out / "glm-pack" / state.JOURNAL_NAME
+    real = type(journal).unlink
+
+    def unlink(path, *args, **kwargs):
+        if path == journal:
+            raise OSError(5, "Input/output error")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(type(journal), "unlink", unlink)
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "none", "--workers", "1", "--quiet"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
+    complete = "the conversion is complete (its manifest is written), but its run state cannot be removed"
+    assert f"{complete}: Input/output error (file {journal})" in r.stderr, r.output
+    monkeypatch.undo()
+    assert verify(out).ok
+
+
 def test_resume_with_nothing_to_resume_says_so_before_converting(converted, tmp_path):
     """--resume on an OUT with no interrupted run (e.g. a mistyped path) converts from the start and says so first,
     not only through a summary without its 'resumed:' line at the end."""
