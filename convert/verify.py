@@ -191,10 +191,15 @@ def _check_out_metadata(report: VerifyReport, out: Path, manifest: dict) -> None
         path = out / name
         if name == "README.md" and (out / SOURCE_README).is_file():
             path = out / SOURCE_README  # `card` / `push` moved the source's card aside for glm-pack's own
-        if not path.is_file():
+        try:
+            size = path.stat().st_size if path.is_file() else None
+        except OSError as err:  # in a folder this user may list but not enter (chmod -R 644), an I/O error
+            report.problems.append(f"cannot read {path}: {err.strerror or err}")
+            continue
+        if size is None:
             report.problems.append(f"{path} is missing although the originals were placed in OUT")
-        elif path.stat().st_size != info.get("size"):
-            report.problems.append(f"{path} has {path.stat().st_size} bytes, the original {info.get('size')}")
+        elif size != info.get("size"):
+            report.problems.append(f"{path} has {size} bytes, the original {info.get('size')}")
 
 
 def _source_root(out: Path, manifest: dict) -> Path | str | None:

@@ -801,6 +801,28 @@ def test_verify_names_placed_originals_that_were_removed_or_resized(converted):
     assert f"{shards[0]} has {size + 1} bytes, the original {size}" in problems, problems
 
 
+def test_verify_reports_a_placed_original_it_cannot_look_at(synth_ckpt, ckpt_copy, tmp_path, monkeypatch):
+    """A placed original in a folder of OUT this user may list but not enter (`chmod 644 OUT/original`: stat fails
+    with EACCES, as injected here): a problem naming it, FAILED, exit 1; it was the raw PermissionError (a
+    traceback)."""
+    src, out = ckpt_copy(synth_ckpt("glm-5", "bf16")), tmp_path / "out"
+    (src / "original").mkdir()
+    (src / "original" / "notes.md").write_text("kept with the checkpoint")
+    convert(src, out, ConvertOptions(files="copy", workers=1))
+    notes = out / "original" / "notes.md"
+    real = os.stat
+
+    def stat(path, *args, **kwargs):
+        if Path(path) == notes:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    r = CliRunner().invoke(main, ["verify", str(out)])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
+    assert f"cannot read {notes}: Permission denied" in r.output and f"verify {out}: FAILED" in r.output, r.output
+
+
 def test_verify_reports_a_layer_it_cannot_re_derive(synth_ckpt, ckpt_copy, tmp_path, edit_tensor):
     """A source kv_b_proj that no longer converts (a NaN planted), or a source replaced by another model's
     checkpoint: verify --json still prints its report, naming the layer, the source tensor and its file."""
