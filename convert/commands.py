@@ -23,6 +23,7 @@ from .humanize import counted, size_text
 from .modelcard import error_cells, fmt_error, source_error_text, worst_head_text
 from .plan import FILE_MODES
 from .verify import VerifyReport, verify
+from .writer import OutputError
 
 console = Console(stderr=False, emoji=False, soft_wrap=True)  # ":cd:" in a path is no emoji code; lines never wrap
 
@@ -236,7 +237,10 @@ def demo_command(workdir, layers):
 
     from .synth import synthesize
 
-    root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="glm-pack-demo-"))
+    try:
+        root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="glm-pack-demo-"))
+    except OSError as err:  # a temp folder that is full, read-only or not this user's (or none usable)
+        raise OutputError(f"cannot create the demo's work folder: {err.strerror or err}", file=err.filename) from err
     src, out = root / "glm-5-small", root / "glm-5-small-gfx950"
     console.print(f"[bold]1/4 synthesize[/bold] GLM-5 (true MLA geometry, small everything else) -> {escape(str(src))}")
     synthesize(src, card="glm-5", layers=layers, experts=4, fmt="bf16", profile="small", seed=0, overwrite=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from glm_pack.convert import cards, synth
+from glm_pack.convert import cards, commands, synth
 from glm_pack.convert.checkpoint import open_checkpoint
 from glm_pack.convert.cli import main
 from glm_pack.convert.convert import ConvertOptions, convert
@@ -93,6 +93,20 @@ def test_shard_size_must_be_positive(tmp_path, mb):
     r = CliRunner().invoke(main, ["synth", str(tmp_path / "s"), "--card", "glm-5", "--layers", "1", "--experts", "2",
                                   "--format", "bf16", "--shard-mb", mb])  # fmt: skip
     assert r.exit_code == 2 and "--shard-mb" in r.output and not (tmp_path / "s").exists()
+
+
+def test_demo_without_a_usable_temp_folder_is_one_line(monkeypatch):
+    """demo without WORKDIR where no work folder can be made in the temp folder (full, read-only, another user's):
+    one line naming it, exit 1; it was the raw OSError (a traceback)."""
+    tried = "/tmp/glm-pack-demo-x"
+
+    def mkdtemp(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", tried)
+
+    monkeypatch.setattr(commands.tempfile, "mkdtemp", mkdtemp)
+    r = CliRunner().invoke(main, ["demo"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
+    assert f"cannot create the demo's work folder: Permission denied (file {tried})" in r.output, r.output
 
 
 @pytest.mark.parametrize("layers", ["0", "-1"])
