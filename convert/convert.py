@@ -145,7 +145,7 @@ def check_locations(src: Path, out: Path, files: Iterable[Path] = (), what: str 
             raise PlanError(
                 f"output {out} must not hold the source's files: {src / rel} is {(src / rel).resolve()}", file=out
             )
-    if out.exists() and not out.is_dir():
+    if os.path.exists(out) and not os.path.isdir(out):  # False in a folder this user cannot enter: the lock says so
         raise PlanError(f"output {out} exists and is not a directory", file=out)
 
 

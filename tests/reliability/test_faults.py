@@ -435,6 +435,31 @@ def test_an_output_folder_that_cannot_be_listed_is_one_line(source, tmp_path, mo
     assert sorted(p.name for p in out.rglob("*")) == made
 
 
+def test_output_in_a_folder_that_cannot_be_entered(source, tmp_path, monkeypatch):
+    """OUT inside a folder this user cannot enter (another user's home, mode 0700: stat, mkdir and open fail with
+    EACCES, as injected here): one line naming where, exit 1, nothing made; it was the raw PermissionError from
+    Path.exists (a traceback)."""
+    closed = tmp_path / "closed"
+    closed.mkdir()
+
+    def refusing(real):
+        def call(path, *args, **kwargs):
+            if closed in Path(os.fspath(path)).parents:
+                raise PermissionError(13, "Permission denied", os.fspath(path))
+            return real(path, *args, **kwargs)
+
+        return call
+
+    for name in ("stat", "mkdir", "open"):
+        monkeypatch.setattr(os, name, refusing(getattr(os, name)))
+    before = tree_digest(source)
+    r, errors = cli(source, closed / "out")
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
+    assert len(errors) == 1 and f"Permission denied (file {closed / 'out' / state.LOCK_NAME})" in errors[0], r.output
+    monkeypatch.undo()
+    assert tree_digest(source) == before and list(closed.iterdir()) == []
+
+
 def test_missing_source_creates_nothing(tmp_path):
     r, errors = cli(tmp_path / "nowhere", tmp_path / "out")
     assert r.exit_code == 1 and len(errors) == 1 and "nowhere" in errors[0]
