@@ -266,13 +266,13 @@ def open_packed(
     """
     root = Path(path)
     manifest_path = root / mf.OVERLAY_DIR / mf.MANIFEST_NAME
-    if not root.is_dir():  # a typo, or a file given for the output folder
+    try:
+        is_dir, found = root.is_dir(), manifest_path.is_file()
+    except OSError as err:  # a folder this user may not enter (as after `chmod -R 644`), an I/O error
+        raise ManifestError(f"cannot read: {err.strerror or err}", file=err.filename or manifest_path) from err
+    if not is_dir:  # a typo, or a file given for the output folder
         why = "is a file" if root.exists() else "does not exist"
         raise ManifestError(f"not a glm-pack output directory: the path {why}", file=root)
-    try:
-        found = manifest_path.is_file()
-    except OSError as err:  # a folder this user may not enter (as after `chmod -R 644`), an I/O error
-        raise ManifestError(f"cannot read: {err.strerror or err}", file=manifest_path) from err
     if not found:
         raise ManifestError(
             "no glm-pack manifest: not a converted output, or the conversion did not finish", file=manifest_path

@@ -625,6 +625,27 @@ def test_an_unreadable_manifest_is_one_line_naming_it(converted, monkeypatch):
     assert str(err.value) == f"cannot read: Permission denied (file {manifest})"
 
 
+def test_an_out_in_a_folder_that_cannot_be_entered_is_one_line_naming_it(converted, monkeypatch):
+    """OUT inside a folder this user cannot enter (another user's home, mode 0700: stat fails with EACCES, as
+    injected here): runtime.open raises a ManifestError naming OUT (it raised the raw PermissionError from
+    Path.is_dir); verify reports it (exit 1), card refuses the argument (click's usage error, exit 2)."""
+    real = os.stat
+
+    def stat(path, *args, **kwargs):
+        if converted.parent in Path(path).parents:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    for command, code in (("verify", 1), ("card", 2)):
+        r = CliRunner().invoke(main, [command, str(converted)])
+        assert r.exit_code == code and isinstance(r.exception, SystemExit), r.exception  # no traceback
+        assert str(converted) in r.output, r.output
+    with pytest.raises(ManifestError) as err:
+        runtime.open(converted)
+    assert str(err.value) == f"cannot read: Permission denied (file {converted})"
+
+
 @pytest.mark.parametrize("folder", ["glm-pack", "out"])
 def test_a_manifest_in_a_folder_that_cannot_be_entered_is_one_line_naming_it(converted, monkeypatch, folder):
     """OUT/glm-pack/, or OUT without a lock file (as downloaded), that this user may list but not enter (`chmod -R
