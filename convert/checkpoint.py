@@ -359,7 +359,11 @@ def open_checkpoint(src: str | os.PathLike, *, card: str | None = None) -> Check
     """Open a local checkpoint directory, or a Hub repo ``org/name[@revision]`` (read by byte ranges, see
     :mod:`.hub_source`); ``card`` forces a family instead of detecting it from config.json."""
     root = Path(src)
-    if root.is_dir():
+    try:
+        local = root.is_dir()
+    except OSError as err:  # in a folder this user cannot enter (another user's home), an I/O error
+        raise CheckpointError(f"cannot read: {err.strerror or err}", file=str(root)) from err
+    if local:
         store = LocalStore(root)
     else:
         from .hub_source import hub_store

@@ -460,6 +460,31 @@ def test_output_in_a_folder_that_cannot_be_entered(source, tmp_path, monkeypatch
     assert tree_digest(source) == before and list(closed.iterdir()) == []
 
 
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_source_in_a_folder_that_cannot_be_entered(source, tmp_path, monkeypatch, command):
+    """SRC inside a folder this user cannot enter (another user's home, mode 0700: stat fails with EACCES, as
+    injected here): one line naming SRC, exit 1, OUT not created; it was the raw PermissionError from Path.is_dir."""
+    closed = tmp_path / "closed"
+    src = closed / "src"
+    real = os.stat
+
+    def stat(path, *args, **kwargs):
+        if closed in Path(os.fspath(path)).parents:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    out = tmp_path / "out"
+    if command == "convert":
+        r, errors = cli(src, out)
+    else:
+        r = CliRunner().invoke(main, ["inspect", str(src)])
+        errors = [line for line in r.output.splitlines() if line.startswith("glm-pack: error:")]
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
+    assert len(errors) == 1 and f"cannot read: Permission denied (file {src})" in errors[0], r.output
+    assert not out.exists()
+
+
 def test_missing_source_creates_nothing(tmp_path):
     r, errors = cli(tmp_path / "nowhere", tmp_path / "out")
     assert r.exit_code == 1 and len(errors) == 1 and "nowhere" in errors[0]
