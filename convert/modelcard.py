@@ -20,8 +20,8 @@ from glm_pack.packing.errors import PlanError
 
 from .formats import FLOAT_FORMATS
 from .humanize import plural
-from .state import OutputLock, _read_bytes
-from .writer import atomic_write, write_text
+from .state import OutputLock
+from .writer import atomic_write, read_bytes, write_text
 
 CARD_MARKER = (
     "<!-- glm-pack model card: generated from glm-pack/manifest.json; refresh with `glm-pack card` -->"
@@ -88,7 +88,7 @@ def _source_card_text(out: Path, manifest: dict) -> str | None:
 
 def _read_card(path: Path) -> str:
     """A model card's text (bytes that are no UTF-8 replaced); OutputError naming it where it cannot be read."""
-    return _read_bytes(path, "the model card").decode("utf-8", errors="replace")
+    return read_bytes(path, "the model card").decode("utf-8", errors="replace")
 
 
 def source_metadata(text: str | None) -> dict:
@@ -513,15 +513,15 @@ def write_card_unlocked(
     if not overlay_only:
         readme, kept = out / "README.md", out / SOURCE_README
         if readme.is_file():
-            data = _read_bytes(readme, "the model card")
+            data = read_bytes(readme, "the model card")
             if not is_generated(data.decode("utf-8", errors="replace")):
-                if kept.is_file() and _read_bytes(kept, "the model card") != data:
+                if kept.is_file() and read_bytes(kept, "the model card") != data:
                     raise PlanError(
                         f"{readme} is not a glm-pack card and {kept} already holds a different source card; "
                         "remove one of them",
                         file=readme,
                     )
                 atomic_write(kept, [data])
-    if not target.is_file() or _read_bytes(target, "the model card") != text.encode():  # no UTF-8 needed
+    if not target.is_file() or read_bytes(target, "the model card") != text.encode():  # no UTF-8 needed
         write_text(target, text)
     return target

@@ -25,7 +25,7 @@ from pathlib import Path
 from glm_pack.packing.errors import PlanError
 from glm_pack.packing.manifest import OVERLAY_DIR
 
-from .writer import OutputError, _write_all, atomic_write, fsync
+from .writer import OutputError, _write_all, atomic_write, fsync, read_bytes
 
 LOCK_NAME = ".glm-pack.lock"
 RUN_NAME = ".run.json"
@@ -123,7 +123,7 @@ def read_run(overlay: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        run = json.loads(_read_bytes(path, "the run state"))
+        run = json.loads(read_bytes(path, "the run state"))
     except ValueError as err:
         raise PlanError(f"unreadable run state ({err}); use --overwrite to start over", file=path) from err
     if not isinstance(run, dict):
@@ -146,7 +146,7 @@ class Journal:
         if not self.path.is_file():
             return []
         out = []
-        for text in _read_bytes(self.path, "the journal").decode(errors="replace").splitlines():
+        for text in read_bytes(self.path, "the journal").decode(errors="replace").splitlines():
             try:
                 line = json.loads(text)
             except ValueError:
@@ -170,15 +170,6 @@ class Journal:
 
     def rewrite(self, entries: list[dict]) -> None:
         atomic_write(self.path, [_line(e) for e in entries])
-
-
-def _read_bytes(path: Path, what: str) -> bytes:
-    """A file's bytes (a run file, a model card); OutputError naming it where it cannot be read (a permission, an I/O
-    error)."""
-    try:
-        return path.read_bytes()
-    except OSError as err:
-        raise OutputError(f"cannot read {what}: {err.strerror or err}", file=path) from err
 
 
 def _entry_sha256(entry: dict) -> str:

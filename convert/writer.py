@@ -201,6 +201,15 @@ def write_text(path: Path, text: str) -> None:
     atomic_write(path, [text.encode()])
 
 
+def read_bytes(path: Path, what: str) -> bytes:
+    """A file's bytes (a run file, a model card); OutputError naming it where it cannot be read (a permission, an I/O
+    error)."""
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise OutputError(f"cannot read {what}: {err.strerror or err}", file=path) from err
+
+
 def list_folder(path: Path) -> list[Path]:
     """The entries of folder ``path``, sorted; OutputError naming it where it cannot be listed (a permission, an I/O
     error)."""
