@@ -8,11 +8,13 @@ touching the shared original. ``converted`` is a finished conversion of a small 
 with repacked experts, so its manifest has every section; also read-only. Defined here, once, so the
 convert and reliability suites share one cache and one conversion per session. ``lock_holder(out,
 shared=False)`` starts a second process that holds OUT's lock until the test ends (or it is killed);
-``read_only(out)`` gives a view of OUT nobody may write to.
+``read_only(out)`` gives a view of OUT nobody may write to. ``refuse(owner, name, hit, code=EACCES)`` makes one
+file-system call fail for some paths, as the OS would (the tests run as root, whom chmod does not stop).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -26,6 +28,27 @@ from safetensors.torch import load_file, save_file
 
 from glm_pack.convert.convert import ConvertOptions, convert
 from glm_pack.convert.synth import synthesize
+
+
+@pytest.fixture
+def refuse(monkeypatch):
+    """``refuse(owner, name, hit, code=errno.EACCES)``: ``owner.name``, a call whose first argument is a path
+    (``os.stat``, ``os.scandir``, ``builtins.open``, ``Path.read_bytes``...), raises ``OSError(code)`` naming the path
+    for every path ``hit`` names: a ``Path`` (that one alone) or a predicate on ``Path`` (e.g. every path under a
+    folder this user may not enter). Other arguments (file descriptors, other paths) reach the real call."""
+
+    def install(owner, name, hit, code=errno.EACCES):
+        real = getattr(owner, name)
+        hits = hit if callable(hit) else Path(hit).__eq__
+
+        def refused(path=".", *args, **kwargs):
+            if isinstance(path, (str, os.PathLike)) and hits(Path(os.fspath(path))):
+                raise OSError(code, os.strerror(code), os.fspath(path))
+            return real(path, *args, **kwargs)
+
+        monkeypatch.setattr(owner, name, refused)
+
+    return install
 
 
 @pytest.fixture

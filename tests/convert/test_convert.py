@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import builtins
 import collections
+import errno
 import hashlib
 import json
 import os
 import shutil
-from pathlib import Path
 
 import click
 import pytest
@@ -604,18 +605,11 @@ def test_verify_tells_a_missing_out_and_a_corrupt_manifest_from_an_interrupted_o
     assert not report.ok and not report.incomplete, report.problems
 
 
-def test_an_unreadable_manifest_is_one_line_naming_it(converted, monkeypatch):
+def test_an_unreadable_manifest_is_one_line_naming_it(converted, refuse):
     """A manifest that cannot be read (a permission, an I/O error) is a ManifestError naming it, for verify / card
     (exit 1, one line) and runtime.open; it was the raw OSError (a traceback from the CLI)."""
     manifest = converted / "glm-pack" / "manifest.json"
-    real = type(manifest).read_bytes
-
-    def read_bytes(path):
-        if path == manifest:
-            raise PermissionError(13, "Permission denied")
-        return real(path)
-
-    monkeypatch.setattr(type(manifest), "read_bytes", read_bytes)
+    refuse(type(manifest), "read_bytes", manifest)
     for command in ("verify", "card"):
         r = CliRunner().invoke(main, [command, str(converted)])
         assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception  # no traceback
@@ -625,18 +619,11 @@ def test_an_unreadable_manifest_is_one_line_naming_it(converted, monkeypatch):
     assert str(err.value) == f"cannot read: Permission denied (file {manifest})"
 
 
-def test_an_out_in_a_folder_that_cannot_be_entered_is_one_line_naming_it(converted, monkeypatch):
+def test_an_out_in_a_folder_that_cannot_be_entered_is_one_line_naming_it(converted, refuse):
     """OUT inside a folder this user cannot enter (another user's home, mode 0700: stat fails with EACCES, as
     injected here): runtime.open raises a ManifestError naming OUT (it raised the raw PermissionError from
     Path.is_dir); verify reports it (exit 1), card refuses the argument (click's usage error, exit 2)."""
-    real = os.stat
-
-    def stat(path, *args, **kwargs):
-        if converted.parent in Path(path).parents:
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return real(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "stat", stat)
+    refuse(os, "stat", lambda p: converted.parent in p.parents)
     for command, code in (("verify", 1), ("card", 2)):
         r = CliRunner().invoke(main, [command, str(converted)])
         assert r.exit_code == code and isinstance(r.exception, SystemExit), r.exception  # no traceback
@@ -647,7 +634,7 @@ def test_an_out_in_a_folder_that_cannot_be_entered_is_one_line_naming_it(convert
 
 
 @pytest.mark.parametrize("folder", ["glm-pack", "out"])
-def test_a_manifest_in_a_folder_that_cannot_be_entered_is_one_line_naming_it(converted, monkeypatch, folder):
+def test_a_manifest_in_a_folder_that_cannot_be_entered_is_one_line_naming_it(converted, folder, refuse):
     """OUT/glm-pack/, or OUT without a lock file (as downloaded), that this user may list but not enter (`chmod -R
     644 OUT`; stat fails with EACCES, as injected here): a ManifestError naming the manifest, for verify / card (exit
     1, one line) and runtime.open; it was the raw PermissionError from Path.is_file / is_dir (a traceback)."""
@@ -655,14 +642,7 @@ def test_a_manifest_in_a_folder_that_cannot_be_entered_is_one_line_naming_it(con
     closed = converted / "glm-pack" if folder == "glm-pack" else converted
     if folder == "out":
         (converted / ".glm-pack.lock").unlink()
-    real = os.stat
-
-    def stat(path, *args, **kwargs):
-        if closed in Path(path).parents:
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return real(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "stat", stat)
+    refuse(os, "stat", lambda p: closed in p.parents)
     for command in ("verify", "card"):
         r = CliRunner().invoke(main, [command, str(converted)])
         assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception  # no traceback
@@ -673,18 +653,11 @@ def test_a_manifest_in_a_folder_that_cannot_be_entered_is_one_line_naming_it(con
 
 
 @pytest.mark.parametrize("name", ["glm-pack/layer-001.safetensors", "config.json"])
-def test_verify_reports_an_unreadable_file_of_out_by_name(converted, monkeypatch, name):
+def test_verify_reports_an_unreadable_file_of_out_by_name(converted, name, refuse):
     """An overlay file, or OUT's config.json, that cannot be read (a permission, an I/O error) is a problem naming it:
     FAILED, exit 1, the other checks still made; it was the raw OSError (a traceback)."""
     target = converted / name
-    real = open
-
-    def refuse(file, *args, **kwargs):
-        if str(file) == str(target):
-            raise OSError(5, "Input/output error")
-        return real(file, *args, **kwargs)
-
-    monkeypatch.setattr("builtins.open", refuse)
+    refuse(builtins, "open", target, errno.EIO)
     r = CliRunner().invoke(main, ["verify", str(converted)])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception  # no traceback
     assert f"cannot read: Input/output error (file {target})" in r.output, r.output
@@ -786,21 +759,15 @@ def test_verify_checks_the_source_config_and_index_with_files_none(synth_ckpt, c
     assert report.problems == [f"the original index in {src} was changed or removed"], report.problems
 
 
-def test_an_overlay_only_out_whose_source_cannot_be_entered_is_served_without_it(synth_ckpt, ckpt_copy, tmp_path,
-                                                                                 monkeypatch):
+def test_an_overlay_only_out_whose_source_cannot_be_entered_is_served_without_it(
+    synth_ckpt, ckpt_copy, tmp_path, refuse
+):
     """An overlay-only OUT whose recorded source is in a folder this user cannot enter (another user's; stat fails
     with EACCES, as injected here) is one whose source is not reachable: verify passes on OUT's own files, card
     writes the overlay's card, runtime.open (verify=True too) opens it; each raised the raw PermissionError."""
     src, out = ckpt_copy(synth_ckpt("glm-5", "bf16")), tmp_path / "out"
     convert(src, out, ConvertOptions(files="none"))
-    real = os.stat
-
-    def stat(path, *args, **kwargs):
-        if src in Path(path).parents:
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return real(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "stat", stat)
+    refuse(os, "stat", lambda p: src in p.parents)
     r = CliRunner().invoke(main, ["verify", str(out)])
     assert r.exit_code == 0, r.output
     assert f"verify {out}: OK (overlay files only: source not reachable" in r.output, r.output
@@ -822,7 +789,7 @@ def test_verify_names_placed_originals_that_were_removed_or_resized(converted):
     assert f"{shards[0]} has {size + 1} bytes, the original {size}" in problems, problems
 
 
-def test_verify_reports_a_placed_original_it_cannot_look_at(synth_ckpt, ckpt_copy, tmp_path, monkeypatch):
+def test_verify_reports_a_placed_original_it_cannot_look_at(synth_ckpt, ckpt_copy, tmp_path, refuse):
     """A placed original in a folder of OUT this user may list but not enter (`chmod 644 OUT/original`: stat fails
     with EACCES, as injected here): a problem naming it, FAILED, exit 1; it was the raw PermissionError (a
     traceback)."""
@@ -831,14 +798,7 @@ def test_verify_reports_a_placed_original_it_cannot_look_at(synth_ckpt, ckpt_cop
     (src / "original" / "notes.md").write_text("kept with the checkpoint")
     convert(src, out, ConvertOptions(files="copy", workers=1))
     notes = out / "original" / "notes.md"
-    real = os.stat
-
-    def stat(path, *args, **kwargs):
-        if Path(path) == notes:
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return real(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "stat", stat)
+    refuse(os, "stat", notes)
     r = CliRunner().invoke(main, ["verify", str(out)])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
     assert f"cannot read {notes}: Permission denied" in r.output and f"verify {out}: FAILED" in r.output, r.output

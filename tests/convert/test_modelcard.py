@@ -117,7 +117,7 @@ def test_a_source_card_that_is_no_utf8_is_kept_aside(out):
 
 
 @pytest.mark.parametrize("name", ["README.md", "README.source.md", "glm-pack/README.md"])
-def test_a_card_that_cannot_be_read_is_one_line_naming_it(out, monkeypatch, name):
+def test_a_card_that_cannot_be_read_is_one_line_naming_it(out, monkeypatch, name, refuse):
     """A model card glm-pack reads (the source's README.md, the one kept aside, the card an earlier run wrote) that
     cannot be read (a permission, an I/O error): one line naming it, exit 1, OUT unchanged; it was the raw OSError
     (a traceback)."""
@@ -125,14 +125,7 @@ def test_a_card_that_cannot_be_read_is_one_line_naming_it(out, monkeypatch, name
     write_card(out, overlay_only=overlay_only)  # README.source.md, or glm-pack/README.md, exists
     before = {p: p.read_bytes() for p in out.rglob("README*.md")}
     target = out / name
-    real = type(target).open
-
-    def refuse(path, *args, **kwargs):
-        if path == target:
-            raise PermissionError(13, "Permission denied")
-        return real(path, *args, **kwargs)
-
-    monkeypatch.setattr(type(target), "open", refuse)
+    refuse(type(target), "open", target)
     r = CliRunner().invoke(main, ["card", str(out), *(["--overlay-only"] if overlay_only else [])])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
     assert f"cannot read the model card: Permission denied (file {target})" in r.output, r.output

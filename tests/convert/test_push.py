@@ -509,19 +509,12 @@ def test_files_in_hidden_folders_are_not_published(out, overlay_only):
     assert listed == sorted(published(out, overlay_only)) and not any("/." in p for p in listed)
 
 
-def test_a_folder_of_out_that_cannot_be_listed_is_refused(hub, out, monkeypatch):
+def test_a_folder_of_out_that_cannot_be_listed_is_refused(hub, out, refuse):
     """A folder of OUT that cannot be listed (a permission, an I/O error): one line naming it, exit 1, nothing
     committed; the walk skipped it, so its files were silently left out of the push, which reported success."""
     (out / "original").mkdir()
     (out / "original" / "notes.md").write_text("kept with the checkpoint")
-    real = os.scandir
-
-    def scandir(path="."):
-        if os.fspath(path) == str(out / "original"):
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return real(path)
-
-    monkeypatch.setattr(os, "scandir", scandir)
+    refuse(os, "scandir", out / "original")
     r = CliRunner().invoke(main, ["push", str(out), REPO])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
     assert f"cannot list this folder of the output: Permission denied (file {out / 'original'})" in r.output, r.output

@@ -3,6 +3,7 @@ verify; push's in test_push.py), Ctrl-C."""
 
 from __future__ import annotations
 
+import builtins
 import errno
 import json
 import os
@@ -335,7 +336,7 @@ def test_resume_summary_counts_the_kept_files(converted, tmp_path):
 
 
 @pytest.mark.parametrize("name", [".run.json", ".journal.jsonl"])
-def test_resume_with_an_unreadable_run_file_is_one_line(converted, tmp_path, monkeypatch, name):
+def test_resume_with_an_unreadable_run_file_is_one_line(converted, tmp_path, name, refuse):
     """An interrupted run's record or journal that cannot be read (a permission, an I/O error): one line naming it,
     exit 1, OUT left as it was; it was the raw OSError (a traceback)."""
     src, _ = converted
@@ -344,14 +345,7 @@ def test_resume_with_an_unreadable_run_file_is_one_line(converted, tmp_path, mon
     target = out / "glm-pack" / name
     assert target.is_file()
     before = sorted((p.name, p.stat().st_size) for p in (out / "glm-pack").iterdir())
-    real = type(target).read_bytes
-
-    def read_bytes(path):
-        if path == target:
-            raise PermissionError(13, "Permission denied")
-        return real(path)
-
-    monkeypatch.setattr(type(target), "read_bytes", read_bytes)
+    refuse(type(target), "read_bytes", target)
     r = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "copy", "--resume"])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
     what = "the run state" if name == ".run.json" else "the journal"
@@ -359,7 +353,7 @@ def test_resume_with_an_unreadable_run_file_is_one_line(converted, tmp_path, mon
     assert sorted((p.name, p.stat().st_size) for p in (out / "glm-pack").iterdir()) == before
 
 
-def test_resume_with_an_unreadable_finished_file_is_one_line(converted, tmp_path, monkeypatch):
+def test_resume_with_an_unreadable_finished_file_is_one_line(converted, tmp_path, refuse):
     """A journalled overlay file that cannot be read (a permission, an I/O error) when --resume re-hashes it: one line
     naming it, exit 1, OUT left as it was; it was the raw OSError (a traceback)."""
     src, _ = converted
@@ -369,34 +363,20 @@ def test_resume_with_an_unreadable_finished_file_is_one_line(converted, tmp_path
     assert len(entries) == 2
     target = out / "glm-pack" / entries[0]["file"]
     before = sorted((p.name, p.stat().st_size) for p in (out / "glm-pack").iterdir())
-    real = open
-
-    def refuse(file, *args, **kwargs):
-        if str(file) == str(target):
-            raise PermissionError(13, "Permission denied")
-        return real(file, *args, **kwargs)
-
-    monkeypatch.setattr("builtins.open", refuse)
+    refuse(builtins, "open", target)
     r = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "copy", "--resume"])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
     assert f"cannot read: Permission denied (file {target})" in r.stderr, r.output
     assert sorted((p.name, p.stat().st_size) for p in (out / "glm-pack").iterdir()) == before
 
 
-def test_a_run_state_that_cannot_be_removed_at_the_end_is_one_line(converted, tmp_path, monkeypatch):
+def test_a_run_state_that_cannot_be_removed_at_the_end_is_one_line(converted, tmp_path, monkeypatch, refuse):
     """The journal cannot be removed once the manifest is written (an I/O error): one line naming it and saying the
     conversion is complete, exit 1, and so it is (verify passes); it was the raw OSError (a traceback)."""
     src, _ = converted
     out = tmp_path / "out"
     journal = out / "glm-pack" / state.JOURNAL_NAME
-    real = type(journal).unlink
-
-    def unlink(path, *args, **kwargs):
-        if path == journal:
-            raise OSError(5, "Input/output error")
-        return real(path, *args, **kwargs)
-
-    monkeypatch.setattr(type(journal), "unlink", unlink)
+    refuse(type(journal), "unlink", journal, errno.EIO)
     r = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "none", "--workers", "1", "--quiet"])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
     complete = "the conversion is complete (its manifest is written), but its run state cannot be removed"

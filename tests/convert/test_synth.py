@@ -3,6 +3,7 @@ against the model classes of ``transformers`` (test-only dependency) for the fam
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import re
@@ -66,20 +67,13 @@ def test_an_out_that_cannot_be_created_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("fault", ["unreadable", "latin-1"])
-def test_a_card_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch, fault):
+def test_a_card_file_that_cannot_be_read_is_one_line(tmp_path, fault, refuse):
     """A family card given by path (``--card my.toml``) that cannot be read (a permission, an I/O error) or is not
     UTF-8: one line naming it, exit 1, nothing written (a raw OSError / UnicodeDecodeError traceback before)."""
     card = tmp_path / "my.toml"
     card.write_bytes((cards.resources.files("glm_pack.cards") / "glm-5.toml").read_bytes() + b"# caf\xe9\n")
     if fault == "unreadable":
-        real = type(card).open
-
-        def refuse(path, *args, **kwargs):
-            if path == card:
-                raise OSError(5, "Input/output error")
-            return real(path, *args, **kwargs)
-
-        monkeypatch.setattr(type(card), "open", refuse)
+        refuse(type(card), "open", card, errno.EIO)
     args = ["--card", str(card), "--layers", "1", "--experts", "2", "--format", "bf16"]
     r = CliRunner().invoke(main, ["synth", str(tmp_path / "out"), *args])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception

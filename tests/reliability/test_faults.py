@@ -367,21 +367,14 @@ def test_read_only_output_parent(source, read_only_dir):
 
 
 @pytest.mark.parametrize("files", ["link", "copy"])
-def test_a_folder_for_the_originals_that_cannot_be_made_is_one_line(source, ckpt_copy, tmp_path, monkeypatch, files):
+def test_a_folder_for_the_originals_that_cannot_be_made_is_one_line(source, ckpt_copy, tmp_path, files, refuse):
     """The folder an original in a folder of the source goes to cannot be made (no space: no inode left): one line
     naming the original, exit 1, no manifest, no temp files; it was the raw OSError (a traceback)."""
     src = ckpt_copy(source)
     (src / "original").mkdir()
     (src / "original" / "notes.md").write_text("kept with the checkpoint")
     out = tmp_path / "out"
-    real = type(out).mkdir
-
-    def mkdir(path, *args, **kwargs):
-        if path == out / "original":
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, *args, **kwargs)
-
-    monkeypatch.setattr(type(out), "mkdir", mkdir)
+    refuse(type(out), "mkdir", out / "original", errno.ENOSPC)
     before = tree_digest(source)
     r, errors = cli(src, out, "--files", files)
     phrase = f"no space left on device while placing {out / 'original' / 'notes.md'}"
@@ -389,7 +382,7 @@ def test_a_folder_for_the_originals_that_cannot_be_made_is_one_line(source, ckpt
 
 
 @pytest.mark.parametrize("flags", [[], ["--overwrite"], ["--resume"]])
-def test_an_output_folder_that_cannot_be_entered_is_one_line(source, tmp_path, monkeypatch, flags):
+def test_an_output_folder_that_cannot_be_entered_is_one_line(source, tmp_path, monkeypatch, flags, refuse):
     """A converted OUT whose glm-pack/ this user may list but not enter (`chmod -R 644`: stat fails with EACCES, as
     injected here), converted again: one line naming the first file it cannot look at, exit 1, OUT unchanged; it
     was the raw PermissionError from Path.is_file (a traceback)."""
@@ -397,14 +390,7 @@ def test_an_output_folder_that_cannot_be_entered_is_one_line(source, tmp_path, m
     convert(source, out, ConvertOptions(files="none", workers=1))
     before = tree_digest(out)
     del before[state.LOCK_NAME]  # rewritten with each run's pid
-    real = os.stat
-
-    def stat(path, *args, **kwargs):
-        if out / "glm-pack" in Path(path).parents:
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return real(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "stat", stat)
+    refuse(os, "stat", lambda p: out / "glm-pack" in p.parents)
     r, errors = cli(source, out, "--files", "none", *flags)
     run = out / "glm-pack" / ".run.json"
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
@@ -414,19 +400,12 @@ def test_an_output_folder_that_cannot_be_entered_is_one_line(source, tmp_path, m
 
 
 @pytest.mark.parametrize("folder", ["out", "out/glm-pack"])
-def test_an_output_folder_that_cannot_be_listed_is_one_line(source, tmp_path, monkeypatch, folder):
+def test_an_output_folder_that_cannot_be_listed_is_one_line(source, tmp_path, monkeypatch, folder, refuse):
     """OUT, or a glm-pack/ folder in it, that this user may write but not list (mode 0300, or an I/O error): one line
     naming it, exit 1, nothing written but the lock; it was the raw OSError (a traceback)."""
     out = tmp_path / "out"
     (tmp_path / folder).mkdir(parents=True)
-    real = os.listdir
-
-    def listdir(path="."):
-        if os.fspath(path) == str(tmp_path / folder):
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return real(path)
-
-    monkeypatch.setattr(os, "listdir", listdir)
+    refuse(os, "listdir", tmp_path / folder)
     before = tree_digest(source)
     r, errors = cli(source, out)
     assert_failed_cleanly(r, errors, out, source, before, f"cannot list {tmp_path / folder}: Permission denied")
@@ -461,19 +440,12 @@ def test_output_in_a_folder_that_cannot_be_entered(source, tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("command", ["convert", "inspect"])
-def test_source_in_a_folder_that_cannot_be_entered(source, tmp_path, monkeypatch, command):
+def test_source_in_a_folder_that_cannot_be_entered(source, tmp_path, command, refuse):
     """SRC inside a folder this user cannot enter (another user's home, mode 0700: stat fails with EACCES, as
     injected here): one line naming SRC, exit 1, OUT not created; it was the raw PermissionError from Path.is_dir."""
     closed = tmp_path / "closed"
     src = closed / "src"
-    real = os.stat
-
-    def stat(path, *args, **kwargs):
-        if closed in Path(os.fspath(path)).parents:
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return real(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "stat", stat)
+    refuse(os, "stat", lambda p: closed in p.parents)
     out = tmp_path / "out"
     if command == "convert":
         r, errors = cli(src, out)
@@ -596,21 +568,14 @@ def test_broken_symlink_in_the_source_fails_inspect_too(source, ckpt_copy, tmp_p
 
 
 @pytest.mark.parametrize("command", ["convert", "inspect"])
-def test_a_source_file_that_cannot_be_looked_at_is_refused(source, ckpt_copy, tmp_path, monkeypatch, command):
+def test_a_source_file_that_cannot_be_looked_at_is_refused(source, ckpt_copy, tmp_path, command, refuse):
     """A file in a folder of the source that this user may list but not enter (`chmod 644 SRC/original`: stat fails
     with EACCES, as injected here): one line naming it, nothing written; it was the raw PermissionError (a
     traceback)."""
     src = ckpt_copy(source)
     (src / "original").mkdir()
     (src / "original" / "notes.md").write_text("kept with the checkpoint")
-    real = os.stat
-
-    def stat(path, *args, **kwargs):
-        if src / "original" in Path(path).parents:
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return real(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "stat", stat)
+    refuse(os, "stat", lambda p: src / "original" in p.parents)
     before = tree_digest(source)
     out = tmp_path / "out"
     if command == "convert":
@@ -624,21 +589,14 @@ def test_a_source_file_that_cannot_be_looked_at_is_refused(source, ckpt_copy, tm
 
 
 @pytest.mark.parametrize("command", ["convert", "inspect"])
-def test_a_source_folder_that_cannot_be_listed_is_refused(source, ckpt_copy, tmp_path, monkeypatch, command):
+def test_a_source_folder_that_cannot_be_listed_is_refused(source, ckpt_copy, tmp_path, command, refuse):
     """A folder of the source that cannot be listed (a permission, an I/O error): one line naming it, nothing written;
     the walk skipped it, so the output silently lacked its files (and the manifest's source list them) and verify
     passed."""
     src = ckpt_copy(source)
     (src / "original").mkdir()
     (src / "original" / "notes.md").write_text("kept with the checkpoint")
-    real = os.scandir
-
-    def scandir(path="."):
-        if os.fspath(path) == str(src / "original"):
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return real(path)
-
-    monkeypatch.setattr(os, "scandir", scandir)
+    refuse(os, "scandir", src / "original")
     before = tree_digest(source)
     out = tmp_path / "out"
     if command == "convert":

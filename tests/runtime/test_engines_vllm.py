@@ -4,6 +4,7 @@ give the same decode projections; mismatching overlays must be refused clearly."
 
 from __future__ import annotations
 
+import builtins
 import json
 import sys
 import types
@@ -191,19 +192,12 @@ def test_other_checkpoint_config_is_refused(tmp_path):
     assert "config.json" in str(err.value)
 
 
-def test_a_served_config_that_cannot_be_read_is_refused_by_name(tmp_path, monkeypatch):
+def test_a_served_config_that_cannot_be_read_is_refused_by_name(tmp_path, refuse):
     """The served config.json hashed against the overlay's record cannot be read (a permission, an I/O error): a
     VerifyError naming it (it was the raw OSError, failing the engine's start-up with a traceback)."""
     make_served(tmp_path)
     config = tmp_path / "config.json"
-    real = open
-
-    def refuse(file, *args, **kwargs):
-        if str(file) == str(config):
-            raise PermissionError(13, "Permission denied")
-        return real(file, *args, **kwargs)
-
-    monkeypatch.setattr("builtins.open", refuse)
+    refuse(builtins, "open", config)
     with pytest.raises(VerifyError) as err:
         overlay(tmp_path)
     assert str(err.value) == f"cannot read: Permission denied (file {config})"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import builtins
+import errno
 import json
 import math
 import shutil
@@ -658,19 +660,12 @@ def test_open_verify_names_what_is_missing(packed_dirs, tmp_path):
     assert err.value.file == str(bad / "glm-pack" / "layer-001.safetensors")
 
 
-def test_open_verify_names_an_overlay_file_that_cannot_be_read(packed_dirs, monkeypatch):
+def test_open_verify_names_an_overlay_file_that_cannot_be_read(packed_dirs, refuse):
     """verify=True: an overlay file that cannot be read (a permission, an I/O error) is a VerifyError naming it; it
     was the raw OSError."""
     _, out = packed_dirs("glm-5")
     layer = out / "glm-pack" / "layer-001.safetensors"
-    real = open
-
-    def refuse(file, *args, **kwargs):
-        if str(file) == str(layer):
-            raise OSError(5, "Input/output error")
-        return real(file, *args, **kwargs)
-
-    monkeypatch.setattr("builtins.open", refuse)
+    refuse(builtins, "open", layer, errno.EIO)
     with pytest.raises(VerifyError) as err:
         runtime.open(out, verify=True)
     assert str(err.value) == f"cannot read: Input/output error (file {layer})"
