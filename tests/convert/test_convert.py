@@ -605,18 +605,25 @@ def test_verify_tells_a_missing_out_and_a_corrupt_manifest_from_an_interrupted_o
     assert not report.ok and not report.incomplete, report.problems
 
 
+def assert_manifest_unreadable(out, manifest):
+    """verify and card of ``out`` fail in one line (exit 1, no traceback), and runtime.open with a ManifestError,
+    each saying ``manifest`` cannot be read."""
+    message = f"cannot read: Permission denied (file {manifest})"
+    for command in ("verify", "card"):
+        r = CliRunner().invoke(main, [command, str(out)])
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception  # no traceback
+        assert message in r.output, r.output
+    with pytest.raises(ManifestError) as err:
+        runtime.open(out)
+    assert str(err.value) == message
+
+
 def test_an_unreadable_manifest_is_one_line_naming_it(converted, refuse):
     """A manifest that cannot be read (a permission, an I/O error) is a ManifestError naming it, for verify / card
     (exit 1, one line) and runtime.open; it was the raw OSError (a traceback from the CLI)."""
     manifest = converted / "glm-pack" / "manifest.json"
     refuse(type(manifest), "read_bytes", manifest)
-    for command in ("verify", "card"):
-        r = CliRunner().invoke(main, [command, str(converted)])
-        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception  # no traceback
-        assert f"cannot read: Permission denied (file {manifest})" in r.output, r.output
-    with pytest.raises(GlmPackError) as err:
-        runtime.open(converted)
-    assert str(err.value) == f"cannot read: Permission denied (file {manifest})"
+    assert_manifest_unreadable(converted, manifest)
 
 
 def test_an_out_in_a_folder_that_cannot_be_entered_is_one_line_naming_it(converted, refuse):
@@ -643,13 +650,7 @@ def test_a_manifest_in_a_folder_that_cannot_be_entered_is_one_line_naming_it(con
     if folder == "out":
         (converted / ".glm-pack.lock").unlink()
     refuse(os, "stat", lambda p: closed in p.parents)
-    for command in ("verify", "card"):
-        r = CliRunner().invoke(main, [command, str(converted)])
-        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception  # no traceback
-        assert f"cannot read: Permission denied (file {manifest})" in r.output, r.output
-    with pytest.raises(ManifestError) as err:
-        runtime.open(converted)
-    assert str(err.value) == f"cannot read: Permission denied (file {manifest})"
+    assert_manifest_unreadable(converted, manifest)
 
 
 @pytest.mark.parametrize("name", ["glm-pack/layer-001.safetensors", "config.json"])

@@ -567,15 +567,24 @@ def test_broken_symlink_in_the_source_fails_inspect_too(source, ckpt_copy, tmp_p
     assert f"file {src / 'tokenizer.json'}" in errors[0], errors
 
 
+@pytest.mark.parametrize("fault", ["file", "folder"])
 @pytest.mark.parametrize("command", ["convert", "inspect"])
-def test_a_source_file_that_cannot_be_looked_at_is_refused(source, ckpt_copy, tmp_path, command, refuse):
-    """A file in a folder of the source that this user may list but not enter (`chmod 644 SRC/original`: stat fails
-    with EACCES, as injected here): one line naming it, nothing written; it was the raw PermissionError (a
-    traceback)."""
+def test_a_source_folder_that_cannot_be_entered_or_listed_is_refused(
+    source, ckpt_copy, tmp_path, command, fault, refuse
+):
+    """A folder of the source that this user may list but not enter (`chmod 644 SRC/original`: stat of its file fails
+    with EACCES, as injected here), or that cannot be listed (a permission, an I/O error): one line naming the file
+    or the folder, nothing written. The first was the raw PermissionError (a traceback); the walk skipped the second,
+    so the output silently lacked its files (and the manifest's source list them) and verify passed."""
     src = ckpt_copy(source)
     (src / "original").mkdir()
     (src / "original" / "notes.md").write_text("kept with the checkpoint")
-    refuse(os, "stat", lambda p: src / "original" in p.parents)
+    if fault == "file":
+        refuse(os, "stat", lambda p: src / "original" in p.parents)
+        phrase = f"cannot read: Permission denied (file {src / 'original' / 'notes.md'})"
+    else:
+        refuse(os, "scandir", src / "original")
+        phrase = f"cannot list this folder of the source: Permission denied (file {src / 'original'})"
     before = tree_digest(source)
     out = tmp_path / "out"
     if command == "convert":
@@ -583,29 +592,7 @@ def test_a_source_file_that_cannot_be_looked_at_is_refused(source, ckpt_copy, tm
     else:
         r = CliRunner().invoke(main, ["inspect", str(src)])
         errors = [line for line in r.output.splitlines() if line.startswith("glm-pack: error:")]
-    phrase = f"cannot read: Permission denied (file {src / 'original' / 'notes.md'})"
     assert_failed_cleanly(r, errors, out, source, before, phrase)
-    assert not out.exists()
-
-
-@pytest.mark.parametrize("command", ["convert", "inspect"])
-def test_a_source_folder_that_cannot_be_listed_is_refused(source, ckpt_copy, tmp_path, command, refuse):
-    """A folder of the source that cannot be listed (a permission, an I/O error): one line naming it, nothing written;
-    the walk skipped it, so the output silently lacked its files (and the manifest's source list them) and verify
-    passed."""
-    src = ckpt_copy(source)
-    (src / "original").mkdir()
-    (src / "original" / "notes.md").write_text("kept with the checkpoint")
-    refuse(os, "scandir", src / "original")
-    before = tree_digest(source)
-    out = tmp_path / "out"
-    if command == "convert":
-        r, errors = cli(src, out, "--files", "copy")
-    else:
-        r = CliRunner().invoke(main, ["inspect", str(src)])
-        errors = [line for line in r.output.splitlines() if line.startswith("glm-pack: error:")]
-    assert_failed_cleanly(r, errors, out, source, before, "cannot list this folder of the source: Permission denied")
-    assert f"file {src / 'original'}" in errors[0], errors
     assert not out.exists()
 
 
