@@ -26,7 +26,7 @@ from pathlib import Path, PurePosixPath
 
 from glm_pack.packing.errors import CheckpointError, GlmPackError, HubError
 
-from .checkpoint import is_original
+from .checkpoint import is_original, walk_files
 from .hub_common import exception_chain, first_line, is_kind, resolve_endpoint
 from .safetensors_io import LocalFile
 
@@ -98,7 +98,7 @@ class HubStore:
             )
         snapshot = Path(found).parent
         sizes = {}
-        for path in sorted(snapshot.rglob("*")):
+        for path in walk_files(snapshot, lambda parts: True, CheckpointError, f"the cached snapshot of {self.repo_id}"):
             if path.is_file():
                 sizes[path.relative_to(snapshot).as_posix()] = path.stat().st_size
         return snapshot.name, sizes

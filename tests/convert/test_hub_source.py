@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import os
 import re
 import socket
 import struct
@@ -240,6 +241,25 @@ def test_files_copy_refused_offline(hub, src, tmp_path, monkeypatch):
         assert "org/with-tokenizer" in lines[0] and "HF_HUB_OFFLINE" in lines[0] and "--files none" in lines[0]
     assert not (tmp_path / "out").exists()
     assert [r for r in hub.requests if r.kind] == []
+
+
+def test_offline_a_folder_of_the_cached_snapshot_that_cannot_be_listed_is_refused(hub, src, monkeypatch, refuse):
+    """Offline the file list comes from the cached snapshot: a folder of it that cannot be listed (a permission, an
+    I/O error) is one line naming it; the walk skipped it, so its files were silently missing from that list."""
+    from huggingface_hub import hf_hub_download
+
+    for path in src.iterdir():
+        hf_hub_download(REPO, path.name, endpoint=hub.endpoint)
+    snapshot = Path(hf_hub_download(REPO, "config.json", endpoint=hub.endpoint)).parent
+    (snapshot / "extra").mkdir()
+    (snapshot / "extra" / "notes.md").write_text("downloaded too")
+    set_offline(monkeypatch, True)
+    refuse(os, "scandir", snapshot / "extra")
+    result = run_cli("inspect", REPO)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    (line,) = result.stderr.strip().splitlines()
+    assert f"cannot list this folder of the cached snapshot of {REPO}: Permission denied" in line, line
+    assert f"(file {snapshot / 'extra'})" in line, line
 
 
 def test_out_in_the_hf_cache_of_the_source_is_refused(hub, src, tmp_path):
