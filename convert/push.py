@@ -42,7 +42,7 @@ PATHS_INFO_CHUNK = 100  # paths per get_paths_info request
 @dataclass(frozen=True)
 class PushOptions:
     revision: str = "main"
-    private: bool = False
+    private: bool = False  # True: create the repo private; False: as its namespace creates repos (public by default)
     overlay_only: bool = False
     dry_run: bool = False
     commit_message: str | None = None
@@ -223,7 +223,8 @@ def _check_out(out: Path, overlay_only: bool) -> None:
 
 
 def _ensure_target(api, repo_id: str, options: PushOptions) -> None:
-    api.create_repo(repo_id, private=options.private, exist_ok=True)
+    # private=False would send visibility "public" and override a namespace that makes new repos private
+    api.create_repo(repo_id, private=True if options.private else None, exist_ok=True)
     if options.revision != "main":
         api.create_branch(repo_id, branch=options.revision, exist_ok=True)
 

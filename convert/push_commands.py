@@ -95,7 +95,12 @@ BASE_MODEL_HELP = (
 @click.argument("out", type=click.Path(file_okay=False, exists=True))
 @click.argument("repo_id")
 @click.option("--revision", default="main", show_default=True, help="Branch to push to (created if missing).")
-@click.option("--private", is_flag=True, help="Create the repo private (ignored when it exists).")
+@click.option(
+    "--private",
+    is_flag=True,
+    help="Create the repo private (ignored when it exists). Without it the repo gets its namespace's default "
+    "visibility (public unless the organization makes new repos private).",
+)
 @click.option(
     "--overlay-only",
     is_flag=True,

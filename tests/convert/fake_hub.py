@@ -3,7 +3,8 @@
 Start it with ``with FakeHub() as hub:`` and point the client at ``hub.endpoint``. It answers the
 endpoints the client calls for model repos (Xet disabled, i.e. ``HF_HUB_DISABLE_XET=1``)::
 
-    POST /api/repos/create                          create (409 when it exists)
+    POST /api/repos/create                          create (409 when it exists); without "visibility" in the
+                                                    request, the namespace's default (``private_by_default``)
     GET  /api/models/{repo}[/revision/{rev}]        repo info (sha, siblings; size/blobId/lfs with ?blobs=true)
     GET  /api/models/{repo}/tree/{rev}[/{path}]     one folder's entries (type, oid, size, path, lfs); all
                                                     below it with ?recursive=true
@@ -139,6 +140,7 @@ class FakeHub:
         self.token = token
         self.lfs_threshold = lfs_threshold
         self.user = user
+        self.private_by_default = False  # a namespace (an organization) can make its new repos private by default
         self.repos: dict[str, Repo] = {}
         self.lfs_objects: dict[str, bytes] = {}
         self.requests: list[Request] = []
@@ -271,7 +273,8 @@ class FakeHub:
                 return _json(
                     409, {"error": "You already created this model repo", "url": f"{base}/{repo_id}"}
                 )
-            self.repos[repo_id] = Repo(private=req.get("visibility") == "private")
+            visibility = req.get("visibility")  # sent only when the client is given private= or visibility=
+            self.repos[repo_id] = Repo(private=visibility == "private" if visibility else self.private_by_default)
             return _json(200, {"url": f"{base}/{repo_id}", "name": repo_id})
         repo_id = m.get("repo")
         if kind == "repo_info":

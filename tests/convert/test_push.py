@@ -228,6 +228,16 @@ def test_push_to_a_private_repo_branch(hub, out):
     assert set(hub.files(REPO, "gfx950")) == set(published(out, overlay_only=True))
 
 
+@pytest.mark.parametrize("private_by_default", [True, False], ids=["private-org", "public-org"])
+def test_push_without_private_keeps_the_namespace_default_visibility(hub, out, private_by_default):
+    """Without --private the repo is created as its namespace creates repos (huggingface_hub sends no visibility
+    for private=None, hf_api.create_repo): an organization that makes new repos private keeps this one private."""
+    hub.private_by_default = private_by_default
+    result = run_cli("push", out, REPO, "--overlay-only")
+    assert result.exit_code == 0, result.output
+    assert hub.repos[REPO].private is private_by_default
+
+
 def test_interrupted_push_resumes_and_uploads_only_the_rest(hub, out):
     hub.fail("commit", drop=True, after_files=1)  # the first commit lands, the next one loses its connection
     result = run_cli("push", out, REPO, "--max-commit-gib", SMALL_COMMIT_GIB)
