@@ -153,19 +153,16 @@ def _same(local: LocalFile, remote) -> bool:
     return git_blob_id(local.local) == remote.blob_id
 
 
-def plan_push(
-    api, repo_id: str, files: list[LocalFile], options: PushOptions, repo_exists: bool = True
-) -> PushPlan:
-    """Compare local files with the revision's paths info; plan uploads of what is missing or different."""
+def plan_push(api, repo_id: str, files: list[LocalFile], options: PushOptions, base: str | None) -> PushPlan:
+    """Compare local files with the paths info of revision ``base`` (what the target revision holds before the
+    upload; None: nothing, a repo not created yet); plan uploads of what is missing or different."""
     plan = PushPlan(repo_id, options.revision)
     remote = {}
-    if repo_exists:
-        plan.stale = stale_overlay(api, repo_id, files, options.revision)
+    if base is not None:
+        plan.stale = stale_overlay(api, repo_id, files, base)
         paths = [f.path_in_repo for f in files]
         for i in range(0, len(paths), PATHS_INFO_CHUNK):
-            for entry in api.get_paths_info(
-                repo_id, paths[i : i + PATHS_INFO_CHUNK], revision=options.revision
-            ):
+            for entry in api.get_paths_info(repo_id, paths[i : i + PATHS_INFO_CHUNK], revision=base):
                 remote[entry.path] = entry
     for f in files:
         r = remote.get(f.path_in_repo)
@@ -229,15 +226,21 @@ def _ensure_target(api, repo_id: str, options: PushOptions) -> None:
         api.create_branch(repo_id, branch=options.revision, exist_ok=True)
 
 
-def _remote_exists(api, repo_id: str, revision: str) -> bool:
-    """For a dry run: does the revision exist (without creating anything)?"""
+def _dry_run_base(api, repo_id: str, revision: str) -> str | None:
+    """For a dry run, without creating anything: the revision whose files the push would upload onto, i.e.
+    ``revision`` when it exists, else ``main`` (:func:`_ensure_target` starts a new branch at main's head), None
+    when the repo does not exist."""
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
-    try:
-        api.repo_info(repo_id, revision=revision)
-    except (RepositoryNotFoundError, RevisionNotFoundError):
-        return False
-    return True
+    for candidate in dict.fromkeys((revision, "main")):
+        try:
+            api.repo_info(repo_id, revision=candidate)
+        except RepositoryNotFoundError:
+            return None
+        except RevisionNotFoundError:
+            continue
+        return candidate
+    return None
 
 
 def push(
@@ -283,11 +286,11 @@ def _push_held(
     message = options.commit_message or f"Upload {what}"
     try:
         if options.dry_run:
-            exists = _remote_exists(api, repo_id, options.revision)
+            base = _dry_run_base(api, repo_id, options.revision)
         else:
             _ensure_target(api, repo_id, options)
-            exists = True
-        plan = plan_push(api, repo_id, files, options, repo_exists=exists)
+            base = options.revision
+        plan = plan_push(api, repo_id, files, options, base)
         report.plan = plan
         if options.dry_run:
             return report

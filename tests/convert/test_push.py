@@ -335,6 +335,36 @@ def test_dry_run_lists_and_uploads_nothing(hub, out):
     assert not hub.kinds("create") and not hub.kinds("commit") and not hub.kinds("lfs_put")
 
 
+def test_dry_run_to_a_new_branch_plans_against_main(hub, out, converted_k_none):
+    """A new branch starts at main's head (huggingface_hub's create_branch without revision=): a dry run to it
+    compares OUT with main, as the push then does, and lists what the push really uploads and deletes."""
+    old = None
+    flags = ("--revision", "gfx950", "--json")
+    for changed in (False, True):
+        if changed:  # another conversion of the same source: its layer file and manifest differ from main's
+            shutil.rmtree(out)
+            shutil.copytree(converted_k_none, out, copy_function=os.link)
+        assert run_cli("card", out, "--repo-id", REPO).exit_code == 0  # the card a push to REPO writes
+        local = published(out)
+        if old is None:  # main holds this OUT and an earlier overlay's repacked experts (stale for OUT)
+            old = {**local, "glm-pack/experts-000.safetensors": b"an earlier overlay's repacked experts"}
+            hub.seed(REPO, old)
+        expected = sorted(p for p in local if local[p] != old.get(p))
+        assert bool(expected) is changed
+        result = run_cli("push", out, REPO, *flags, "--dry-run")
+        assert result.exit_code == 0, result.output
+        plan = json.loads(result.stdout)
+        assert sorted(u["path"] for u in plan["uploads"]) == expected
+        assert sorted(plan["unchanged"]) == sorted(set(local) - set(expected))
+        assert plan["stale"] == ["glm-pack/experts-000.safetensors"]
+        assert "gfx950" not in hub.repos[REPO].branches and not hub.kinds("branch")  # a dry run creates nothing
+    pushed = json.loads(run_cli("push", out, REPO, *flags).stdout)
+    assert {k: pushed[k] for k in ("uploads", "commits", "deletes", "stale", "unchanged")} == {
+        k: plan[k] for k in ("uploads", "commits", "deletes", "stale", "unchanged")
+    }
+    assert hub.files(REPO, "gfx950") == published(out) and hub.files(REPO, "main") == old
+
+
 def test_json_report_of_an_upload(hub, out):
     """--json prints the report alone (no progress lines), with every file and byte committed and each commit."""
     result = run_cli("push", out, REPO, "--json", "--max-commit-gib", SMALL_COMMIT_GIB)
