@@ -9,7 +9,8 @@ interruption uploads only what is left. A remote manifest that differs from the 
 the first commit when files go up before the new one, so no commit leaves an old manifest over new files.
 Files under the revision's ``glm-pack/`` that OUT does not have (an earlier overlay's layers or repacked
 experts) are deleted in the last commit, with the new manifest: glm-pack owns that folder. An unchanged OUT
-re-pushed uploads and deletes nothing.
+re-pushed uploads and deletes nothing. Each commit is checked to hold all its files (the client silently leaves out
+those a .gitignore of the repo matches), so the manifest never goes up over missing overlay files.
 
 The token comes from ``HF_TOKEN`` or the login cache (huggingface_hub's own lookup); it is passed to
 the client only and never printed or written. Every failure becomes one :class:`HubError` line.
@@ -160,10 +161,7 @@ def plan_push(api, repo_id: str, files: list[LocalFile], options: PushOptions, b
     remote = {}
     if base is not None:
         plan.stale = stale_overlay(api, repo_id, files, base)
-        paths = [f.path_in_repo for f in files]
-        for i in range(0, len(paths), PATHS_INFO_CHUNK):
-            for entry in api.get_paths_info(repo_id, paths[i : i + PATHS_INFO_CHUNK], revision=base):
-                remote[entry.path] = entry
+        remote = paths_info(api, repo_id, [f.path_in_repo for f in files], base)
     for f in files:
         r = remote.get(f.path_in_repo)
         if r is None or not hasattr(r, "size"):  # missing, or a folder where a file should be
@@ -177,6 +175,29 @@ def plan_push(api, repo_id: str, files: list[LocalFile], options: PushOptions, b
         plan.commits = [[]]  # nothing to upload, but stale files to delete: one commit of deletions
     plan.deletes = stale_manifest(plan)
     return plan
+
+
+def paths_info(api, repo_id: str, paths: list[str], revision: str) -> dict:
+    """``{path: RepoFile or RepoFolder}`` for those of ``paths`` that exist at ``revision``."""
+    found = {}
+    for i in range(0, len(paths), PATHS_INFO_CHUNK):
+        for entry in api.get_paths_info(repo_id, paths[i : i + PATHS_INFO_CHUNK], revision=revision):
+            found[entry.path] = entry
+    return found
+
+
+def check_committed(api, repo_id: str, commit: list[Upload], oid: str) -> None:
+    """Raise HubError unless commit ``oid`` holds every file of ``commit``: huggingface_hub leaves out of a commit,
+    without an error, each file the Hub's preupload answer marks ignored (a .gitignore of the repo matches it)."""
+    paths = [u.file.path_in_repo for u in commit]
+    there = paths_info(api, repo_id, paths, oid)
+    missing = [p for p in paths if p not in there]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise HubError(
+            f"the Hub left {missing[0]}{more} out of the commit: a .gitignore in {repo_id} matches it; remove that "
+            "pattern from the repo's .gitignore and run the same command again"
+        )
 
 
 def stale_overlay(api, repo_id: str, files: list[LocalFile], revision: str) -> list[str]:
@@ -304,6 +325,7 @@ def _push_held(
             )
             suffix = f" ({i + 1}/{len(plan.commits)})" if len(plan.commits) > 1 else ""
             info = api.create_commit(repo_id, ops, commit_message=message + suffix, revision=options.revision)
+            check_committed(api, repo_id, commit, info.oid)
             report.commit_urls.append(info.commit_url)
             report.uploaded_files += len(commit)
             report.uploaded_bytes += sum(u.file.size for u in commit)

@@ -10,7 +10,8 @@ endpoints the client calls for model repos (Xet disabled, i.e. ``HF_HUB_DISABLE_
                                                     below it with ?recursive=true
     POST /api/models/{repo}/branch/{branch}         create a branch (409 when it exists)
     POST /api/models/{repo}/paths-info/{rev}        size, git blob id, lfs {oid=sha256, size}
-    POST /api/models/{repo}/preupload/{rev}         uploadMode "lfs" when size >= lfs_threshold else "regular"
+    POST /api/models/{repo}/preupload/{rev}         uploadMode "lfs" when size >= lfs_threshold else "regular";
+                                                    shouldIgnore when the branch's .gitignore matches the path
     POST /{repo}.git/info/lfs/objects/batch         basic transfer; no "actions" for objects already stored
     PUT  /_lfs/{oid}                                the bytes of one LFS object (sha256 checked)
     POST /api/models/{repo}/commit/{rev}            NDJSON header / file / lfsFile / deletedFile lines
@@ -28,6 +29,7 @@ headers, so tokens are not kept). Errors are injected with :meth:`FakeHub.fail`:
 from __future__ import annotations
 
 import base64
+import fnmatch
 import hashlib
 import json
 import re
@@ -324,15 +326,18 @@ class FakeHub:
             return _json(200, [files[p].info(p) for p in form.get("paths", []) if p in files])
         if kind == "preupload":
             files = self._branch(self._repo(repo_id), m["rev"])
+            req = json.loads(body)
+            gitignore = files[".gitignore"].data.decode() if ".gitignore" in files else ""
+            ignored = _gitignore(req.get("gitIgnore", gitignore))
             answer = []
-            for f in json.loads(body)["files"]:
+            for f in req["files"]:
                 mode = "lfs" if f["size"] >= self.lfs_threshold else "regular"
                 old = files.get(f["path"])
                 answer.append(
                     {
                         "path": f["path"],
                         "uploadMode": mode,
-                        "shouldIgnore": False,
+                        "shouldIgnore": ignored(f["path"]),
                         "oid": None if old is None else (old.sha256 if old.lfs else old.blob_id),
                     }
                 )
@@ -447,6 +452,23 @@ class FakeHub:
             return 416, {"Content-Range": f"bytes */{size}"}, b""
         headers["Content-Range"] = f"bytes {first}-{last}/{size}"
         return 206, headers, blob.data[first : last + 1]
+
+
+def _gitignore(text: str):
+    """Whether a path matches ``.gitignore`` text, with git's rules simplified: each pattern is a glob matched
+    against the path and its base name; a trailing ``/`` names a folder at any depth."""
+    patterns = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+    def ignored(path: str) -> bool:
+        for pattern in patterns:
+            if pattern.endswith("/"):
+                if f"/{pattern}" in f"/{path}":
+                    return True
+            elif fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path.rsplit("/", 1)[-1], pattern):
+                return True
+        return False
+
+    return ignored
 
 
 def _json(status: int, obj, content_type: str = "application/json"):

@@ -238,6 +238,23 @@ def test_push_without_private_keeps_the_namespace_default_visibility(hub, out, p
     assert hub.repos[REPO].private is private_by_default
 
 
+@pytest.mark.parametrize("pattern", ["*.safetensors", "glm-pack/", "manifest.json"])
+def test_files_the_repos_gitignore_drops_fail_the_push(hub, out, pattern):
+    """huggingface_hub leaves out of a commit every file the Hub's preupload answer marks shouldIgnore (the repo's
+    .gitignore matches it: _commit_api._prepare_commit_payload) and still succeeds: a push that reported success
+    published an overlay without its layers, or without its manifest. Such a file now fails the push, in one
+    line naming it, and the manifest is not committed over missing files."""
+    hub.seed(REPO, {".gitignore": f"{pattern}\n".encode()})
+    result = CliRunner().invoke(main, ["push", str(out), REPO, "--overlay-only"])
+    assert result.exit_code == 1, result.output
+    (line,) = result.stderr.strip().splitlines()
+    named = {"*.safetensors": "glm-pack/layer-000.safetensors", "glm-pack/": "glm-pack/layer-000.safetensors"}
+    named = named.get(pattern, "glm-pack/manifest.json")  # the layers' commit goes first, the manifest's last
+    assert f"the Hub left {named} out of the commit: a .gitignore in {REPO} matches it" in line, line
+    assert named in published(out, overlay_only=True) and named not in hub.files(REPO)
+    assert "glm-pack/manifest.json" not in hub.files(REPO)  # never published over missing layers
+
+
 def test_interrupted_push_resumes_and_uploads_only_the_rest(hub, out):
     hub.fail("commit", drop=True, after_files=1)  # the first commit lands, the next one loses its connection
     result = run_cli("push", out, REPO, "--max-commit-gib", SMALL_COMMIT_GIB)
