@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ MAX_COMMIT_BYTES = 8 << 30  # per commit: a failed commit loses at most this muc
 MAX_COMMIT_FILES = 64
 MANIFEST_PATH = f"{mf.OVERLAY_DIR}/{mf.MANIFEST_NAME}"
 PATHS_INFO_CHUNK = 100  # paths per get_paths_info request
+PR_REF = re.compile(r"refs/pr/[0-9]+")  # an open pull request's ref: commits go there, it is no branch to create
 
 
 @dataclass(frozen=True)
@@ -243,17 +245,23 @@ def _check_out(out: Path, overlay_only: bool) -> None:
 def _ensure_target(api, repo_id: str, options: PushOptions) -> None:
     # private=False would send visibility "public" and override a namespace that makes new repos private
     api.create_repo(repo_id, private=True if options.private else None, exist_ok=True)
-    if options.revision != "main":
+    if _creates_branch(options.revision):
         api.create_branch(repo_id, branch=options.revision, exist_ok=True)
+
+
+def _creates_branch(revision: str) -> bool:
+    """Whether a push creates ``revision`` (at main's head) when it is missing: not for main, nor for a pull
+    request's ``refs/pr/N``, which the Hub makes when the PR is opened and refuses as a branch name (400)."""
+    return revision != "main" and not PR_REF.fullmatch(revision)
 
 
 def _dry_run_base(api, repo_id: str, revision: str) -> str | None:
     """For a dry run, without creating anything: the revision whose files the push would upload onto, i.e.
-    ``revision`` when it exists, else ``main`` (:func:`_ensure_target` starts a new branch at main's head), None
-    when the repo does not exist."""
+    ``revision`` when it exists, else ``main`` when the push would create it (at main's head), None when the repo
+    does not exist or the revision cannot be created."""
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
-    for candidate in dict.fromkeys((revision, "main")):
+    for candidate in (revision, "main") if _creates_branch(revision) else (revision,):
         try:
             api.repo_info(repo_id, revision=candidate)
         except RepositoryNotFoundError:

@@ -94,7 +94,12 @@ BASE_MODEL_HELP = (
 @click.command("push")
 @click.argument("out", type=click.Path(file_okay=False, exists=True))
 @click.argument("repo_id")
-@click.option("--revision", default="main", show_default=True, help="Branch to push to (created if missing).")
+@click.option(
+    "--revision",
+    default="main",
+    show_default=True,
+    help="Branch to push to (created if missing), or refs/pr/N to add to that open pull request.",
+)
 @click.option(
     "--private",
     is_flag=True,

@@ -8,7 +8,8 @@ endpoints the client calls for model repos (Xet disabled, i.e. ``HF_HUB_DISABLE_
     GET  /api/models/{repo}[/revision/{rev}]        repo info (sha, siblings; size/blobId/lfs with ?blobs=true)
     GET  /api/models/{repo}/tree/{rev}[/{path}]     one folder's entries (type, oid, size, path, lfs); all
                                                     below it with ?recursive=true
-    POST /api/models/{repo}/branch/{branch}         create a branch (409 when it exists)
+    POST /api/models/{repo}/branch/{branch}         create a branch (409 when it exists; 400 for refs/..., e.g.
+                                                    a pull request's refs/pr/N)
     POST /api/models/{repo}/paths-info/{rev}        size, git blob id, lfs {oid=sha256, size}
     POST /api/models/{repo}/preupload/{rev}         uploadMode "lfs" when size >= lfs_threshold else "regular";
                                                     shouldIgnore when the branch's .gitignore matches the path
@@ -314,6 +315,8 @@ class FakeHub:
         if kind == "branch":
             repo = self._repo(repo_id)
             name = unquote(m["rev"])
+            if name.startswith("refs/"):  # huggingface_hub's create_branch documents a BadRequestError for these
+                raise HubHTTPError(400, f"Invalid reference for a branch: {name}")
             if name in repo.branches:
                 raise HubHTTPError(409, f"Reference already exists: refs/heads/{name}")
             start = (json.loads(body) if body else {}).get("startingPoint", "main")

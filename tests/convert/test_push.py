@@ -255,6 +255,23 @@ def test_files_the_repos_gitignore_drops_fail_the_push(hub, out, pattern):
     assert "glm-pack/manifest.json" not in hub.files(REPO)  # never published over missing layers
 
 
+def test_push_into_an_open_pull_request(hub, out):
+    """--revision refs/pr/N adds commits to an open pull request (huggingface_hub documents revision="refs/pr/N"
+    for that); such a ref cannot be created as a branch (the Hub answers 400), so push does not try to."""
+    hub.seed(REPO, {"config.json": b"{}"})
+    repo = hub.repos[REPO]
+    repo.branches["refs/pr/1"], repo.heads["refs/pr/1"] = dict(repo.branches["main"]), "1" * 40  # the open PR
+    for dry_run in (["--dry-run"], []):
+        result = run_cli("push", out, REPO, "--overlay-only", "--revision", "refs/pr/1", *dry_run)
+        assert result.exit_code == 0, result.output
+    assert hub.files(REPO, "refs/pr/1") == {"config.json": b"{}", **published(out, overlay_only=True)}
+    assert hub.files(REPO, "main") == {"config.json": b"{}"} and not hub.kinds("branch")
+    result = CliRunner().invoke(main, ["push", str(out), REPO, "--overlay-only", "--revision", "refs/pr/2"])
+    assert result.exit_code == 1 and result.stderr.strip().splitlines() == [
+        f"glm-pack: error: revision 'refs/pr/2' not found in {REPO} at {hub.endpoint}"
+    ], result.output
+
+
 def test_interrupted_push_resumes_and_uploads_only_the_rest(hub, out):
     hub.fail("commit", drop=True, after_files=1)  # the first commit lands, the next one loses its connection
     result = run_cli("push", out, REPO, "--max-commit-gib", SMALL_COMMIT_GIB)
