@@ -29,3 +29,11 @@ def is_kind(err: BaseException, *names: str) -> bool:
 def first_line(err: BaseException, skip: int = 0) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return lines[min(skip, len(lines) - 1)] if lines else type(err).__name__
+
+
+def hub_reason(err: BaseException) -> str:
+    """The Hub's own reason for a failed request (``HfHubHTTPError.server_message``: its X-Error-Message or JSON
+    error), else the error's first line (e.g. a proxy's answer). huggingface_hub's own first line says only
+    "Bad request for commit endpoint:" or "Server error '503 ...' for url ..."."""
+    reason = getattr(err, "server_message", None)
+    return first_line(RuntimeError(reason)) if reason and reason.strip() else first_line(err)

@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath
 from glm_pack.packing.errors import CheckpointError, GlmPackError, HubError
 
 from .checkpoint import is_original, walk_files
-from .hub_common import exception_chain, first_line, is_kind, resolve_endpoint
+from .hub_common import exception_chain, first_line, hub_reason, is_kind, resolve_endpoint
 from .safetensors_io import LocalFile
 
 HUB_PREFIX = "hf://"
@@ -297,7 +297,7 @@ def hub_read_error(err: BaseException, store: HubStore, rel: str | None) -> HubE
                 return HubError(f"permission denied (403) reading {repo} at {endpoint}", file=file)
             if status == 429:
                 return HubError(f"rate limited (429) by {endpoint}; wait and run the same command again", file=file)
-            return HubError(f"the Hub answered {status} for {repo} at {endpoint}: {first_line(e)}", file=file)
+            return HubError(f"the Hub answered {status} for {repo} at {endpoint}: {hub_reason(e)}", file=file)
         if is_kind(e, "ConnectError", "ConnectionRefusedError"):
             return HubError(f"cannot connect to {endpoint}: connection refused or unreachable", file=file)
         if is_kind(e, "TimeoutException", "TimeoutError"):

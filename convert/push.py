@@ -30,7 +30,7 @@ from glm_pack.packing.errors import HubError, VerifyError
 
 from .checkpoint import walk_files
 from .convert import file_digest, file_sha256
-from .hub_common import exception_chain, first_line, is_kind, resolve_endpoint
+from .hub_common import exception_chain, first_line, hub_reason, is_kind, resolve_endpoint
 from .modelcard import SOURCE_README, require_originals, write_card_unlocked
 from .state import OutputLock
 from .writer import OutputError
@@ -396,7 +396,7 @@ def hub_error(err: Exception, repo_id: str, endpoint: str, revision: str, report
                     f"rate limited (429) by {endpoint}; wait and run the same command again "
                     f"({report.uploaded_files} of {len(report.plan.uploads)} files committed so far are kept)"
                 )
-            return HubError(f"the Hub answered {status} for {repo_id} at {endpoint}: {first_line(e)}")
+            return HubError(f"the Hub answered {status} for {repo_id} at {endpoint}: {hub_reason(e)}")
         if is_kind(e, "ConnectError", "ConnectionRefusedError") and report.uploaded_files == 0:
             return HubError(f"cannot connect to {endpoint}: connection refused or unreachable")
         if is_kind(e, "TimeoutException", "TimeoutError"):

@@ -368,6 +368,7 @@ def _closed_port() -> int:
         ("no-revision", "revision 'nope' not found in org/glm-5-small"),
         ("gated", "org/glm-5-small is gated"),
         ("rate-limited", "rate limited (429) by http://127.0.0.1:"),
+        ("unavailable", f"the Hub answered 503 for {REPO} at http://127.0.0.1:"),
         ("refused", "cannot connect to http://127.0.0.1:"),
         ("cut", "connection to http://127.0.0.1:"),
         ("offline-empty-cache", "HF_HUB_OFFLINE is set and the local Hugging Face cache has no org/glm-5-small"),
@@ -386,6 +387,8 @@ def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected
         hub.fail("repo_info", 403, error_code="GatedRepo")
     elif case == "rate-limited":
         hub.fail("repo_info", 429)
+    elif case == "unavailable":  # the line ends with the Hub's reason (X-Error-Message), not the client's text
+        hub.fail("repo_info", 503, headers={"X-Error-Message": "Hub under maintenance, back at 18:00 UTC"})
     elif case == "refused":
         monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
     elif case == "cut":  # config and index cached by a first run; then every range read is cut short
@@ -403,6 +406,8 @@ def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("glm-pack: error: ") and expected in lines[0], lines
     assert hub.token not in result.output
+    if case == "unavailable":
+        assert lines[0].endswith(": Hub under maintenance, back at 18:00 UTC"), lines
     if case == "cut":
         cut = [r for r in hub.requests if r.status == -2 and r.method == "GET"]
         assert len(cut) == 6 and len({(r.path, r.range) for r in cut}) == 1  # 1 try + 5 retries of one read

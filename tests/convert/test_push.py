@@ -512,7 +512,12 @@ ERRORS = {
         "cannot connect",
     ),
     "interrupted": (lambda hub, mp: hub.fail("commit", drop=True, after_files=1), "upload interrupted"),
+    "commit refused (400)": (  # the Hub's reason, not huggingface_hub's "Bad request for commit endpoint:"
+        lambda hub, mp: hub.fail("commit", 400, headers={"X-Error-Message": REJECTED}),
+        f"the Hub answered 400 for {REPO} at http://127.0.0.1:",
+    ),
 }
+REJECTED = "Your push was rejected because it contains files larger than 10 MiB"
 
 
 @pytest.mark.parametrize("case", list(ERRORS))
@@ -525,6 +530,8 @@ def test_errors_give_one_clear_line(hub, out, monkeypatch, case):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("glm-pack: error: ") and expected in lines[0], lines[0]
+    if "(400)" in case:
+        assert lines[0].endswith(f": {REJECTED}"), lines[0]
     assert "Traceback" not in result.output
     assert_no_token(hub, result, out)
 
