@@ -116,11 +116,19 @@ class HubStore:
     def _record_ref(self) -> None:
         """Fetch config.json by the requested revision: huggingface_hub then records revision -> sha in the
         HF cache (``refs/``), which an offline run resolves. A revision that moved meanwhile is refused."""
-        got = self._fetch("config.json", self.requested)
-        if got.parent.name != self.sha:
+        if self._fetch("config.json", self.requested).parent.name == self.sha:
+            return
+        # another commit's file: the revision moved, or the Hub refused the file (gated, 5xx) and huggingface_hub
+        # answered from an older cached snapshot; ask the Hub without that fallback, so a refusal is what is reported
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+        url = hf_hub_url(self.repo_id, "config.json", revision=self.requested, endpoint=self.endpoint)
+        with self._errors("config.json"):
+            now = get_hf_file_metadata(url, endpoint=self.endpoint).commit_hash
+        if now != self.sha:
             raise HubError(
-                f"revision {self.requested!r} of {self.repo_id} moved from {self.sha} to {got.parent.name} "
-                "while being read; run again"
+                f"revision {self.requested!r} of {self.repo_id} moved from {self.sha} to {now} while being read; "
+                "run again"
             )
 
     def _index_files(self) -> set[str]:

@@ -323,6 +323,25 @@ def test_revision_that_moves_while_being_resolved_is_refused(hub, monkeypatch):
         hub_source.HubStore(REPO)
 
 
+@pytest.mark.parametrize("status, code, expected", [(403, "GatedRepo", "is gated"), (503, None, "answered 503")])
+def test_files_refused_with_an_older_commit_cached_name_the_refusal(hub, tmp_path, status, code, expected):
+    """huggingface_hub answers a request for config.json by branch name from an older cached snapshot when the Hub
+    refuses the file (file_download._hf_hub_download_to_cache_dir: any HEAD error but a missing revision or
+    entry); the store read that as the branch having moved and said "run again", every time. It now reports
+    the Hub's refusal."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    assert run_cli("inspect", REPO).exit_code == 0  # caches config.json of this commit, refs/main -> it
+    HfApi(endpoint=hub.endpoint, token=hub.token).create_commit(
+        REPO, [CommitOperationAdd("notes.md", b"a later commit")], commit_message="later"
+    )
+    hub.fail("resolve", status, error_code=code)  # model_info still answers (repo metadata stays public)
+    result = run_cli("inspect", REPO)
+    assert result.exit_code == 1, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert expected in line and "moved" not in line, line
+
+
 def test_short_range_read_is_refused(hub, monkeypatch):
     """A range answered with fewer bytes than asked is an error, never short data."""
     store = hub_source.HubStore(REPO)
