@@ -293,6 +293,8 @@ def hub_read_error(err: BaseException, store: HubStore, rel: str | None) -> HubE
                 return store._not_cached(rel or "config.json")
             continue  # a network failure hides behind it: report that
         if isinstance(e, EntryNotFoundError | FileNotFoundError):
+            if isinstance(e.__cause__, HfHubHTTPError):
+                continue  # HfFileSystem's FileNotFoundError for a repo or revision it cannot find: report that
             return HubError(f"no such file in {repo} at this revision", file=file)
         if isinstance(e, HfHubHTTPError) and e.response is not None:
             status = e.response.status_code

@@ -342,6 +342,16 @@ def test_files_refused_with_an_older_commit_cached_name_the_refusal(hub, tmp_pat
     assert expected in line and "moved" not in line, line
 
 
+def test_range_read_of_a_repo_gone_since_it_was_resolved_names_the_repo(hub):
+    """HfFileSystem turns a repo it cannot find into FileNotFoundError (hf_file_system._raise_file_not_found,
+    raised from the RepositoryNotFoundError): the line said "no such file" of a file the commit has."""
+    store = hub_source.HubStore(REPO)
+    f = store.open(store.safetensors_files()[0])
+    hub.repos.pop(REPO)  # deleted, or made private, after the commit was resolved
+    with pytest.raises(HubError, match=f"repository {REPO} not found at {hub.endpoint}"):
+        f.read(0, 8)
+
+
 def test_short_range_read_is_refused(hub, monkeypatch):
     """A range answered with fewer bytes than asked is an error, never short data."""
     store = hub_source.HubStore(REPO)
