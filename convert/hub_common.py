@@ -31,9 +31,21 @@ def first_line(err: BaseException, skip: int = 0) -> str:
     return lines[min(skip, len(lines) - 1)] if lines else type(err).__name__
 
 
+def _server_reason(err: BaseException) -> str | None:
+    """The first line of ``HfHubHTTPError.server_message`` (the Hub's X-Error-Message or JSON error), if any."""
+    lines = [line.strip() for line in (getattr(err, "server_message", None) or "").splitlines() if line.strip()]
+    return lines[0] if lines else None
+
+
 def hub_reason(err: BaseException) -> str:
-    """The Hub's own reason for a failed request (``HfHubHTTPError.server_message``: its X-Error-Message or JSON
-    error), else the error's first line (e.g. a proxy's answer). huggingface_hub's own first line says only
-    "Bad request for commit endpoint:" or "Server error '503 ...' for url ..."."""
-    reason = getattr(err, "server_message", None)
-    return first_line(RuntimeError(reason)) if reason and reason.strip() else first_line(err)
+    """The Hub's own reason for a failed request, else the error's first line (e.g. a proxy's answer):
+    huggingface_hub's own first line says only "Bad request for commit endpoint:" or "Server error '503 ...'"."""
+    return _server_reason(err) or first_line(err)
+
+
+def hub_says(err: BaseException) -> str:
+    """``"; the Hub says: REASON"`` when the Hub gave a reason, else ``""``: appended to glm-pack's own line for
+    401/403/429, whose reasons vary (a namespace the token may not write to, the commit rate limit and when to
+    retry it)."""
+    reason = _server_reason(err)
+    return f"; the Hub says: {reason}" if reason else ""

@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath
 from glm_pack.packing.errors import CheckpointError, GlmPackError, HubError
 
 from .checkpoint import is_original, walk_files
-from .hub_common import exception_chain, first_line, hub_reason, is_kind, resolve_endpoint
+from .hub_common import exception_chain, first_line, hub_reason, hub_says, is_kind, resolve_endpoint
 from .safetensors_io import LocalFile
 
 HUB_PREFIX = "hf://"
@@ -301,12 +301,14 @@ def hub_read_error(err: BaseException, store: HubStore, rel: str | None) -> HubE
             if status == 401:
                 return HubError(
                     f"authentication failed (401) at {endpoint}: the token was rejected; "
-                    "check HF_TOKEN or run `hf auth login`"
+                    f"check HF_TOKEN or run `hf auth login`{hub_says(e)}"
                 )
             if status == 403:
-                return HubError(f"permission denied (403) reading {repo} at {endpoint}", file=file)
+                return HubError(f"permission denied (403) reading {repo} at {endpoint}{hub_says(e)}", file=file)
             if status == 429:
-                return HubError(f"rate limited (429) by {endpoint}; wait and run the same command again", file=file)
+                return HubError(
+                    f"rate limited (429) by {endpoint}; wait and run the same command again{hub_says(e)}", file=file
+                )
             return HubError(f"the Hub answered {status} for {repo} at {endpoint}: {hub_reason(e)}", file=file)
         if is_kind(e, "ConnectError", "ConnectionRefusedError"):
             return HubError(f"cannot connect to {endpoint}: connection refused or unreachable", file=file)

@@ -30,7 +30,7 @@ from glm_pack.packing.errors import HubError, VerifyError
 
 from .checkpoint import walk_files
 from .convert import file_digest, file_sha256
-from .hub_common import exception_chain, first_line, hub_reason, is_kind, resolve_endpoint
+from .hub_common import exception_chain, first_line, hub_reason, hub_says, is_kind, resolve_endpoint
 from .modelcard import SOURCE_README, require_originals, write_card_unlocked
 from .state import OutputLock
 from .writer import OutputError
@@ -385,16 +385,17 @@ def hub_error(err: Exception, repo_id: str, endpoint: str, revision: str, report
             if status == 401:
                 return HubError(
                     f"authentication failed (401) at {endpoint}: the token was rejected; "
-                    "check HF_TOKEN or run `hf auth login`"
+                    f"check HF_TOKEN or run `hf auth login`{hub_says(e)}"
                 )
             if status == 403:
                 return HubError(
-                    f"permission denied (403): the token may not write to {repo_id} at {endpoint}"
+                    f"permission denied (403): the token may not write to {repo_id} at {endpoint}{hub_says(e)}"
                 )
             if status == 429:
                 return HubError(
                     f"rate limited (429) by {endpoint}; wait and run the same command again "
                     f"({report.uploaded_files} of {len(report.plan.uploads)} files committed so far are kept)"
+                    f"{hub_says(e)}"
                 )
             return HubError(f"the Hub answered {status} for {repo_id} at {endpoint}: {hub_reason(e)}")
         if is_kind(e, "ConnectError", "ConnectionRefusedError") and report.uploaded_files == 0:

@@ -414,8 +414,8 @@ def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected
         src = f"{REPO}@nope"
     elif case == "gated":
         hub.fail("repo_info", 403, error_code="GatedRepo")
-    elif case == "rate-limited":
-        hub.fail("repo_info", 429)
+    elif case == "rate-limited":  # the Hub's reason (when to retry) ends the line
+        hub.fail("repo_info", 429, headers={"X-Error-Message": "Too many requests: retry in 5 minutes"})
     elif case == "unavailable":  # the line ends with the Hub's reason (X-Error-Message), not the client's text
         hub.fail("repo_info", 503, headers={"X-Error-Message": "Hub under maintenance, back at 18:00 UTC"})
     elif case == "refused":
@@ -435,6 +435,8 @@ def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("glm-pack: error: ") and expected in lines[0], lines
     assert hub.token not in result.output
+    if case == "rate-limited":
+        assert lines[0].endswith("; the Hub says: Too many requests: retry in 5 minutes"), lines
     if case == "unavailable":
         assert lines[0].endswith(": Hub under maintenance, back at 18:00 UTC"), lines
     if case == "cut":

@@ -504,9 +504,15 @@ def _closed_port() -> int:
 ERRORS = {
     "no token": (lambda hub, mp: mp.delenv("HF_TOKEN"), "no Hugging Face token"),
     "401": (lambda hub, mp: mp.setenv("HF_TOKEN", "hf_wrong_token_value"), "authentication failed (401)"),
-    "403": (lambda hub, mp: hub.fail("create", 403), "permission denied (403)"),
+    "403": (
+        lambda hub, mp: hub.fail("create", 403, headers={"X-Error-Message": NO_RIGHTS}),
+        f"permission denied (403): the token may not write to {REPO} at http://127.0.0.1:",
+    ),
     "repo not found": (lambda hub, mp: hub.fail("paths_info", 404, error_code="RepoNotFound"), "not found"),
-    "rate limit": (lambda hub, mp: hub.fail("commit", 429, after_files=1), "rate limited (429)"),
+    "rate limit": (
+        lambda hub, mp: hub.fail("commit", 429, after_files=1, headers={"X-Error-Message": COMMIT_RATE}),
+        "rate limited (429)",
+    ),
     "network refused": (
         lambda hub, mp: mp.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}"),
         "cannot connect",
@@ -518,6 +524,9 @@ ERRORS = {
     ),
 }
 REJECTED = "Your push was rejected because it contains files larger than 10 MiB"
+NO_RIGHTS = 'You don\'t have the rights to create a model under the namespace "tester"'
+COMMIT_RATE = "You have exceeded the rate limit for repository commits (128 per hour). You can retry in 43 minutes."
+SAID = {"403": NO_RIGHTS, "rate limit": COMMIT_RATE}  # the Hub's reason, after glm-pack's own line
 
 
 @pytest.mark.parametrize("case", list(ERRORS))
@@ -532,6 +541,8 @@ def test_errors_give_one_clear_line(hub, out, monkeypatch, case):
     assert lines[0].startswith("glm-pack: error: ") and expected in lines[0], lines[0]
     if "(400)" in case:
         assert lines[0].endswith(f": {REJECTED}"), lines[0]
+    if case in SAID:
+        assert lines[0].endswith(f"; the Hub says: {SAID[case]}"), lines[0]
     assert "Traceback" not in result.output
     assert_no_token(hub, result, out)
 
