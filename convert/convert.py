@@ -184,7 +184,12 @@ def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict)
 
 
 def _prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict) -> list[dict]:
-    previous = state.read_run(overlay)
+    try:
+        previous = state.read_run(overlay)
+    except PlanError:  # a run record that is no JSON object, nothing to resume: --overwrite starts over, as it says
+        if not options.overwrite:
+            raise
+        previous = None
     complete = (overlay / mf.MANIFEST_NAME).is_file()
     if options.resume and previous is not None and not complete:
         if previous != run:

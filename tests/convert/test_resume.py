@@ -860,3 +860,20 @@ def test_a_run_record_that_is_not_an_object_is_one_line(tmp_path, text):
     (tmp_path / RUN_NAME).write_text(text)
     with pytest.raises(PlanError, match="unreadable run state .*use --overwrite to start over"):
         read_run(tmp_path)
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_overwrite_starts_over_from_an_unreadable_run_record(converted, tmp_path, resume):
+    """The refusal of an unreadable run record says "use --overwrite to start over": doing so must work, also with
+    --resume kept in the command (there is nothing it could resume)."""
+    src, clean = converted
+    out = tmp_path / "out"
+    shutil.copytree(clean, out)
+    (out / "glm-pack" / "manifest.json").unlink()
+    (out / "glm-pack" / state.RUN_NAME).write_text("garbage")
+    with pytest.raises(PlanError, match="unreadable run state .*use --overwrite to start over"):
+        convert(src, out, ConvertOptions(files="copy", repack_experts="aiter-a4w4"))
+    with pytest.raises(PlanError, match="unreadable run state .*use --overwrite to start over"):
+        convert(src, out, ConvertOptions(files="copy", repack_experts="aiter-a4w4", resume=True))
+    convert(src, out, ConvertOptions(files="copy", repack_experts="aiter-a4w4", overwrite=True, resume=resume))
+    assert overlay(out) == overlay(clean) and verify(out).ok
