@@ -18,7 +18,7 @@ from glm_pack.packing.absorb import POLICIES
 from glm_pack.packing.errors import VerifyError
 
 from . import state
-from .convert import ConvertOptions, ConvertReport, convert
+from .convert import ConvertOptions, ConvertReport, convert, output_leftovers
 from .humanize import counted, size_text
 from .modelcard import error_cells, fmt_error, source_error_text, worst_head_text
 from .plan import FILE_MODES
@@ -169,8 +169,10 @@ def convert_command(
     manifest = Path(out) / mf.OVERLAY_DIR / mf.MANIFEST_NAME
     before = _file_identity(manifest)  # an earlier conversion's manifest, which --overwrite replaces
     interrupted = os.path.isfile(manifest.parent / state.RUN_NAME)  # an interrupted run's record: --resume continues
-    if resume and not quiet and not interrupted and before is None:  # e.g. a mistyped OUT: said before hours of work
-        console.print(f"--resume: {out} holds no interrupted conversion; converting from the start")
+    # e.g. a mistyped OUT: said before hours of work, not before a refusal (a non-empty OUT without --overwrite)
+    if resume and not quiet and not interrupted and before is None:
+        if overwrite or not os.path.isdir(out) or not output_leftovers(Path(out)):
+            console.print(f"--resume: {out} holds no interrupted conversion; converting from the start")
     try:
         run_convert(src, out, options, quiet)
     except KeyboardInterrupt:

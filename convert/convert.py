@@ -173,6 +173,12 @@ def _unstarted_dir(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and all(is_temp(p) for p in list_folder(path))
 
 
+def output_leftovers(out: Path) -> list[Path]:
+    """What of an existing folder OUT a new conversion has to delete first (``--overwrite``): every entry but the
+    lock and a ``glm-pack/`` holding only temp files. OutputError naming OUT where it cannot be listed."""
+    return [p for p in list_folder(out) if p.name != state.LOCK_NAME and not _unstarted_dir(p)]
+
+
 def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict) -> list[dict]:
     """Decide what an existing OUT means; returns journal entries a resume may keep (re-checked later). OutputError
     naming the path that cannot be looked at (a folder of OUT this user cannot enter, as after ``chmod -R 644``, an
@@ -207,7 +213,7 @@ def _prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict
             "or --overwrite to start over",
             file=out,
         )
-    leftovers = [p for p in list_folder(out) if p.name != state.LOCK_NAME and not _unstarted_dir(p)]
+    leftovers = output_leftovers(out)
     if leftovers and not options.overwrite:
         raise PlanError(f"output {out} is not empty; pass --overwrite to replace its contents", file=out)
     if leftovers:  # --overwrite: nothing of the old contents may stay beside the new output

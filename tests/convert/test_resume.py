@@ -400,6 +400,22 @@ def test_resume_with_nothing_to_resume_says_so_before_converting(converted, tmp_
     assert "holds no interrupted conversion" not in again.output, again.output
 
 
+def test_resume_into_a_folder_of_other_files_is_refused_without_saying_it_converts(converted, tmp_path):
+    """--resume into a non-empty folder that holds no conversion: the refusal (pass --overwrite) is all it prints, not
+    first "converting from the start"; with --overwrite it says so and converts."""
+    src, _ = converted
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "todo.txt").write_text("not a checkpoint")
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "copy", "--resume"])
+    assert r.exit_code == 1 and "is not empty; pass --overwrite" in r.stderr, r.output
+    assert r.stdout == "", r.stdout
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "copy", "--resume", "--overwrite"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[0] == f"--resume: {out} holds no interrupted conversion; converting from the start"
+    assert verify(out).ok
+
+
 @pytest.mark.parametrize("older", ["all", "first"])
 def test_resume_keeps_journal_entries_written_before_worst_head_errors(converted, tmp_path, older):
     """A journal written by a glm-pack build that did not record max_head_rel_error yet (same tool version, so its
