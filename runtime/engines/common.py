@@ -52,7 +52,8 @@ def check_level(environ=None) -> str:
 
 
 def checkpoint_dir(model: str, revision: str | None = None) -> Path:
-    """The local directory of the served checkpoint: ``model`` itself, or its HF cache snapshot (no network)."""
+    """The local directory of the served checkpoint: ``model`` itself, or its HF cache snapshot (no network). Needed
+    whatever ``GLM_PACK_OVERLAY`` selects: the overlay is checked against these files."""
     path = Path(model)
     if path.is_dir():
         return path
@@ -62,8 +63,9 @@ def checkpoint_dir(model: str, revision: str | None = None) -> Path:
         return Path(snapshot_download(model, revision=revision, local_files_only=True))
     except Exception as err:
         raise GlmPackError(
-            f"cannot find the checkpoint {model!r} locally for the glm-pack overlay ({err}); "
-            f"download it first (`hf download {model}`) or set {ENV}=<directory holding glm-pack/>"
+            f"cannot find the checkpoint {model!r} locally for the glm-pack overlay ({err}); the overlay is checked "
+            f"against the served files: download them into the HF cache (`hf download {model}`) or serve the "
+            "checkpoint from its local directory"
         ) from err
 
 

@@ -15,7 +15,7 @@ from engine_standins import aiter_functions, ragged_k_bug, sglang_mla, transpose
 from engine_standins.overlay_fixture import GEOM, LAYERS, kv_b_name, make_served, make_served_fp8
 
 from glm_pack.convert.formats import encode_fp8_block
-from glm_pack.packing.errors import BackendError, VerifyError
+from glm_pack.packing.errors import BackendError, GlmPackError, VerifyError
 from glm_pack.packing.mxfp4 import dequantize, quantize
 from glm_pack.runtime.backends import aiter_backend
 from glm_pack.runtime.engines import common, vllm
@@ -314,6 +314,24 @@ def test_plugin_loads_overlay_layers_and_rebuilds_the_rest(tmp_path, fake_vllm, 
     assert all(layer.default_scales_set for layer in layers)
     ref, _ = engine_pair(weights, 1, fp4=True)
     assert torch.equal(layers[1].W_K, ref.W_K) and torch.equal(layers[1].W_V_scale, ref.W_V_scale)
+
+
+def test_a_hub_id_missing_from_the_cache_says_what_helps(tmp_path, fake_vllm, monkeypatch):
+    """A model served by Hub id that is not in the local HF cache: the overlay cannot be checked against the served
+    files, whatever GLM_PACK_OVERLAY selects (a directory too), so the one line says to download it or serve the
+    local directory (it said to set GLM_PACK_OVERLAY to the overlay's directory, which fails the same way)."""
+    weights = make_served(tmp_path / "ckpt")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv(common.ENV, str(tmp_path / "ckpt"))  # the directory holding glm-pack/
+    vllm.register()
+    layer = fake_vllm("model.layers.0.self_attn.attn", GEOM, weights[kv_b_name(0)], fp4=True, model="org/not-cached")
+    with pytest.raises(GlmPackError, match="cannot find the checkpoint 'org/not-cached' locally") as err:
+        layer.process_weights_after_loading(torch.bfloat16)
+    assert common.ENV not in str(err.value) and "serve the checkpoint from its local directory" in str(err.value)
+    served = fake_vllm("model.layers.0.self_attn.attn", GEOM, weights[kv_b_name(0)], fp4=True, model=tmp_path / "ckpt")
+    served.process_weights_after_loading(torch.bfloat16)  # the advice: the local directory is served and checked
+    assert served.default_scales_set and vllm_mla.REBUILDS == []
 
 
 def test_fp8_kv_b_proj_is_dequantized_by_vllm_for_the_slice_check(tmp_path, fake_vllm):
