@@ -4,6 +4,7 @@ Output directory::
 
     OUT/<original files>                 hard-linked, copied or left out; the index is never edited
     OUT/glm-pack/layer-NNN.safetensors   one overlay file per MLA layer (w_kc/w_vc weight + weight_scale)
+    OUT/glm-pack/experts-NNN-PP.safetensors  repacked routed experts of MoE layer NNN, part PP (repack_experts only)
     OUT/glm-pack/manifest.json           written last: its presence marks a complete conversion
 
 Work items run in ``workers`` processes; results enter the manifest in item order, so the output is

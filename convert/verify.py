@@ -6,7 +6,8 @@ and index (when present, and always when the originals were placed) those the ov
 geometry against config.json; the source's config and index untouched; source tensors unchanged (sha256
 against the fingerprint); the MLA layers exactly those of the source; every overlay tensor re-derived from
 its source split as convert does and compared byte for byte, its scale rule and its recorded errors
-(``rel_error``, ``mxfp4_rel_error``, and ``max_head_rel_error`` where recorded) recomputed.
+(``rel_error``, ``mxfp4_rel_error``, and ``max_head_rel_error`` where recorded) recomputed; repacked experts
+unshuffled and compared with the source's bytes.
 """
 
 from __future__ import annotations
