@@ -202,7 +202,8 @@ def _prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict
         if previous != run:
             raise PlanError(
                 f"this run differs from the interrupted one: {'; '.join(run_differences(previous, run))}; rerun "
-                "with the interrupted run's options and --resume to finish it, or with --overwrite to start over",
+                "with the interrupted run's options and --resume to finish it, or with --overwrite instead of "
+                "--resume to start over",
                 file=overlay / state.RUN_NAME,
             )
         return state.Journal(overlay).entries()

@@ -299,6 +299,9 @@ def test_resume_with_other_options_is_refused_naming_each_difference(converted, 
     assert "repack_experts: aiter-a4w4 (interrupted run) vs none (this run)" in r.stderr
     assert "files: copy (interrupted run) vs link (this run)" in r.stderr and "quant_mode" not in r.stderr
     assert "rerun with the interrupted run's options and --resume to finish it" in r.stderr
+    assert "or with --overwrite instead of --resume to start over" in r.stderr  # --resume --overwrite: refused too
+    again = CliRunner().invoke(main, ["convert", str(src), str(out), "--resume", "--overwrite"])
+    assert again.exit_code == 1 and again.stderr == r.stderr, again.output
     same = ConvertOptions(files="copy", resume=True, repack_experts="aiter-a4w4")
     other = ckpt_copy(src)  # the same files through another path
     with pytest.raises(PlanError) as err:
