@@ -9,7 +9,7 @@ Top-level keys (schema ``glm-pack/manifest`` version 1)::
               files {name: {size}}, tensors {source tensor name: sha256 of its stored bytes}}
     model    {card, architectures, model_type, geometry {num_heads, kv_lora_rank, qk_nope_head_dim,
               qk_rope_head_dim, v_head_dim}}
-    options  {quant_mode, k_pad, mla_precision, max_rel_error, files}
+    options  {quant_mode, k_pad, mla_precision, max_rel_error, files, repack_experts}
     mla      [ {layer, prefix, source {tensor, format}, w_kc: PROJ, w_vc: PROJ} ]  (one per MLA layer)
     experts  (only with --repack-experts) {layout "aiter_moe_a4w4", ...its description,
               groups [ {layer, file, tensors [names]} ]}: routed-expert tensors under their source names,
