@@ -139,7 +139,8 @@ def plan_option(name: str, help_text: str):
     type=int,
     default=os.cpu_count() or 1,
     show_default="number of cores",
-    help="Worker processes, one work item (layer) each; output is identical for every count.",
+    help="Worker processes, one work item (layer) each; output is identical for every count. A Hub SRC read by "
+    "range requests (--files other than copy) is read by one process.",
 )
 @click.option(
     "--repack-experts",
