@@ -215,7 +215,8 @@ def print_verify(report: VerifyReport, as_json: bool) -> None:
 def verify_command(out, as_json):
     """Check a converted OUT: hashes, geometry, untouched index, errors recomputed from the source.
 
-    Exit code 0 when every check passed; an interrupted output (no manifest) is reported incomplete. When the
+    Exit code 0 when every check passed; an interrupted output (no manifest) is reported incomplete (exit code
+    1, as for a failed check). When the
     source cannot be reached only OUT's own files are checked: the verdict says so, exit code still 0.
     Refused while a convert, card or push writes OUT; other verifies may run beside it.
     """
