@@ -113,7 +113,9 @@ def card_metadata(manifest: dict, source_meta: dict, *, overlay_only: bool, base
     source_tags = [t for t in source_meta.get("tags") or [] if isinstance(t, str)]
     mxfp4 = ["mxfp4"] if "mxfp4" in _stored(mf.parse_mla(manifest)) else []
     tags = list(dict.fromkeys([*TAGS, *mxfp4, *source_tags]))
-    extra = {"base_model_relation": "quantized"} if base else {}
+    # "quantized" only where glm-pack quantized something: an all-BF16 overlay re-lays the base's weights, for which
+    # the Hub has no relation value, so it is left to the Hub to infer
+    extra = {"base_model_relation": "quantized"} if base and mxfp4 else {}
     return ModelCardData(base_model=base, library_name=library, tags=tags, **carried, **extra)
 
 

@@ -255,6 +255,9 @@ def test_card_describes_the_stored_precisions(precision_outs, case):
     assert ("batched_gemm_a16wfp4" in kernels, "plain BF16 batched matmul" in kernels) == (any_mx, any_bf)
     tags = ModelCard(text).data.to_dict()["tags"]
     assert ("mxfp4" in tags) == any_mx, tags
+    data = ModelCard(render_card(precision_outs[case], base_model="zai-org/GLM-5")).data.to_dict()
+    assert data["base_model"] == "zai-org/GLM-5"  # nothing quantized (all BF16): no claim that it is
+    assert data.get("base_model_relation") == ("quantized" if any_mx else None), data
 
 
 @pytest.mark.parametrize("case", ["auto-all-bf16", "mixed", "bf16"])
