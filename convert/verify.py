@@ -89,7 +89,8 @@ def read_manifest(out: Path) -> dict:
 def _manifest_bytes(out: Path, path: Path) -> bytes:
     """The bytes of ``path``, OUT's manifest, or the GlmPackError saying why OUT has none."""
     if not out.is_dir():
-        raise GlmPackError(f"{out} is not a directory: there is no converted output to check")
+        why = "is a file, not a folder" if out.exists() else "does not exist"
+        raise GlmPackError(f"{out} {why}: there is no converted output to check")
     if not path.is_file() and (out / mf.MANIFEST_NAME).is_file():
         raise GlmPackError(
             f"{out} is the {mf.OVERLAY_DIR}/ folder of a converted output: pass the output itself, "

@@ -597,7 +597,10 @@ def test_verify_tells_a_missing_out_and_a_corrupt_manifest_from_an_interrupted_o
     path that happens to contain the word "incomplete"."""
     r = CliRunner().invoke(main, ["verify", str(tmp_path / "does-not-exist")])
     assert r.exit_code == 1 and "INCOMPLETE" not in r.output, r.output
-    assert f"{tmp_path / 'does-not-exist'} is not a directory" in r.output and "FAILED" in r.output, r.output
+    assert f"{tmp_path / 'does-not-exist'} does not exist" in r.output and "FAILED" in r.output, r.output
+    (tmp_path / "a-file").write_text("x")
+    report = verify(tmp_path / "a-file")  # the CLI's own check refuses a file first (usage error, exit 2)
+    assert not report.ok and f"{tmp_path / 'a-file'} is a file, not a folder" in str(report.problems), report.problems
     out = tmp_path / "incomplete-runs" / "out"
     convert(synth_ckpt("glm-5", "bf16"), out, ConvertOptions(files="none"))
     (out / "glm-pack" / "manifest.json").write_text("{")
