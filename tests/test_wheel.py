@@ -17,7 +17,7 @@ import pytest
 
 REPO = Path(__file__).parents[1]
 PACKAGES = ("packing", "convert", "runtime", "cards")  # folder X is glm_pack.X
-BUILD_INPUTS = ("pyproject.toml", "README.md")  # what the build reads besides the package folders
+BUILD_INPUTS = ("pyproject.toml", "README.md", "LICENSE")  # what the build reads besides the package folders
 
 
 def source_files() -> set[str]:
@@ -53,6 +53,13 @@ def test_wheel_holds_every_module_and_data_file_of_the_source_tree(wheel):
     assert {"glm_pack/cards/glm-5.toml", "glm_pack/cards/model_card.md"} <= expected  # the walk sees data files
     assert not expected - packed, f"missing from the wheel: {sorted(expected - packed)}"
     assert not packed - expected, f"in the wheel but not in the source tree: {sorted(packed - expected)}"
+
+
+def test_wheel_ships_the_license_text(wheel):
+    """pyproject declares Apache-2.0; the wheel carries the text itself (PEP 639 ``license-files``)."""
+    (licence,) = [name for name in wheel.namelist() if name.endswith(".dist-info/licenses/LICENSE")]
+    assert wheel.read(licence) == (REPO / "LICENSE").read_bytes()
+    assert b"Apache License" in wheel.read(licence)[:200]
 
 
 def test_wheel_entry_points_name_modules_it_holds(wheel):
