@@ -261,7 +261,7 @@ def _creates_branch(revision: str) -> bool:
 def _dry_run_base(api, repo_id: str, revision: str) -> str | None:
     """For a dry run, without creating anything: the revision whose files the push would upload onto, i.e.
     ``revision`` when it exists, else ``main`` when the push would create it (at main's head), None when the repo
-    does not exist or the revision cannot be created."""
+    does not exist; RevisionNotFoundError, as the push gets, for a missing revision it cannot create (``refs/pr/N``)."""
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
     for candidate in (revision, "main") if _creates_branch(revision) else (revision,):
@@ -270,6 +270,8 @@ def _dry_run_base(api, repo_id: str, revision: str) -> str | None:
         except RepositoryNotFoundError:
             return None
         except RevisionNotFoundError:
+            if PR_REF.fullmatch(candidate):  # a pull request that is not open: the push is refused, so is its plan
+                raise
             continue
         return candidate
     return None

@@ -266,10 +266,13 @@ def test_push_into_an_open_pull_request(hub, out):
         assert result.exit_code == 0, result.output
     assert hub.files(REPO, "refs/pr/1") == {"config.json": b"{}", **published(out, overlay_only=True)}
     assert hub.files(REPO, "main") == {"config.json": b"{}"} and not hub.kinds("branch")
-    result = CliRunner().invoke(main, ["push", str(out), REPO, "--overlay-only", "--revision", "refs/pr/2"])
-    assert result.exit_code == 1 and result.stderr.strip().splitlines() == [
-        f"glm-pack: error: revision 'refs/pr/2' not found in {REPO} at {hub.endpoint}"
-    ], result.output
+    for dry_run in (["--dry-run"], []):  # a PR that is not open: the plan is refused as the push is
+        result = CliRunner().invoke(
+            main, ["push", str(out), REPO, "--overlay-only", "--revision", "refs/pr/2", *dry_run]
+        )
+        assert result.exit_code == 1 and result.stderr.strip().splitlines() == [
+            f"glm-pack: error: revision 'refs/pr/2' not found in {REPO} at {hub.endpoint}"
+        ], result.output
 
 
 def test_interrupted_push_resumes_and_uploads_only_the_rest(hub, out):
