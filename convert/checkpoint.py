@@ -293,14 +293,16 @@ class Checkpoint:
         fmt = self.format_of(weight_name)
         scale = self.read_scale(fmt) if fmt.scale else None
         weight = self.read_raw(fmt.weight)
-        if digests is not None:
-            for name, raw in ((fmt.weight, weight), (fmt.scale, scale)):
-                if raw is not None:
-                    digests[name] = hashlib.sha256(raw.contiguous().view(torch.uint8).numpy()).hexdigest()
+        _record_digests(digests, ((fmt.weight, weight), (fmt.scale, scale)))
         return formats.dequantize(fmt, weight, scale), ((weight, scale) if fmt.name == "mxfp4" else None)
 
-    def read_mxfp4(self, weight_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """An MXFP4 weight as stored: (codes u8 ``[out, in/2]``, E8M0 scales u8 ``[out, in/32]``)."""
+    def read_mxfp4(
+        self, weight_name: str, *, digests: dict[str, str] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MXFP4 weight as stored: (codes u8 ``[out, in/2]``, E8M0 scales u8 ``[out, in/32]``).
+
+        ``digests``: filled with the sha256 of the codes and of the scales (the same bytes, no second read).
+        """
         fmt = self.format_of(weight_name)
         if fmt.name != "mxfp4":
             raise FormatError(
@@ -308,7 +310,9 @@ class Checkpoint:
                 file=self.store.where(self.info(weight_name).file),
                 tensor=weight_name,
             )
-        return self.read_raw(fmt.weight), self.read_scale(fmt)
+        codes, scales = self.read_raw(fmt.weight), self.read_scale(fmt)
+        _record_digests(digests, ((fmt.weight, codes), (fmt.scale, scales)))
+        return codes, scales
 
     def read_scale(self, fmt: formats.WeightFormat) -> torch.Tensor:
         """The stored scale tensor of ``fmt``; NonFiniteError naming it and its shard if it holds NaN/Inf (for
@@ -353,6 +357,15 @@ class Checkpoint:
                     file=self.store.where(self.info(name).file),
                     tensor=name,
                 )
+
+
+def _record_digests(digests: dict[str, str] | None, tensors) -> None:
+    """Put the sha256 of each stored ``(name, tensor)``'s bytes into ``digests`` (nothing when it is None; a None
+    tensor, an absent scale, is skipped)."""
+    if digests is not None:
+        for name, raw in tensors:
+            if raw is not None:
+                digests[name] = hashlib.sha256(raw.contiguous().view(torch.uint8).numpy()).hexdigest()
 
 
 def open_checkpoint(src: str | os.PathLike, *, card: str | None = None) -> Checkpoint:

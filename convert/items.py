@@ -178,18 +178,19 @@ def run_mla_item(ckpt: Checkpoint, item: WorkItem, settings: Settings, overlay: 
     return write_item(overlay, item, tensors, {}, source, mla=entry)
 
 
-def _repack(ckpt: Checkpoint, weight: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _repack(ckpt: Checkpoint, weight: str, digests: dict[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
     try:
-        return experts.repack_expert(*ckpt.read_mxfp4(weight), name=weight)
+        return experts.repack_expert(*ckpt.read_mxfp4(weight, digests=digests), name=weight)
     except GlmPackError as err:
         raise _locate(err, ckpt, weight) from None
 
 
 def run_experts_item(ckpt: Checkpoint, item: WorkItem, overlay: Path) -> dict:
-    """Repack one group of expert weights into aiter's a4w4 layout, streaming tensor by tensor."""
+    """Repack one group of expert weights into aiter's a4w4 layout, streaming tensor by tensor: each source tensor
+    is read once, and its sha256 (for the manifest) comes from the bytes repacked."""
     tensors: dict[str, LazyTensor] = {}
     layouts: dict[str, dict] = {}
-    source: dict[str, str] = {}
+    source: dict[str, str] = {}  # sha256 of the source tensors, filled while the file is written
     for weight in item.weights:
         scale_name = weight + "_scale"
         if ckpt.source_tensors(weight) != [weight, scale_name]:
@@ -201,17 +202,16 @@ def run_experts_item(ckpt: Checkpoint, item: WorkItem, overlay: Path) -> dict:
         memo: dict[str, torch.Tensor] = {}
 
         def make_codes(weight=weight, memo=memo):
-            codes, memo["scales"] = _repack(ckpt, weight)
+            codes, memo["scales"] = _repack(ckpt, weight, source)
             return codes
 
         def make_scales(weight=weight, memo=memo):
-            return memo.pop("scales") if "scales" in memo else _repack(ckpt, weight)[1]
+            return memo.pop("scales") if "scales" in memo else _repack(ckpt, weight, source)[1]
 
         for name, kind, make in ((weight, "weight", make_codes), (scale_name, "weight_scale", make_scales)):
             info = ckpt.info(name)
             tensors[name] = LazyTensor(torch.uint8, info.shape, make)
             layouts[name] = experts.tensor_layout(kind, info.shape)
-            source[name] = ckpt.raw_sha256(name)
     return write_item(
         overlay,
         item,

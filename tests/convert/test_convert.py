@@ -22,6 +22,7 @@ from glm_pack.convert.checkpoint import Checkpoint, open_checkpoint
 from glm_pack.convert.cli import main
 from glm_pack.convert.convert import ConvertOptions, convert
 from glm_pack.convert.items import plan_items
+from glm_pack.convert.safetensors_io import LocalFile
 from glm_pack.convert.verify import verify
 from glm_pack.packing.errors import GlmPackError, ManifestError
 from glm_pack.packing.mxfp4 import dequantize, quantize
@@ -518,6 +519,31 @@ def test_expert_files_are_split_to_stay_under_the_file_bound(synth_ckpt, file_by
     assert [i.file for i in experts] == [f"experts-003-{n:02d}.safetensors" for n in range(1, len(sizes) + 1)]
     names = [f"model.layers.3.mlp.experts.{e}.{p}_proj.weight" for e in (0, 1) for p in ("down", "gate", "up")]
     assert [w for i in experts for w in i.weights] == names and {i.layer for i in experts} == {3}
+
+
+def test_repacked_expert_tensors_are_read_once(synth_ckpt, tmp_path, monkeypatch):
+    """Each source expert tensor (codes and scales) is read from its file once: the bytes repacked are the bytes whose
+    sha256 the manifest records (at 256 experts a layer is ~5 GB: a second pass would read it all again)."""
+    src = synth_ckpt("glm-5", "mxfp4-quark", layers=4, experts=2)
+    ckpt = open_checkpoint(src)
+    weights = [w for i in plan_items(ckpt, "aiter-a4w4") if i.kind == "experts" for w in i.weights]
+    names = [t for w in weights for t in (w, w + "_scale")]
+    starts = {(str(src / ckpt.info(t).file), ckpt.info(t).begin): t for t in names}
+    reads = collections.Counter()
+    read = LocalFile.read
+
+    def counting(self, offset, length):
+        if (str(self.path), offset) in starts:
+            reads[starts[str(self.path), offset]] += 1
+        return read(self, offset, length)
+
+    monkeypatch.setattr(LocalFile, "read", counting)
+    out = tmp_path / "out"
+    convert(src, out, ConvertOptions(files="none", workers=1, repack_experts="aiter-a4w4"))
+    assert len(names) == 12 and reads == dict.fromkeys(names, 1)
+    recorded = manifest(out)["source"]["tensors"]
+    for t in names:
+        assert recorded[t] == hashlib.sha256(ckpt.read_raw(t).numpy()).hexdigest()
 
 
 def test_nan_scale_of_a_repacked_expert_is_refused(synth_ckpt, tmp_path, ckpt_copy, edit_tensor):
