@@ -12,8 +12,9 @@ Top-level keys (schema ``glm-pack/manifest`` version 1)::
     options  {quant_mode, k_pad, mla_precision, max_rel_error, files, repack_experts}
     mla      [ {layer, prefix, source {tensor, format}, w_kc: PROJ, w_vc: PROJ} ]  (one per MLA layer)
     experts  (only with --repack-experts) {layout "aiter_moe_a4w4", ...its description,
-              groups [ {layer, file, tensors [names]} ]}: routed-expert tensors under their source names,
-              each shuffled (tensors[name].layout says how, e.g. {"layout": "aiter_shuffle_16x16"})
+              groups [ {layer, file, tensors [names]} ]} (one group per overlay file; a layer whose experts
+              pass convert's file bound, as GLM-5's 256 do, fills several): routed-expert tensors under their
+              source names, each shuffled (tensors[name].layout says how, e.g. {"layout": "aiter_shuffle_16x16"})
     tensors  {overlay tensor name: {file, dtype, shape, sha256, layout (experts only)}}
     files    {overlay file name (relative to glm-pack/): {size, sha256}}
     kernel_configs {route, configs {arch: {op: {M bucket: {config key: value}}}}}
@@ -309,19 +310,25 @@ def _new_layer(entry: dict, seen: set[int], where: str) -> int:
 
 
 def parse_experts(manifest: dict) -> list[tuple[int, str, list[str]]]:
-    """Validate the optional experts section; returns [(layer, file, tensor names)] (empty when absent)."""
+    """Validate the optional experts section; returns [(layer, file, tensor names)] (empty when absent). A layer may
+    have several groups (its experts split over files), a file only one."""
     section = manifest.get("experts")
     if section is None:
         return []
     if not isinstance(section, dict) or section.get("layout") != "aiter_moe_a4w4":
         _fail("experts.layout must be 'aiter_moe_a4w4'")
     tensors = parse_tensors(manifest)
-    out, seen = [], set()
+    out, files = [], set()
     for i, group in enumerate(_get(section, "groups", list, "experts")):
         where = f"experts.groups[{i}]"
         names = _get(group, "tensors", list, where)
         file = _get(group, "file", str, where)
-        layer = _new_layer(group, seen, where)
+        layer = _get(group, "layer", int, where)
+        if layer < 0:
+            _fail(f"{where}.layer {layer} is negative")
+        if file in files:
+            _fail(f"{where}.file {file[:80]!r} is repeated")
+        files.add(file)
         for name in names:
             if not isinstance(name, str) or name not in tensors or tensors[name].file != file:
                 _fail(f"{where} names tensor {str(name)[:80]!r} that the tensors table lacks in {file}")

@@ -257,6 +257,21 @@ def test_manifest_with_experts_and_bf16_projection_parses():
     assert (group_layer, file, len(names)) == (0, "experts-000.safetensors", 2)
 
 
+def test_manifest_with_a_layer_of_experts_in_two_files_parses():
+    """convert splits a layer's experts over files of at most 5 GB (GLM-5's 256 experts take 5.13 GB): one group per
+    file, each naming the layer."""
+    m = _with_experts(_manifest())
+    m["tensors"][EXPERT_S]["file"] = "experts-000-02.safetensors"
+    m["files"]["experts-000-02.safetensors"] = {"size": 0, "sha256": "0" * 64}
+    m["experts"]["groups"] = [
+        {"layer": 0, "file": "experts-000.safetensors", "tensors": [EXPERT_W]},
+        {"layer": 0, "file": "experts-000-02.safetensors", "tensors": [EXPERT_S]},
+    ]
+    groups = [(0, "experts-000.safetensors", [EXPERT_W]), (0, "experts-000-02.safetensors", [EXPERT_S])]
+    assert mf.parse_experts(m) == groups
+    assert len(mf.parse_mla(m)) == 1
+
+
 def _k_stored_200(m):
     """k_stored 200 >= k_logical 96, not a multiple of 32, with tensors shaped as 200 would give (100, 200 // 32)."""
     m["mla"][0]["w_kc"]["layout"].update(k_stored=200)
@@ -334,7 +349,10 @@ def _k_stored_64(m):
         (lambda m: _with_experts(m)["tensors"][EXPERT_S]["layout"].update(shape=[512, 8]), "no known shuffle layout"),
         (lambda m: _with_experts(m)["tensors"][EXPERT_W].update(dtype="BF16"), "must be U8"),
         (lambda m: _with_experts(m)["experts"]["groups"][0].update(layer=-1), r"groups\[0\].layer -1 is negative"),
-        (lambda m: _with_experts(m)["experts"]["groups"].append(m["experts"]["groups"][0]), r"groups\[1\].layer 0 is"),
+        (
+            lambda m: _with_experts(m)["experts"]["groups"].append(m["experts"]["groups"][0]),
+            r"groups\[1\].file 'experts-000.safetensors' is repeated",
+        ),
     ],
 )
 def test_manifest_rejects(edit, match):
