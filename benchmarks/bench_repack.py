@@ -5,11 +5,14 @@ experts have GLM-5's true shapes, gate/up ``[2048, 6144]`` and down ``[6144, 204
 converted by the real CLI in fresh processes, page cache dropped first (root; a real checkpoint never fits in it):
 * ``--repack-experts none`` (the 4 MLA layers alone), then ``aiter-a4w4`` with 1 and 2 workers, each ``--repeats``
   times; wall time and peak RSS of the whole process tree, the load average before each run;
+* with ``--split``, also 1 and 2 workers with the layer's experts written as 2 files (2 work items, the file bound
+  lowered in the converting process): one MoE layer is one item (two at 256 experts, 5 GB + 0.13 GB), so this is
+  what 2 workers give on a real checkpoint, whose ~75 MoE layers are separate items;
 * the I/O floor: reading the expert tensors' byte ranges of the source and writing + fsyncing as many bytes.
 ``--files none``: the originals' copy step is measured by bench_convert.py. One source per ``--experts`` count, made,
 measured and deleted in turn (a layer of 256 experts is ~5.2 GB; time and memory per expert count show the scaling).
 
-    python benchmarks/bench_repack.py [--workdir /tmp/glm-pack-bench] [--experts 32 64 128] [--repeats 2]
+    python benchmarks/bench_repack.py [--workdir /tmp/glm-pack-bench] [--experts 32 64 128] [--repeats 2] [--split]
 """
 
 from __future__ import annotations
@@ -78,11 +81,20 @@ def load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def convert(src: Path, out: Path, repack: str, workers: int) -> tuple[float, int, str]:
-    """One cold run of the CLI: (wall seconds, peak RSS of the process tree, load average before it)."""
+# The CLI with convert's expert file bound set to {} bytes (the items then go to the workers as usual).
+SPLIT_CLI = (
+    "import functools, sys; import glm_pack.convert.convert as c; "
+    "c.plan_items = functools.partial(c.plan_items, file_bytes={}); from glm_pack.convert.cli import main; main()"
+)
+
+
+def convert(src: Path, out: Path, repack: str, workers: int, file_bytes: int | None) -> tuple[float, int, str]:
+    """One cold run of the CLI (expert files of at most ``file_bytes`` when given): (wall seconds, peak RSS of the
+    process tree, load average before it)."""
     drop_caches()
     before = load()
-    cmd = [sys.executable, "-m", "glm_pack.convert.cli", "convert", str(src), str(out), "--files", "none"]
+    cli = ["-c", SPLIT_CLI.format(file_bytes)] if file_bytes else ["-m", "glm_pack.convert.cli"]
+    cmd = [sys.executable, *cli, "convert", str(src), str(out), "--files", "none"]
     cmd += ["--repack-experts", repack, "--workers", str(workers), "--overwrite", "--quiet"]
     seconds, rss = run_measured(cmd)
     return seconds, rss, before
@@ -101,6 +113,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/glm-pack-bench"))
     parser.add_argument("--experts", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--split", action="store_true", help="also runs with the layer's experts in 2 files")
     args = parser.parse_args()
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
@@ -111,15 +124,17 @@ def main() -> None:
         ranges = expert_ranges(src)
         gib = sum(n for _, _, n in ranges) / 2**30
         out = work / "out"
-        runs = [("MLA only (--repack-experts none)", "none", 1)] * args.repeats
-        runs += [("aiter-a4w4", "aiter-a4w4", w) for w in (1, 2) for _ in range(args.repeats)]
+        half = sum(n for _, _, n in ranges) // 2 + 1  # two files of about half the layer each
+        runs = [("MLA only (--repack-experts none)", "none", 1, None)] * args.repeats
+        for label, file_bytes in [("aiter-a4w4", None)] + [("aiter-a4w4, experts in 2 files", half)] * args.split:
+            runs += [(label, "aiter-a4w4", w, file_bytes) for w in (1, 2) for _ in range(args.repeats)]
         hashes = {}
-        for label, repack, workers in runs:
-            seconds, rss, before = convert(src, out, repack, workers)
+        for label, repack, workers, file_bytes in runs:
+            seconds, rss, before = convert(src, out, repack, workers, file_bytes)
             if repack != "none":
-                hashes.setdefault(workers, file_hashes(out))
+                hashes.setdefault((workers, file_bytes), file_hashes(out))
             row(experts, gib, label, workers, f"{seconds:.1f}", f"{rss / 2**20:.0f}", before)
-        if hashes[1] != hashes[2]:
+        if any(hashes[1, f] != hashes[2, f] for _, _, _, f in runs[args.repeats :]):
             raise SystemExit(f"{experts} experts: the overlay differs between 1 and 2 workers")
         shutil.rmtree(out)
         for _ in range(args.repeats):
