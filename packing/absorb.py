@@ -43,11 +43,20 @@ class StoredProjection:
 def _head_sum_squares(t: torch.Tensor) -> torch.Tensor:
     """Sums of squares of float32 ``t`` per index of its first axis (per head), float64 ``[t.shape[0]]``: float32
     norms along the last axis (fast), summed in float64; in float64 throughout where a row's amax is below 2**-60 or
-    its n squares could sum past 2**124 (amax above 2**62 / sqrt(n)), where float32 would under- or overflow."""
-    amax = t.abs().amax(dim=-1)
-    amax = amax[amax > 0]
-    wide = bool(((amax < 2.0**-60) | (amax > 2.0**62 / math.sqrt(max(t.shape[-1], 1)))).any())
-    norms = torch.linalg.vector_norm(t, dim=-1, dtype=torch.float64 if wide else None)
+    its n squares could sum past 2**124 (amax above 2**62 / sqrt(n)), where float32 would under- or overflow.
+
+    A row's amax lies within [norm / sqrt(n), norm], so only rows whose float32 norm is near those bounds (or not
+    finite, or 0) are looked at element by element: the common case reads ``t`` once, with no temporary of its size.
+    """
+    root_n = math.sqrt(max(t.shape[-1], 1))
+    low, high = 2.0**-60, 2.0**62 / root_n
+    norms = torch.linalg.vector_norm(t, dim=-1)
+    near = ~((norms > 2 * low * root_n) & (norms < high / 2))  # NaN and Inf norms included
+    if bool(near.any()):
+        amax = t[near].abs().amax(dim=-1)
+        amax = amax[amax > 0]
+        if bool(((amax < low) | (amax > high)).any()):
+            norms = torch.linalg.vector_norm(t, dim=-1, dtype=torch.float64)
     return norms.double().square().reshape(t.shape[0], -1).sum(dim=1)
 
 

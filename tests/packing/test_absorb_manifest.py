@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from glm_pack.packing import manifest as mf
-from glm_pack.packing.absorb import absorb_layer, rel_errors, store_projection
+from glm_pack.packing.absorb import _head_sum_squares, absorb_layer, rel_errors, store_projection
 from glm_pack.packing.errors import FormatError, ManifestError, NonFiniteError, PlanError
 from glm_pack.packing.mla import MlaGeometry
 from glm_pack.packing.mxfp4 import dequantize, quantize
@@ -460,6 +460,20 @@ def test_rel_error_holds_at_every_float32_magnitude(scale):
     """Squares of float32 values neither overflow nor underflow: a 10% perturbation reads 0.1 at any scale."""
     w = torch.randn(8, 512, generator=torch.Generator().manual_seed(0)) * scale
     assert rel_error(w * 1.1, w) == pytest.approx(0.1, rel=1e-5)
+
+
+@pytest.mark.parametrize("odd_row", [None, 0.0, 2.0**-70, 2.0**-61, 2.0**-59, 2.0**57, 2.0**58, 2.0**63, math.inf])
+def test_head_sums_of_squares_match_float64_whatever_one_row_holds(odd_row):
+    """Per-head sums of squares against float64 throughout: normal rows alone (the float32 norms), and with one row
+    scaled to zero, near float32's under- or overflow on either side of the float64 switch (amax 2**-60 and
+    2**62 / sqrt(512) = 2**57.5), or Inf; within float32 rounding of the float64 sums in every head."""
+    t = torch.randn(4, 8, 512, generator=torch.Generator().manual_seed(1))
+    if odd_row is not None:
+        t[2, 3] = t[2, 3] / t[2, 3].abs().max() * odd_row if odd_row else 0.0
+    got = _head_sum_squares(t)
+    want = t.double().square().sum(dim=(1, 2))
+    assert got.dtype == torch.float64 and got.shape == (4,)
+    assert torch.equal(got.isinf(), want.isinf()) and torch.allclose(got, want, rtol=1e-6, atol=0), (got, want)
 
 
 def test_rel_error_holds_where_a_row_of_squares_sums_past_float32():
