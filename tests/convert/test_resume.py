@@ -666,9 +666,12 @@ def test_ctrl_c_exits_cleanly_and_leaves_a_resumable_state(converted, tmp_path):
     src, clean = converted
     out = tmp_path / "out"
     # The CLI, held for a minute after its first journalled item, so the Ctrl-C lands mid-run on a loaded machine too.
+    # Ctrl-C's default action is restored first: a test run started as a shell's background job inherits SIGINT
+    # ignored (POSIX shells without job control do that), and the CLI would then never see it.
     held = textwrap.dedent(
         """
-        import sys, time
+        import signal, sys, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from glm_pack.convert import state
         from glm_pack.convert.cli import main
         real = state.Journal.append
