@@ -5,7 +5,8 @@ A card says how to recognise a family (``[detect]``), where its MLA geometry liv
 (``[layers]``: selectors, see :func:`select_layers`), every tensor a checkpoint of the family holds
 (``[[tensors]]``: name template, shape expressions over config keys, dtype, role, scope), the default
 recipe (``[recipe]``), per-arch kernel configs for each route (``[kernels]``) and what synthetic
-checkpoints use (``[synth]``: the full config, the small profile's overrides, documented assumptions).
+checkpoints use (``[synth]``: the full config, the small profile's overrides, documented assumptions; those
+about the MTP layer have keys ``mtp_*``).
 
 Layer selectors are tried in order; the first whose config key exists decides:
 ``{all = true}``; ``{list_key = K}`` (config[K] lists layer ids); ``{types_key = K, types = [...]}``

@@ -298,9 +298,10 @@ def synthesize(
     return out
 
 
-def assumptions(card: str) -> dict[str, str]:
-    """The card's documented assumptions (values no public config confirms), key -> explanation."""
-    return dict(load_card(card).assumptions)
+def assumptions(card: str, *, mtp: bool = True) -> dict[str, str]:
+    """The card's documented assumptions (values no public config confirms), key -> explanation; without the MTP
+    layer (``mtp=False``) those about it (keys ``mtp_*``) do not apply and are left out."""
+    return {k: why for k, why in load_card(card).assumptions.items() if mtp or not k.startswith("mtp_")}
 
 
 @click.command("synth")
@@ -347,5 +348,5 @@ def synth_command(out, card_name, layers, experts, fmt, profile, seed, mtp, shar
     shards = sorted(path.glob("model-*.safetensors"))
     size = sum(p.stat().st_size for p in shards)
     click.echo(f"wrote {path}: {counted(len(shards), 'shard')}, {size_text(size)} ({card_name}, {fmt}, {profile})")
-    for key, why in assumptions(card_name).items():
+    for key, why in assumptions(card_name, mtp=mtp).items():
         click.echo(f"assumed {key}: {why}")

@@ -218,6 +218,16 @@ def test_flash_assumptions_are_surfaced(tmp_path):
     assert "model.language_model.layers.0.self_attn.q_conv1d.weight" in ck
 
 
+@pytest.mark.parametrize("mtp", [True, False])
+def test_mtp_assumption_printed_only_with_the_mtp_layer(tmp_path, mtp):
+    args = ["synth", str(tmp_path / "s"), "--card", "glm-5", "--layers", "1", "--experts", "1", "--format", "bf16"]
+    result = CliRunner().invoke(main, args + ([] if mtp else ["--no-mtp"]))
+    assert result.exit_code == 0, result.output
+    assert ("assumed mtp_shared_head" in result.output) is mtp
+    assert "assumed router_dtype" in result.output  # the other assumptions stay either way
+    assert bool(open_checkpoint(tmp_path / "s").layer_plan.mtp) is mtp
+
+
 TRANSFORMERS_FAMILIES = [
     ("glm-5.2", "GlmMoeDsaConfig"),
     ("deepseek-v3", "DeepseekV3Config"),
