@@ -1,16 +1,22 @@
 """``glm-pack push``: publish a converted OUT to the Hugging Face Hub, resumably, through huggingface_hub.
 
 Resumability is glm-pack's own and does not depend on Xet: the local files (size, sha256 / git blob id) are
-compared with what the target revision already holds (``get_paths_info``) and only missing or different
-files are uploaded, in commits of bounded size (``create_commit``; the client picks the regular or LFS
-path per file as the Hub's preupload answer says). The manifest and the model card go in the last
-commit, so a remote overlay without its manifest is visibly unfinished, and a re-run after an
+compared with what the target revision's head commit holds (``get_paths_info`` at that commit's sha, read once
+before planning) and only missing or different files are uploaded, in commits of bounded size (``create_commit``;
+the client picks the regular or LFS path per file as the Hub's preupload answer says). The manifest and the model
+card go in the last commit, so a remote overlay without its manifest is visibly unfinished, and a re-run after an
 interruption uploads only what is left. A remote manifest that differs from the local one is deleted in
 the first commit when files go up before the new one, so no commit leaves an old manifest over new files.
 Files under the revision's ``glm-pack/`` that OUT does not have (an earlier overlay's layers or repacked
 experts) are deleted in the last commit, with the new manifest: glm-pack owns that folder. An unchanged OUT
 re-pushed uploads and deletes nothing. Each commit is checked to hold all its files (the client silently leaves out
 those a .gitignore of the repo matches), so the manifest never goes up over missing overlay files.
+
+The plan holds only while nobody else commits to the revision: every commit names its parent (``parent_commit``:
+the planned head, then the previous commit of this push), and the Hub refuses it (412) when the revision moved
+meanwhile (another push, a card edited on the Hub). That ends the push in one line: the commits made so far stay
+and the same command re-plans against the new head. The same holds for ``refs/pr/N`` (the client sends
+``parent_commit`` the same way for any revision; not checked against the live Hub).
 
 The token comes from ``HF_TOKEN`` or the login cache (huggingface_hub's own lookup); it is passed to
 the client only and never printed or written. Every failure becomes one :class:`HubError` line.
@@ -76,6 +82,7 @@ class Upload:
 class PushPlan:
     repo_id: str
     revision: str
+    base: str | None = None  # sha of the revision's head commit the plan compares with (None: no repo yet)
     uploads: list[Upload] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     commits: list[list[Upload]] = field(default_factory=list)
@@ -160,9 +167,10 @@ def _same(local: LocalFile, remote) -> bool:
 
 
 def plan_push(api, repo_id: str, files: list[LocalFile], options: PushOptions, base: str | None) -> PushPlan:
-    """Compare local files with the paths info of revision ``base`` (what the target revision holds before the
-    upload; None: nothing, a repo not created yet); plan uploads of what is missing or different."""
-    plan = PushPlan(repo_id, options.revision)
+    """Compare local files with the paths info of commit ``base`` (the sha of the target revision's head before
+    the upload, read once: the plan does not follow a branch that moves; None: nothing, a repo not created yet);
+    plan uploads of what is missing or different."""
+    plan = PushPlan(repo_id, options.revision, base)
     remote = {}
     if base is not None:
         plan.stale = stale_overlay(api, repo_id, files, base)
@@ -258,22 +266,28 @@ def _creates_branch(revision: str) -> bool:
     return revision != "main" and not PR_REF.fullmatch(revision)
 
 
+def _head(api, repo_id: str, revision: str) -> str:
+    """The sha of the commit ``revision`` points at now: the push plans against it and commits onto it."""
+    sha = api.repo_info(repo_id, revision=revision).sha
+    if sha is None:
+        raise HubError(f"the Hub named no head commit for revision {revision!r} of {repo_id}")
+    return sha
+
+
 def _dry_run_base(api, repo_id: str, revision: str) -> str | None:
-    """For a dry run, without creating anything: the revision whose files the push would upload onto, i.e.
-    ``revision`` when it exists, else ``main`` when the push would create it (at main's head), None when the repo
+    """For a dry run, without creating anything: the head commit the push would upload onto, i.e. that of
+    ``revision`` when it exists, else main's when the push would create it (at main's head), None when the repo
     does not exist; RevisionNotFoundError, as the push gets, for a missing revision it cannot create (``refs/pr/N``)."""
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
     for candidate in (revision, "main") if _creates_branch(revision) else (revision,):
         try:
-            api.repo_info(repo_id, revision=candidate)
+            return _head(api, repo_id, candidate)
         except RepositoryNotFoundError:
             return None
         except RevisionNotFoundError:
             if PR_REF.fullmatch(candidate):  # a pull request that is not open: the push is refused, so is its plan
                 raise
-            continue
-        return candidate
     return None
 
 
@@ -323,12 +337,13 @@ def _push_held(
             base = _dry_run_base(api, repo_id, options.revision)
         else:
             _ensure_target(api, repo_id, options)
-            base = options.revision
+            base = _head(api, repo_id, options.revision)  # a new branch: main's head, where it was created
         plan = plan_push(api, repo_id, files, options, base)
         report.plan = plan
         if options.dry_run:
             return report
         total = len(plan.uploads)
+        parent = plan.base
         for i, commit in enumerate(plan.commits):
             last = i == len(plan.commits) - 1
             ops = (
@@ -337,8 +352,11 @@ def _push_held(
                 + _deletions(plan.stale if last else [])
             )
             suffix = f" ({i + 1}/{len(plan.commits)})" if len(plan.commits) > 1 else ""
-            info = api.create_commit(repo_id, ops, commit_message=message + suffix, revision=options.revision)
+            info = api.create_commit(
+                repo_id, ops, commit_message=message + suffix, revision=options.revision, parent_commit=parent
+            )
             check_committed(api, repo_id, commit, info.oid)
+            parent = info.oid
             report.commit_urls.append(info.commit_url)
             report.uploaded_files += len(commit)
             report.uploaded_bytes += sum(u.file.size for u in commit)
@@ -364,6 +382,15 @@ def _deletions(paths: list[str]) -> list:
     from huggingface_hub import CommitOperationDelete
 
     return [CommitOperationDelete(path_in_repo=p) for p in paths]
+
+
+def _moved(report: PushReport, repo_id: str, revision: str) -> str:
+    """The line for a revision that another commit moved after the plan (the Hub refused ``parent_commit``)."""
+    return (
+        f"revision {revision!r} of {repo_id} changed during the push: another commit landed on it after the upload "
+        f"was planned against {report.plan.base}; {report.uploaded_files} of {len(report.plan.uploads)} files "
+        "committed so far are kept; run the same command again: it plans against the new head and uploads the rest"
+    )
 
 
 def _interrupted(report: PushReport, why: str) -> str:
@@ -396,6 +423,8 @@ def hub_error(err: Exception, repo_id: str, endpoint: str, revision: str, report
                 return HubError(
                     f"permission denied (403): the token may not write to {repo_id} at {endpoint}{hub_says(e)}"
                 )
+            if status == 412:  # parent_commit is no longer the head (huggingface_hub's test_create_commit_conflict)
+                return HubError(_moved(report, repo_id, revision))
             if status == 429:
                 return HubError(
                     f"rate limited (429) by {endpoint}; wait and run the same command again "

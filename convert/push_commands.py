@@ -63,6 +63,7 @@ def _report_json(report: PushReport, repo_id: str) -> dict:
     return {
         "repo_id": repo_id,
         "revision": plan.revision,
+        "base_commit": plan.base,  # the revision's head commit the plan compares with and commits onto (null: no repo)
         "endpoint": report.endpoint,
         "dry_run": report.dry_run,
         "card": str(report.card) if report.card else None,
@@ -148,8 +149,10 @@ def push_command(
     OUT must pass `glm-pack verify`. The model card is refreshed first. Files already on the revision with
     the same size and hash are skipped, the rest goes in commits of bounded size with the manifest and the
     card last, so a re-run after an interruption finishes the job. Files under the revision's glm-pack/ that
-    OUT lacks are deleted in the last commit. OUT stays locked from the verify through the last commit: a
-    convert, card or verify of it is refused meanwhile. Token: HF_TOKEN or `hf auth login`.
+    OUT lacks are deleted in the last commit. A commit by someone else to the revision during the push stops it
+    (the Hub refuses the push's next commit); run it again to plan against the new head. OUT stays locked from the
+    verify through the last commit: a convert, card or verify of it is refused meanwhile. Token: HF_TOKEN or
+    `hf auth login`.
 
     \b
     Examples:

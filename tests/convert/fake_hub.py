@@ -15,11 +15,16 @@ endpoints the client calls for model repos (Xet disabled, i.e. ``HF_HUB_DISABLE_
                                                     shouldIgnore when the branch's .gitignore matches the path
     POST /{repo}.git/info/lfs/objects/batch         basic transfer; no "actions" for objects already stored
     PUT  /_lfs/{oid}                                the bytes of one LFS object (sha256 checked)
-    POST /api/models/{repo}/commit/{rev}            NDJSON header / file / lfsFile / deletedFile lines
+    POST /api/models/{repo}/commit/{rev}            NDJSON header / file / lfsFile / deletedFile lines; 412 when
+                                                    the header's parentCommit is not the branch's head
     POST /api/validate-yaml                         README front matter must be a YAML mapping with sane types
     GET|HEAD /{repo}/resolve/{rev}/{path}           bytes, ETag / X-Repo-Commit / X-Linked-*; Range: 206
 
-A revision is a branch name or the head commit sha of a branch. :meth:`FakeHub.seed` puts files
+A revision is a branch name or the sha of a commit the repo had (its files as that commit left them). A
+commit's header may name ``parentCommit`` (where huggingface_hub puts ``create_commit(parent_commit=)``:
+_commit_api._prepare_commit_payload); unless the branch's head is that commit (or starts with that shorthand) the
+commit is refused with 412 and the Hub's message, as huggingface_hub's own test of the real Hub expects
+(tests/test_hf_api.py::test_create_commit_conflict), and nothing changes. :meth:`FakeHub.seed` puts files
 into a repo directly (one commit). Every request needs ``Authorization: Bearer <token>`` (else 401).
 Every request is recorded in ``hub.requests`` (method, kind, path, body size, Range header; never other
 headers, so tokens are not kept). Errors are injected with :meth:`FakeHub.fail`: an HTTP status
@@ -104,6 +109,11 @@ class Repo:
     branches: dict[str, dict[str, Blob]] = field(default_factory=lambda: {"main": {}})
     heads: dict[str, str] = field(default_factory=lambda: {"main": "0" * 40})
     commits: list[dict] = field(default_factory=list)  # {"branch", "summary", "files": [paths]}
+    trees: dict[str, dict[str, Blob]] = field(default_factory=dict)  # each commit's files by sha, past ones too
+
+    def __post_init__(self) -> None:
+        for branch, sha in self.heads.items():
+            self.trees.setdefault(sha, self.branches[branch])
 
 
 @dataclass
@@ -126,6 +136,9 @@ class Fault:
     error_code: str | None
     headers: dict
     cut: bool = False  # send the headers and half the body, then close
+
+
+BRANCH_MOVED = "The branch was updated since you opened this page. Please refresh and try again."
 
 
 class HubHTTPError(Exception):
@@ -264,8 +277,16 @@ class FakeHub:
                 return branch
         raise HubHTTPError(404, f"Invalid rev id: {rev}", "RevisionNotFound")
 
-    def _branch(self, repo: Repo, rev: str) -> dict[str, Blob]:
-        return repo.branches[self._branch_name(repo, rev)]
+    def _revision(self, repo: Repo, rev: str) -> tuple[str, dict[str, Blob]]:
+        """(commit sha, files) of a revision: a branch (its head), or any commit the repo had, by sha."""
+        rev = unquote(rev)
+        if rev not in repo.branches and rev in repo.trees:
+            return rev, repo.trees[rev]
+        branch = self._branch_name(repo, rev)
+        return repo.heads[branch], repo.branches[branch]
+
+    def _files(self, repo: Repo, rev: str) -> dict[str, Blob]:
+        return self._revision(repo, rev)[1]
 
     def handle(self, kind: str, m: dict, query: dict, body: bytes, base: str):
         """Return (status, headers, body bytes) for a routed request."""
@@ -282,8 +303,7 @@ class FakeHub:
         repo_id = m.get("repo")
         if kind == "repo_info":
             repo = self._repo(repo_id)
-            rev = self._branch_name(repo, m.get("rev") or "main")
-            files = self._branch(repo, rev)
+            sha, files = self._revision(repo, m.get("rev") or "main")
             siblings = [{"rfilename": p} for p in sorted(files)]
             if query.get("blobs", "").lower() in ("true", "1"):
                 for entry in siblings:
@@ -292,10 +312,10 @@ class FakeHub:
                     if "lfs" in info:  # siblings name the LFS sha256 "sha256" (paths-info and tree: "oid")
                         entry["lfs"] = {"sha256": info["lfs"]["oid"], "size": info["size"], "pointerSize": 134}
             return _json(
-                200, {"id": repo_id, "sha": repo.heads[rev], "private": repo.private, "siblings": siblings}
+                200, {"id": repo_id, "sha": sha, "private": repo.private, "siblings": siblings}
             )
         if kind == "tree":
-            files = self._branch(self._repo(repo_id), m["rev"])
+            files = self._files(self._repo(repo_id), m["rev"])
             folder = unquote(m.get("path") or "").strip("/")
             prefix = f"{folder}/" if folder else ""
             entries, dirs = [], set()
@@ -320,15 +340,15 @@ class FakeHub:
             if name in repo.branches:
                 raise HubHTTPError(409, f"Reference already exists: refs/heads/{name}")
             start = (json.loads(body) if body else {}).get("startingPoint", "main")
-            repo.branches[name] = dict(self._branch(repo, start))
-            repo.heads[name] = repo.heads.get(start, "0" * 40)
+            repo.heads[name], files = self._revision(repo, start)
+            repo.branches[name] = dict(files)
             return _json(200, {})
         if kind == "paths_info":
-            files = self._branch(self._repo(repo_id), m["rev"])
+            files = self._files(self._repo(repo_id), m["rev"])
             form = parse_qs(body.decode())
             return _json(200, [files[p].info(p) for p in form.get("paths", []) if p in files])
         if kind == "preupload":
-            files = self._branch(self._repo(repo_id), m["rev"])
+            files = self._files(self._repo(repo_id), m["rev"])
             req = json.loads(body)
             gitignore = files[".gitignore"].data.decode() if ".gitignore" in files else ""
             ignored = _gitignore(req.get("gitIgnore", gitignore))
@@ -370,10 +390,14 @@ class FakeHub:
 
     def _commit(self, repo_id: str, rev: str, body: bytes, base: str):
         repo = self._repo(repo_id)
-        files = self._branch(repo, rev)
+        branch = self._branch_name(repo, rev)
+        files = repo.branches[branch]
         lines = [json.loads(line) for line in body.splitlines() if line.strip()]
         if not lines or lines[0].get("key") != "header":
             raise HubHTTPError(400, "commit payload must start with a header line")
+        parent = lines[0]["value"].get("parentCommit")
+        if parent is not None and not repo.heads[branch].startswith(parent.lower()):
+            raise HubHTTPError(412, BRANCH_MOVED)
         staged = dict(files)
         touched = []
         for line in lines[1:]:
@@ -393,10 +417,9 @@ class FakeHub:
             else:
                 raise HubHTTPError(400, f"unsupported commit line {key!r}")
             touched.append(value["path"])
-        branch = unquote(rev)
         repo.branches[branch] = staged
         oid = hashlib.sha1(f"{repo_id}:{len(repo.commits)}".encode()).hexdigest()
-        repo.heads[branch] = oid
+        repo.heads[branch], repo.trees[oid] = oid, staged
         repo.commits.append({"branch": branch, "summary": lines[0]["value"]["summary"], "files": touched})
         self.committed_files += len(touched)
         return _json(
@@ -431,11 +454,12 @@ class FakeHub:
 
     def _resolve(self, repo_id: str, rev: str, path: str, query: dict):
         repo = self._repo(repo_id)
-        blob = self._branch(repo, rev).get(path)
+        sha, files = self._revision(repo, rev)
+        blob = files.get(path)
         if blob is None:
             raise HubHTTPError(404, "Entry not found", "EntryNotFound")
         etag = blob.sha256 if blob.lfs else blob.blob_id
-        headers = {"ETag": f'"{etag}"', "X-Repo-Commit": repo.heads[self._branch_name(repo, rev)]}
+        headers = {"ETag": f'"{etag}"', "X-Repo-Commit": sha}
         headers["Accept-Ranges"] = "bytes"
         if blob.lfs:
             headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(blob.data))})

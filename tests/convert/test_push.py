@@ -14,12 +14,13 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
 from fake_hub import Blob as FakeBlob
 from fake_hub import FakeHub
-from huggingface_hub import CommitOperationAdd, HfApi, constants
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants
 from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
 
 from glm_pack.convert import push as push_module
@@ -34,6 +35,7 @@ from glm_pack.convert.push import (
     local_files,
     stale_manifest,
 )
+from glm_pack.packing.errors import HubError
 
 REPO = "tester/glm-5-small-gfx950"
 LFS_THRESHOLD = 64 * 1024  # the text files (json, md) stay regular, every safetensors file goes through LFS
@@ -346,6 +348,98 @@ def test_stale_overlay_files_go_in_the_last_commit(hub, out, overlay_only):
     assert not any(set(STALE) & set(c["files"]) for c in commits[:-1])  # until then the old overlay stands
 
 
+THEIRS = b"their new experts, committed while the push ran"
+
+
+def moved_line(revision: str, planned: str, committed: int, total: int) -> str:
+    return (
+        f"glm-pack: error: revision {revision!r} of {REPO} changed during the push: another commit landed on it after "
+        f"the upload was planned against {planned}; {committed} of {total} files committed so far are kept; run the "
+        "same command again: it plans against the new head and uploads the rest"
+    )
+
+
+def test_a_commit_landing_between_the_plan_and_the_first_commit_refuses_the_push(hub, out, monkeypatch):
+    """Someone else commits to the revision after the push planned against it, here the earlier overlay's experts
+    file (stale for OUT) and the card: the push committed on top without noticing, deleted their new experts file
+    as stale, replaced their card and reported success. Its first commit now names the planned head as its parent,
+    the Hub refuses it (412), the push ends in one line and nothing of theirs is touched; a re-run re-plans."""
+    planned = hub.seed(REPO, {**STALE, "notes.txt": b"the user's own file"})
+    card = b"---\nlicense: mit\n---\n# their card\n"
+    real = push_module.plan_push
+
+    def plan_then_someone_commits(*args):
+        plan = real(*args)
+        ops = [CommitOperationAdd("glm-pack/experts-000.safetensors", THEIRS), CommitOperationAdd("README.md", card)]
+        HfApi(endpoint=hub.endpoint, token=hub.token).create_commit(REPO, ops, commit_message="theirs")
+        return plan
+
+    monkeypatch.setattr(push_module, "plan_push", plan_then_someone_commits)
+    result = CliRunner().invoke(main, ["push", str(out), REPO, "--max-commit-gib", str(SMALL_COMMIT_GIB)])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip().splitlines() == [moved_line("main", planned, 0, len(published(out)))]
+    theirs = {**STALE, "notes.txt": b"the user's own file", "glm-pack/experts-000.safetensors": THEIRS}
+    assert hub.files(REPO) == {**theirs, "README.md": card}
+    assert [c["summary"] for c in hub.repos[REPO].commits] == ["theirs"]
+    monkeypatch.setattr(push_module, "plan_push", real)
+    result = run_cli("push", out, REPO, "--max-commit-gib", SMALL_COMMIT_GIB)
+    assert result.exit_code == 0, result.output  # planned against their commit: their experts file is stale now
+    assert hub.files(REPO) == {**published(out), "notes.txt": b"the user's own file"}
+
+
+def test_a_commit_landing_between_two_commits_of_the_push_refuses_the_next(hub, out, monkeypatch):
+    """Someone else commits between two commits of a push: its next commit went on top, and its last one deleted
+    their file as stale (planned before it changed) and put the manifest up over it. Each commit now names the
+    previous one as its parent: the next is refused, the first one's files stay, no manifest goes up."""
+    planned = hub.seed(REPO, STALE)
+    real, calls = HfApi.create_commit, []
+
+    def commit(self, *args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:  # the push's first commit landed
+            ops = [CommitOperationAdd("glm-pack/experts-000.safetensors", THEIRS)]
+            real(self, REPO, ops, commit_message="theirs")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(HfApi, "create_commit", commit)
+    result = CliRunner().invoke(main, ["push", str(out), REPO, "--max-commit-gib", str(SMALL_COMMIT_GIB)])
+    assert result.exit_code == 1, result.output
+    first, theirs = hub.repos[REPO].commits  # nothing of the push after their commit
+    assert theirs["summary"] == "theirs" and len(calls) == 2
+    assert result.stderr.strip().splitlines() == [moved_line("main", planned, len(first["files"]), len(published(out)))]
+    local = published(out)
+    kept = {**STALE, **{p: local[p] for p in first["files"]}, "glm-pack/experts-000.safetensors": THEIRS}
+    assert hub.files(REPO) == kept and "glm-pack/manifest.json" not in kept  # no manifest over their file
+    assert run_cli("push", out, REPO).exit_code == 0  # re-planned: their experts file is stale for OUT now
+    assert hub.files(REPO) == local
+
+
+def test_the_plan_compares_with_the_head_commit_it_names(hub, out, monkeypatch):
+    """The plan compares OUT with one commit, the revision's head when the push starts, by sha, and names it
+    (``base_commit``): a commit landing while the plan is made (here: the stale files removed) does not mix in."""
+    planned = hub.seed(REPO, STALE)
+    real = push_module._head
+
+    def head_then_someone_commits(*args):
+        sha = real(*args)
+        ops = [CommitOperationDelete(p) for p in STALE]
+        HfApi(endpoint=hub.endpoint, token=hub.token).create_commit(REPO, ops, commit_message="theirs")
+        return sha
+
+    monkeypatch.setattr(push_module, "_head", head_then_someone_commits)
+    result = run_cli("push", out, REPO, "--dry-run", "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["base_commit"] == planned and plan["stale"] == sorted(STALE)
+    assert hub.files(REPO) == {}  # their commit landed meanwhile
+
+
+def test_a_revision_without_a_head_commit_is_one_line():
+    api = SimpleNamespace(repo_info=lambda repo_id, revision: SimpleNamespace(sha=None))
+    with pytest.raises(HubError, match=f"^the Hub named no head commit for revision 'main' of {REPO}$"):
+        push_module._head(api, REPO, "main")
+
+
 def test_stale_overlay_files_alone_make_one_commit_of_deletions(hub, out):
     assert run_cli("push", out, REPO).exit_code == 0
     with hub.lock:  # an earlier overlay's leftover, beside an OUT that is otherwise up to date
@@ -385,7 +479,7 @@ def test_dry_run_to_a_new_branch_plans_against_main(hub, out, converted_k_none):
         local = published(out)
         if old is None:  # main holds this OUT and an earlier overlay's repacked experts (stale for OUT)
             old = {**local, "glm-pack/experts-000.safetensors": b"an earlier overlay's repacked experts"}
-            hub.seed(REPO, old)
+            main_head = hub.seed(REPO, old)
         expected = sorted(p for p in local if local[p] != old.get(p))
         assert bool(expected) is changed
         result = run_cli("push", out, REPO, *flags, "--dry-run")
@@ -393,12 +487,11 @@ def test_dry_run_to_a_new_branch_plans_against_main(hub, out, converted_k_none):
         plan = json.loads(result.stdout)
         assert sorted(u["path"] for u in plan["uploads"]) == expected
         assert sorted(plan["unchanged"]) == sorted(set(local) - set(expected))
-        assert plan["stale"] == ["glm-pack/experts-000.safetensors"]
+        assert plan["stale"] == ["glm-pack/experts-000.safetensors"] and plan["base_commit"] == main_head
         assert "gfx950" not in hub.repos[REPO].branches and not hub.kinds("branch")  # a dry run creates nothing
     pushed = json.loads(run_cli("push", out, REPO, *flags).stdout)
-    assert {k: pushed[k] for k in ("uploads", "commits", "deletes", "stale", "unchanged")} == {
-        k: plan[k] for k in ("uploads", "commits", "deletes", "stale", "unchanged")
-    }
+    keys = ("uploads", "commits", "deletes", "stale", "unchanged", "base_commit")
+    assert {k: pushed[k] for k in keys} == {k: plan[k] for k in keys}
     assert hub.files(REPO, "gfx950") == published(out) and hub.files(REPO, "main") == old
 
 
