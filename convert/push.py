@@ -14,9 +14,10 @@ those a .gitignore of the repo matches), so the manifest never goes up over miss
 
 The plan holds only while nobody else commits to the revision: every commit names its parent (``parent_commit``:
 the planned head, then the previous commit of this push), and the Hub refuses it (412) when the revision moved
-meanwhile (another push, a card edited on the Hub). That ends the push in one line: the commits made so far stay
-and the same command re-plans against the new head. The same holds for ``refs/pr/N`` (the client sends
-``parent_commit`` the same way for any revision; not checked against the live Hub).
+meanwhile (another push, a card edited on the Hub), or the client sends no commit at all when the revision
+already holds all its files (someone else committed them: the revision moved too). That ends the push in one
+line: the commits made so far stay and the same command re-plans against the new head. The same holds for
+``refs/pr/N`` (the client sends ``parent_commit`` the same way for any revision; not checked against the live Hub).
 
 The token comes from ``HF_TOKEN`` or the login cache (huggingface_hub's own lookup); it is passed to
 the client only and never printed or written. Every failure becomes one :class:`HubError` line.
@@ -355,6 +356,8 @@ def _push_held(
             info = api.create_commit(
                 repo_id, ops, commit_message=message + suffix, revision=options.revision, parent_commit=parent
             )
+            if not _sent(ops):
+                raise HubError(_moved(report, repo_id, options.revision))
             check_committed(api, repo_id, commit, info.oid)
             parent = info.oid
             report.commit_urls.append(info.commit_url)
@@ -382,6 +385,17 @@ def _deletions(paths: list[str]) -> list:
     from huggingface_hub import CommitOperationDelete
 
     return [CommitOperationDelete(path_in_repo=p) for p in paths]
+
+
+def _sent(ops: list) -> bool:
+    """Whether ``create_commit`` sent ``ops`` as a commit. It sends none, so parent_commit is never checked, when the
+    revision already holds every added file and nothing is deleted: it returns the revision's head instead
+    (hf_api.create_commit, "Return early if empty commit"; additions of a sent commit get ``_is_committed``, taken as
+    sent where a client lacks it). Each planned file differs at the commit's parent: a commit not sent means that
+    someone else committed those files, i.e. the revision moved."""
+    from huggingface_hub import CommitOperationDelete
+
+    return any(isinstance(op, CommitOperationDelete) or getattr(op, "_is_committed", True) for op in ops)
 
 
 def _moved(report: PushReport, repo_id: str, revision: str) -> str:

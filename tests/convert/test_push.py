@@ -414,6 +414,32 @@ def test_a_commit_landing_between_two_commits_of_the_push_refuses_the_next(hub, 
     assert hub.files(REPO) == local
 
 
+def test_a_commit_landing_with_the_next_commits_files_still_refuses_the_push(hub, out, monkeypatch):
+    """Someone else commits the very files of the push's next commit (another push of the same OUT, say) and more:
+    huggingface_hub then sends no commit (hf_api.create_commit drops files the revision already holds and returns
+    its head when none is left), so parent_commit was never checked and the push went on from their commit, its
+    last commit deleting their file as stale. The skipped commit now ends the push in the same line."""
+    planned = hub.seed(REPO, STALE)
+    real, calls = HfApi.create_commit, []
+
+    def commit(self, repo_id, operations, **kwargs):
+        calls.append(operations)
+        if len(calls) == 2:  # the push's first commit landed: they commit its second one's files, and more
+            same = [CommitOperationAdd(op.path_in_repo, op.path_or_fileobj) for op in operations]
+            theirs = CommitOperationAdd("glm-pack/experts-000.safetensors", THEIRS)
+            real(self, REPO, [*same, theirs], commit_message="theirs")
+        return real(self, repo_id, operations, **kwargs)
+
+    monkeypatch.setattr(HfApi, "create_commit", commit)
+    result = CliRunner().invoke(main, ["push", str(out), REPO, "--max-commit-gib", str(SMALL_COMMIT_GIB)])
+    assert result.exit_code == 1, result.output
+    first, theirs = hub.repos[REPO].commits
+    assert theirs["summary"] == "theirs" and len(calls) == 2
+    assert result.stderr.strip().splitlines() == [moved_line("main", planned, len(first["files"]), len(published(out)))]
+    assert hub.files(REPO)["glm-pack/experts-000.safetensors"] == THEIRS
+    assert "glm-pack/manifest.json" not in hub.files(REPO)
+
+
 def test_the_plan_compares_with_the_head_commit_it_names(hub, out, monkeypatch):
     """The plan compares OUT with one commit, the revision's head when the push starts, by sha, and names it
     (``base_commit``): a commit landing while the plan is made (here: the stale files removed) does not mix in."""
