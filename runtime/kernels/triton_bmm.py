@@ -54,15 +54,12 @@ from glm_pack.runtime.kernels._triton import IMPORT_ERROR as _TRITON_ERROR
 from glm_pack.runtime.kernels._triton import (
     KernelLaunch,
     availability,
-    dot_fp32,
     interpreted,
     sm_count,
     tl,
     tma_strides_ok,
-    to_bf16,
     triton,
 )
-from glm_pack.runtime.kernels.mxfp4_jit import mxfp4_even_round_trip, pow2
 
 try:  # Triton's host-side TMA descriptors (absent in old releases: then the tiled kernel serves)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -73,6 +70,8 @@ ACT_QUANT_MODES = ("mxfp4", "none")
 _INTERPRETED = interpreted()  # read at import: Triton picks interpreter or compiler when a kernel is defined
 
 if not _TRITON_ERROR:
+    from glm_pack.runtime.kernels._triton import dot_fp32, to_bf16
+    from glm_pack.runtime.kernels.mxfp4_jit import mxfp4_even_round_trip, pow2
 
     @triton.jit
     def _e2m1_dequant(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
