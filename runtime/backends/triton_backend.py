@@ -8,13 +8,13 @@ from .base import Backend, gpu_reason
 
 
 def triton_status(device) -> tuple[bool, str]:
-    """(usable, reason): Triton importable and the device a GPU torch sees."""
+    """(usable, reason): Triton importable and recent enough for the kernels, and the device a GPU torch sees."""
     if why := gpu_reason(device):
         return False, f"triton backend {why}"
-    try:
-        import triton  # noqa: F401
-    except Exception as err:
-        return False, f"triton backend unavailable: importing triton failed ({err})"
+    from glm_pack.runtime.kernels._triton import IMPORT_ERROR
+
+    if IMPORT_ERROR:
+        return False, f"triton backend unavailable: {IMPORT_ERROR}"
     return True, "ok"
 
 

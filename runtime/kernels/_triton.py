@@ -1,10 +1,10 @@
 """Triton, imported once for the kernel modules, and whether their kernels can run here.
 
-``triton`` / ``tl`` are None when Triton cannot be imported (then ``IMPORT_ERROR`` says why); importing this
-module never fails. Triton picks interpreter or compiler when a kernel is *defined*, so each kernel module
-reads :func:`interpreted` at its own import. :func:`dot_fp32`, :func:`to_bf16` and :func:`bf16_as_fp32` (defined
-only when Triton imports) are the fp32-accumulating dot and the bf16 conversions the kernel modules share, exact
-under the interpreter too.
+``triton`` / ``tl`` are None when Triton cannot be imported or is older than :data:`MIN_TRITON` (then
+``IMPORT_ERROR`` says why); importing this module never fails. Triton picks interpreter or compiler when a kernel is
+*defined*, so each kernel module reads :func:`interpreted` at its own import. :func:`dot_fp32`, :func:`to_bf16` and
+:func:`bf16_as_fp32` (defined only when Triton imports) are the fp32-accumulating dot and the bf16 conversions the
+kernel modules share, exact under the interpreter too.
 """
 
 from __future__ import annotations
@@ -12,9 +12,16 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
 from collections.abc import Callable
 
 import torch
+
+# The Triton release the kernels are written and tested for (interpreter; compiled on an H200). Under 3.5 the Hopper
+# Gluon kernels do not compile for sm_90 (an older warp_specialize signature; a failed lowering) and its interpreter's
+# TMA descriptors refuse strides the predecode kernel passes; before 3.5 mxfp4_jit fails at import (no
+# triton.constexpr_function).
+MIN_TRITON = (3, 6)
 
 try:
     import triton
@@ -25,6 +32,12 @@ try:
 except Exception as exc:  # any import failure means "unavailable"
     triton = tl = CompiledKernel = None
     IMPORT_ERROR = f"triton cannot be imported: {exc}"
+else:
+    _version = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    if _version is None or tuple(map(int, _version.groups())) < MIN_TRITON:
+        need = ".".join(map(str, MIN_TRITON))
+        IMPORT_ERROR = f"triton {triton.__version__} is installed; glm-pack's kernels need Triton {need} or later"
+        triton = tl = CompiledKernel = None
 
 
 if not IMPORT_ERROR:

@@ -6,8 +6,11 @@ import builtins
 import errno
 import json
 import math
+import os
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -270,6 +273,38 @@ def test_select_backend_says_torch_sees_no_gpu_for_a_cuda_device():
     with pytest.raises(BackendError, match="triton backend needs a GPU, but torch sees none"):
         select_backend("triton", torch.device("cuda"), {})
     assert select_backend("auto", torch.device("cuda"), {}).name == "torch"
+
+
+_OLD_TRITON_CHILD = """
+import torch
+torch.cuda.is_available = lambda: True  # as on a GPU machine: only the Triton release decides
+from glm_pack.runtime.backends import select_backend
+from glm_pack.runtime.backends.triton_backend import TritonBackend, triton_status
+from glm_pack.runtime.kernels import gluon_bmm, mxfp4_jit, triton_bmm, triton_sparse_mla
+print(triton_status(torch.device("cuda"))[1])
+print(triton_bmm.available()[1])
+print(select_backend("auto", torch.device("cuda"), {}).name)
+TritonBackend()
+"""
+
+
+@pytest.mark.parametrize("version", ["3.0.0", "3.5.1+git1234abcd"])
+def test_a_triton_older_than_the_kernels_need_is_refused_saying_so(tmp_path, version):
+    """A Triton before 3.6 (the one an engine image's older torch brings) is unavailable, saying which one is there
+    and which is needed, rather than taken: the kernels fail under it (mxfp4_jit at import before 3.5, the Gluon
+    kernels' compilation under 3.5). Every kernel module still imports; auto takes torch. The fake ``triton``
+    package carries only what a release's import would give."""
+    fake = tmp_path / "triton"
+    (fake / "language").mkdir(parents=True)
+    (fake / "compiler").mkdir()
+    (fake / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    (fake / "language" / "__init__.py").write_text("")
+    (fake / "compiler" / "__init__.py").write_text("class CompiledKernel:\n    pass\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    run = subprocess.run([sys.executable, "-c", _OLD_TRITON_CHILD], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    why = f"triton {version} is installed; glm-pack's kernels need Triton 3.6 or later"
+    assert run.stdout.splitlines() == [f"triton backend unavailable: {why}", why, "torch"]
 
 
 def _identity_mxfp4(heads: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
