@@ -61,15 +61,12 @@ from glm_pack.runtime.kernels._triton import (
     triton,
 )
 
-try:  # Triton's host-side TMA descriptors (absent in old releases: then the tiled kernel serves)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except Exception:  # noqa: BLE001
-    TensorDescriptor = None
-
 ACT_QUANT_MODES = ("mxfp4", "none")
 _INTERPRETED = interpreted()  # read at import: Triton picks interpreter or compiler when a kernel is defined
 
 if not _TRITON_ERROR:
+    from triton.tools.tensor_descriptor import TensorDescriptor  # host-side TMA descriptors (Triton 3.6 has them)
+
     from glm_pack.runtime.kernels._triton import dot_fp32, to_bf16
     from glm_pack.runtime.kernels.mxfp4_jit import mxfp4_even_round_trip, pow2
 
@@ -536,8 +533,6 @@ def _validate(x, w_codes, w_scales, act_quant, out) -> tuple[int, int, int, int]
 def _tma_usable(*tensors: torch.Tensor) -> bool:
     """Tensor descriptors work here for these bf16 tensors: an NVIDIA GPU with TMA (sm_90+) or the interpreter,
     unit last stride, base and other strides 16-byte aligned."""
-    if TensorDescriptor is None:
-        return False
     if not _INTERPRETED and not _has_tma(tensors[0].device):  # the interpreter emulates descriptors on CPU
         return False
     return all(tma_strides_ok(t) for t in tensors)
