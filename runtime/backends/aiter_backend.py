@@ -5,7 +5,8 @@ function is feature-detected. The contract is asserted before each call, since a
 u8 weights and scales, ``x.shape[-1] == 2 * w.shape[-1]`` (a 192-wide q against a 256-padded w_kc returns
 garbage otherwise), positive strides, ``prequant=True``, a complete config with ``NUM_KSPLIT == 1``
 (aiter's split-K reduce corrupts memory with this wrapper); for sparse MLA, q and cache rows unit-stride along
-their last axis (the kernel takes no stride for it).
+their last axis (the kernel takes no stride for it). Numerics as the reference, except that the old wheel's
+``pre_quant`` path rounds activation ties up, not to even (its ``_mxfp4_quant_op``; README, Runtime).
 """
 
 from __future__ import annotations
