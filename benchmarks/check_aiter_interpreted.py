@@ -15,12 +15,14 @@ buffer whose rest must stay untouched) against the reference, on tie-free random
 between two E2M1 values after scaling): max |err| / tolerance (fp32 accumulation order, one bf16 ulp) and the share
 of bit-identical elements. Then a tie case per aiter: purpose-built activations with exact E2M1 ties, compared with
 the reference (ties to even) and with the same product whose ties round away from zero. Then the config check: the
-pinned config per route and M bucket, and whether aiter's wrapper takes its even-K path with it.
+pinned config per route and M bucket, and whether aiter's wrapper takes its even-K path with it; and a negative
+control: the K-192 route once more with a ragged BLOCK_SIZE_K (256) instead of the pinned 64.
 
 Needs a Triton whose interpreter implements ``tl.dot_scaled`` (3.7 or later, triton-lang/triton#10311; put it
-first on PYTHONPATH when the environment has 3.6). Two interpreter gaps that aiter's kernels meet are bridged
+first on PYTHONPATH when the environment has 3.6). Three interpreter gaps that aiter's kernels meet are bridged
 here, each as the compiler does it: a tensor method of a math builtin (``x.floor()``) reaches the builtin without
-the interpreter's semantic, and ``not tensor`` is Python's ``not`` instead of the elementwise ``__not__``.
+the interpreter's semantic, ``not tensor`` is Python's ``not`` instead of the elementwise ``__not__``, and an fp32 to
+bf16 cast truncates instead of rounding to nearest even.
 """
 
 from __future__ import annotations
