@@ -7,7 +7,8 @@ Layout of the outputs, for an input ``x`` of shape ``[..., L, ...]`` grouped alo
 * ``scales``: uint8 E8M0, shape of ``x`` with ``L -> L/32``; value ``2**(byte - 127)``.
 
 Scale modes (``notes/mxfp4.md``): ``even`` (AMD Quark / aiter Triton), ``floor`` (OCP text), ``roundup``
-(next power of two >= amax/6) and ``mse`` (best of e-1, e, e+1 around the even choice, per block).
+(next power of two >= amax/6) and ``mse`` (best of e-1, e, e+1 around the even choice, per block; equal errors
+keep e, then prefer e+1 over e-1).
 Elements round to nearest with ties to the even code and saturate at 6; the sign bit is kept (-0.0 and
 negatives rounding to zero give code 8).
 
