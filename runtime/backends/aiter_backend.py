@@ -5,7 +5,8 @@ function is feature-detected. The contract is asserted before each call, since a
 u8 weights and scales, ``x.shape[-1] == 2 * w.shape[-1]`` (a 192-wide q against a 256-padded w_kc returns
 garbage otherwise), positive strides, ``prequant=True``, a complete config with ``NUM_KSPLIT == 1``
 (aiter's split-K reduce corrupts memory with this wrapper); for sparse MLA, q and cache rows unit-stride along
-their last axis (the kernel takes no stride for it). Numerics as the reference, except that the old wheel's
+their last axis (the kernel takes no stride for it); a token with no valid row gets the reference's zero row, not
+aiter's NaN (it divides by a zero softmax sum). Numerics as the reference, except that the old wheel's
 ``pre_quant`` path rounds activation ties up, not to even (its ``_mxfp4_quant_op``; README, Runtime).
 """
 
@@ -198,9 +199,12 @@ class AiterBackend(Backend):
         _, has_skips = check_sparse_indices(kv_indptr, kv_indices, rows.shape[0])
         # aiter's kernel takes q's token and head strides only and reads its last axis unit-stride
         q = q_latent.contiguous() if q_rope is None else torch.cat([q_latent, q_rope], dim=-1)
-        kwargs = {"kv_lora_rank": q_latent.shape[-1], "qk_rope_head_dim": rope, "return_lse": return_lse}
+        # lse always: aiter divides by the softmax sum unguarded, so a token with no valid row (all -1, or an empty
+        # range) comes back NaN with lse -inf; the reference gives it a zero row
+        kwargs = {"kv_lora_rank": q_latent.shape[-1], "qk_rope_head_dim": rope, "return_lse": True}
         if self.fn.sparse_has_invalid:
             kwargs["has_invalid"] = has_skips
         indptr, indices = kv_indptr.contiguous(), kv_indices.contiguous()  # aiter documents no strides for them
         out, lse = self.fn.sparse_mla_fwd(q, rows, indptr, indices, softmax_scale, **kwargs)
+        out.masked_fill_(torch.isneginf(lse).unsqueeze(-1), 0)
         return out, (lse if return_lse else None)

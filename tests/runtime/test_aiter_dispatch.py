@@ -108,13 +108,19 @@ class Recorder:
             kv_buffer = torch.as_strided(kv_buffer, kv_buffer.shape, (kv_buffer.stride(0), 1))
         rows = kv_buffer.reshape(-1, kv_buffer.shape[-1]).double()
         o = torch.zeros(q.shape[0], q.shape[1], kv_lora_rank, dtype=torch.float64)
+        lse = torch.zeros(q.shape[0], q.shape[1], dtype=torch.float64)
         for t in range(q.shape[0]):
             idx = kv_indices[kv_indptr[t] : kv_indptr[t + 1]].long()
             sel = rows[idx[idx >= 0]]
-            p = torch.softmax(q[t].double() @ sel.T * softmax_scale, -1)
-            o[t] = p @ sel[:, :kv_lora_rank]
+            s = q[t].double() @ sel.T * softmax_scale
+            # The kernel's epilogue, acc * (1 / l) with no guard for l == 0 (ROCm/aiter @ 048877719964, aiter/ops/
+            # triton/_gluon_kernels/gfx950/attention/sparse_mla.py, _sparse_mla and _sparse_mla_reduce): a token with
+            # no valid row comes back NaN; its lse, (m + log2 l) * ln2, is -inf.
+            p = torch.exp(s - (s.amax(-1, keepdim=True) if s.shape[-1] else 0.0))
+            o[t] = (p @ sel[:, :kv_lora_rank]) * (1.0 / p.sum(-1, keepdim=True))
+            lse[t] = torch.logsumexp(s, -1)
         self.calls.append(("sparse", qk_rope_head_dim))
-        return o.bfloat16(), None
+        return o.bfloat16(), (lse.float() if return_lse else None)
 
 
 @pytest.fixture
@@ -290,7 +296,8 @@ def _rev_separated(rec):
         if qk_rope_head_dim == 0:
             raise ZeroDivisionError("integer division or modulo by zero")  # RTW = ROPE_DIM // ROPE_VEC
         return rec.sparse_mla_fwd(q, kv_buffer, kv_indptr, kv_indices, softmax_scale, kv_lora_rank=kv_lora_rank,
-                                  qk_rope_head_dim=qk_rope_head_dim, has_invalid=has_invalid)  # fmt: skip
+                                  qk_rope_head_dim=qk_rope_head_dim, has_invalid=has_invalid,
+                                  return_lse=return_lse)  # fmt: skip
 
     return sparse_mla_fwd
 
@@ -300,7 +307,8 @@ def _rev_merged(rec):
                        qk_rope_head_dim=64, kv_splits=None, skip_reduce=False, has_invalid=False,
                        dot_precision="bf16", q_scale=None, out=None, return_lse=False, attn_sink=None):  # fmt: skip
         return rec.sparse_mla_fwd(q, kv_buffer, kv_indptr, kv_indices, softmax_scale, kv_lora_rank=kv_lora_rank,
-                                  qk_rope_head_dim=qk_rope_head_dim, has_invalid=has_invalid)  # fmt: skip
+                                  qk_rope_head_dim=qk_rope_head_dim, has_invalid=has_invalid,
+                                  return_lse=return_lse)  # fmt: skip
 
     return sparse_mla_fwd
 
@@ -469,3 +477,27 @@ def test_load_aiter_says_why_it_found_no_gemm(monkeypatch):
     monkeypatch.setitem(sys.modules, new, None)  # importing it raises, naming it
     with pytest.raises(BackendError, match=rf"importing {new}: ModuleNotFoundError: import of .* importing {old}: "):
         ab.load_aiter()
+
+
+@pytest.mark.parametrize("card", ["glm-5", "glm-5.3-flash"])
+def test_a_token_without_a_valid_row_gets_the_references_zeros(packed_dirs, fake_aiter, card):
+    """aiter's kernel returns NaN for a token whose ids are all -1 or whose range is empty (it divides by a zero
+    softmax sum); the backend gives the reference's zero row and lse -inf, and leaves the other tokens alone
+    (repeated ids included)."""
+    rec = fake_aiter()
+    _, out = packed_dirs(card)
+    model, ref_model = runtime.open(out, backend="aiter"), runtime.open(out, backend="torch")
+    layer, ref = model.mla(model.layers[0]), ref_model.mla(ref_model.layers[0])
+    geom = layer.geometry
+    q, cache, indptr, indices = _inputs(geom, T=3)
+    indices[:4] = 7  # token 0: a repeated id
+    indices[16:32] = -1  # token 1: no valid row
+    indptr[3] = indptr[2]  # token 2: an empty range
+    q_rope = q[..., geom.qk_nope_head_dim :] if geom.qk_rope_head_dim else None
+    latent = ref.k_up(q)
+    o, lse = layer.attend(latent, cache, indptr, indices, 0.06, q_rope=q_rope, return_lse=True)
+    assert rec.calls[-1][0] == "sparse"
+    o_ref, lse_ref = ref.attend(latent, cache, indptr, indices, 0.06, q_rope=q_rope, return_lse=True)
+    assert torch.equal(o[1:], torch.zeros_like(o[1:])) and torch.isneginf(lse[1:]).all()
+    torch.testing.assert_close(o, o_ref)
+    torch.testing.assert_close(lse, lse_ref)
