@@ -4,7 +4,10 @@ No AMD GPU is needed (nor used): ``TRITON_INTERPRET=1`` runs aiter's Triton code
 arithmetic, masks, in-kernel activation quantizer ``_mxfp4_quant_op`` and ``tl.dot_scaled``) in numpy. aiter is
 imported from the source tree given (a ROCm/aiter checkout or an unpacked ``amd-aiter`` wheel) without running
 ``aiter/__init__.py`` (HIP JIT, ROCm checks): stub parent packages, arch reported as gfx950. This says nothing about
-speed, about the compiled AMDGPU code, or about aiter's HIP/ASM kernels.
+speed, about the compiled AMDGPU code, or about aiter's HIP/ASM kernels. Nor about attention: aiter's
+``sparse_mla_fwd``, which the backend calls for ``layer.attend``, launches Gluon kernels (``gluon.jit``, gfx950
+layouts, buffer loads, inline asm), and ``gluon.jit`` compiles even under ``TRITON_INTERPRET=1``, so on CPU it fails
+("0 active drivers"); the script only says what the backend's lookup found for it in the tree given.
 
     TRITON_INTERPRET=1 python benchmarks/check_aiter_interpreted.py AITER_ROOT [--heads 4] [--tokens 1,3,16,33]
 
@@ -43,6 +46,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental.gluon._runtime import GluonJITFunction  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
 from glm_pack import runtime  # noqa: E402
@@ -126,6 +130,16 @@ def stub_aiter(root: Path) -> None:
     finally:
         driver._active = None
     arch_info.get_arch = lambda: "gfx950"  # the wheel's asks at every call
+
+
+def sparse_mla_found(fn) -> str:
+    """What the backend's lookup found for attention in this aiter (``layer.attend`` is not run: see the docstring)."""
+    module = sys.modules.get(aiter_backend._SPARSE_MODULE)
+    if module is None:
+        return f"no importable {aiter_backend._SPARSE_MODULE}: attend runs on the fallback backend"
+    usable = "usable" if fn.sparse_mla_fwd else "not usable by glm-pack (no return_lse or qk_rope_head_dim)"
+    gluon = sorted(name for name, value in vars(module).items() if isinstance(value, GluonJITFunction))
+    return f"{module.__name__}.sparse_mla_fwd {usable}; its kernels are Gluon ({', '.join(gluon) or 'none'})"
 
 
 def open_on_cpu(out: Path, backend: str, tp_size: int):
@@ -300,6 +314,7 @@ def main() -> None:
             if route == "padded":
                 fn = model.backend.fn
                 print(f"aiter {args.aiter_root}: {fn.bmm.__module__}.{fn.bmm.__name__} ({fn.bmm_kind})")
+                print(f"sparse MLA: {sparse_mla_found(fn)}")
             layer, ref = model.mla(0), open_on_cpu(out, "torch", GLM5_HEADS // args.heads).mla(0)
             gen = torch.Generator().manual_seed(0)
             for T in tokens:
