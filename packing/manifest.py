@@ -300,11 +300,19 @@ def parse_mla(manifest: dict) -> list[MlaLayer]:
     return layers
 
 
-def _new_layer(entry: dict, seen: set[int], where: str) -> int:
-    """``entry``'s layer id, added to ``seen``; ManifestError when it is negative or already in ``seen``."""
+def _layer_id(entry: dict, where: str) -> int:
+    """``entry``'s layer id; ManifestError when it is missing, no integer or negative."""
     layer = _get(entry, "layer", int, where)
-    if layer < 0 or layer in seen:
-        _fail(f"{where}.layer {layer} is negative or repeated")
+    if layer < 0:
+        _fail(f"{where}.layer {layer} is negative")
+    return layer
+
+
+def _new_layer(entry: dict, seen: set[int], where: str) -> int:
+    """``entry``'s layer id (:func:`_layer_id`), added to ``seen``; ManifestError when already in ``seen``."""
+    layer = _layer_id(entry, where)
+    if layer in seen:
+        _fail(f"{where}.layer {layer} is repeated")
     seen.add(layer)
     return layer
 
@@ -323,9 +331,7 @@ def parse_experts(manifest: dict) -> list[tuple[int, str, list[str]]]:
         where = f"experts.groups[{i}]"
         names = _get(group, "tensors", list, where)
         file = _get(group, "file", str, where)
-        layer = _get(group, "layer", int, where)
-        if layer < 0:
-            _fail(f"{where}.layer {layer} is negative")
+        layer = _layer_id(group, where)
         if file in files:
             _fail(f"{where}.file {file[:80]!r} is repeated")
         files.add(file)
