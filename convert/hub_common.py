@@ -26,14 +26,19 @@ def is_kind(err: BaseException, *names: str) -> bool:
     return any(cls.__name__ in names for cls in type(err).__mro__)
 
 
+def _lines(text: str) -> list[str]:
+    """The non-blank lines of ``text``, stripped."""
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
 def first_line(err: BaseException, skip: int = 0) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    lines = _lines(str(err))
     return lines[min(skip, len(lines) - 1)] if lines else type(err).__name__
 
 
 def _server_reason(err: BaseException) -> str | None:
     """The first line of ``HfHubHTTPError.server_message`` (the Hub's X-Error-Message or JSON error), if any."""
-    lines = [line.strip() for line in (getattr(err, "server_message", None) or "").splitlines() if line.strip()]
+    lines = _lines(getattr(err, "server_message", None) or "")
     return lines[0] if lines else None
 
 
