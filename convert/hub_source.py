@@ -6,7 +6,9 @@ It pins the revision to its commit sha once (``HfApi.model_info``: sha + file si
 afterwards comes from one immutable commit. Small files (config.json, the index) are downloaded whole into
 the HF cache with ``hf_hub_download``; safetensors files are read by HTTP range requests through
 ``HfFileSystem`` (one request per header part or tensor, retried with backoff by huggingface_hub), except
-files already in the HF cache, which are read locally. The last ranges read (at most :data:`RECENT_BYTES`)
+files already in the HF cache, which are read locally. Before the first range read, one request for a single byte
+checks that the endpoint serves ranges (some mirrors answer a range with the whole file: every header or tensor
+read would then download a whole shard into memory). The last ranges read (at most :data:`RECENT_BYTES`)
 are kept, so a tensor that is decoded and then fingerprinted crosses the network once. With
 ``HF_HUB_OFFLINE=1`` the commit is resolved from the cache and only cached files can be read; the
 repo's full file list is then unknown (the cache keeps only downloaded files), so ``--files copy`` is refused.
@@ -69,6 +71,7 @@ class HubStore:
         self.offline = constants.is_offline_mode()
         self.transferred = 0
         self._fs = None
+        self._serves_ranges = False  # checked before the first range read
         self._recent: OrderedDict[tuple[str, int, int], bytes] = OrderedDict()
         self.sha, self._sizes = self._from_cache() if self.offline else self._from_hub()
         self._known = set(self._sizes) | (self._index_files() if self.offline else set())
@@ -219,6 +222,31 @@ class HubStore:
             self._fs = HfFileSystem(endpoint=self.endpoint)
         return self._fs
 
+    def check_ranges(self, rel: str) -> None:
+        """Once per store, before the first range read: ask for the first byte of ``rel`` and look at the status
+        alone. An endpoint that answers with the whole file is refused here, before a range read downloads a whole
+        shard for each header or tensor."""
+        if self._serves_ranges:
+            return
+        from huggingface_hub import constants, hf_hub_url
+        from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
+
+        url = hf_hub_url(self.repo_id, rel, revision=self.sha, endpoint=self.endpoint)
+        headers = {**build_hf_headers(), "range": "bytes=0-0"}
+        with self._errors(rel):
+            with http_stream_backoff("GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as answer:
+                hf_raise_for_status(answer)
+                status = answer.status_code  # the body is left unread: a whole file's must not be downloaded
+        if status != 206:
+            raise HubError(
+                f"{self.endpoint} answered a byte-range request with status {status} (the whole file, not the range): "
+                f"glm-pack reads a Hub checkpoint by byte ranges and this endpoint does not serve them; use one that "
+                f"does (HF_ENDPOINT unset: huggingface.co), or download the checkpoint first (`hf download "
+                f"{self.repo_id} --revision {self.sha} --local-dir DIR`) and convert DIR",
+                file=self.where(rel),
+            )
+        self._serves_ranges = True
+
     @contextmanager
     def _errors(self, rel: str | None = None):
         try:
@@ -246,6 +274,7 @@ class RangeFile:
         if key in recent:
             recent.move_to_end(key)
             return bytearray(recent[key])
+        self.store.check_ranges(self.rel)
         with self.store._errors(self.rel):
             fs = self.store.filesystem()
             with fs.open(f"{self.store.root}/{self.rel}", "rb", cache_type="none", size=self.size()) as f:
@@ -253,7 +282,9 @@ class RangeFile:
                 data = f.read(length)
         if len(data) != length:
             raise HubError(
-                f"short read from the Hub: wanted {length} bytes at offset {offset}, got {len(data)}", file=self.name
+                f"{'short' if len(data) < length else 'long'} read from the Hub: wanted {length} bytes at offset "
+                f"{offset}, got {len(data)}",
+                file=self.name,
             )
         self.store.transferred += length
         if length <= RECENT_BYTES:

@@ -19,6 +19,7 @@ endpoints the client calls for model repos (Xet disabled, i.e. ``HF_HUB_DISABLE_
                                                     the header's parentCommit is not the branch's head
     POST /api/validate-yaml                         README front matter must be a YAML mapping with sane types
     GET|HEAD /{repo}/resolve/{rev}/{path}           bytes, ETag / X-Repo-Commit / X-Linked-*; Range: 206
+                                                    (200, the whole file, when serves_ranges is False)
 
 A revision is a branch name or the sha of a commit the repo had (its files as that commit left them). A
 commit's header may name ``parentCommit`` (where huggingface_hub puts ``create_commit(parent_commit=)``:
@@ -40,6 +41,7 @@ import hashlib
 import json
 import re
 import socket
+import sys
 import threading
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -147,6 +149,14 @@ class HubHTTPError(Exception):
         self.status, self.message, self.error_code = status, message, error_code
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """A client that hung up mid-answer (reading only a response's status, as the range check of a server that
+        ignores ranges does) is no server error; anything else is printed as socketserver does."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class FakeHub:
     """In-memory Hub; see the module docstring for the endpoints. Thread-safe under one lock."""
 
@@ -162,8 +172,9 @@ class FakeHub:
         self.requests: list[Request] = []
         self.faults: list[Fault] = []
         self.committed_files = 0
+        self.serves_ranges = True  # False: answer a Range request with 200 and the whole file, as some mirrors do
         self.lock = threading.RLock()
-        self._server: ThreadingHTTPServer | None = None
+        self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -179,7 +190,7 @@ class FakeHub:
             pass
 
         Handler.hub = hub
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         serve = {"poll_interval": 0.05}  # quick shutdown
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs=serve, daemon=True)
@@ -464,7 +475,7 @@ class FakeHub:
         if blob.lfs:
             headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(blob.data))})
         rng = query.get("range")
-        if rng is None:
+        if rng is None or not self.serves_ranges:
             return 200, headers, blob.data
         size = len(blob.data)
         got = re.fullmatch(r"bytes=(\d*)-(\d*)", rng.strip())

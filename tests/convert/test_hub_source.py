@@ -33,6 +33,7 @@ from glm_pack.convert.verify import verify
 from glm_pack.packing.errors import HubError, PlanError
 
 REPO = "org/glm-5-small"
+RANGE_CHECK = "bytes=0-0"  # the Range of the request checking that the endpoint serves ranges
 
 
 @pytest.fixture(name="src")
@@ -352,14 +353,40 @@ def test_range_read_of_a_repo_gone_since_it_was_resolved_names_the_repo(hub):
         f.read(0, 8)
 
 
-def test_short_range_read_is_refused(hub, monkeypatch):
-    """A range answered with fewer bytes than asked is an error, never short data."""
+def test_short_or_long_range_read_is_refused(hub, monkeypatch):
+    """A range answered with fewer or more bytes than asked is an error, never wrong data."""
     store = hub_source.HubStore(REPO)
     f = store.open(store.safetensors_files()[0])
     monkeypatch.setattr(store, "filesystem", lambda: types.SimpleNamespace(open=lambda *a, **k: io.BytesIO(bytes(50))))
     assert len(f.read(0, 50)) == 50
     with pytest.raises(HubError, match="short read from the Hub: wanted 40 bytes at offset 30, got 20"):
         f.read(30, 40)
+
+    class WholeFile(io.BytesIO):  # a server ignoring the range: every read returns the whole file
+        def read(self, size=-1):
+            return self.getvalue()
+
+    monkeypatch.setattr(store, "filesystem", lambda: types.SimpleNamespace(open=lambda *a, **k: WholeFile(bytes(50))))
+    with pytest.raises(HubError, match="long read from the Hub: wanted 8 bytes at offset 0, got 50"):
+        f.read(0, 8)
+
+
+def test_endpoint_that_ignores_ranges_is_refused_before_any_shard_is_downloaded(hub):
+    """Some mirrors answer a Range request with 200 and the whole file: each header or tensor read downloaded a
+    whole shard into memory, then failed saying 'short read ... wanted 8 bytes, got 49832400'."""
+    hub.serves_ranges = False
+    hub.reset_requests()
+    result = run_cli("inspect", REPO)
+    assert result.exit_code == 1, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert f"{hub.endpoint} answered a byte-range request with status 200" in line, line
+    assert f"hf download {REPO} --revision" in line and "model-00001-of-00003.safetensors" in line, line
+    shard_reads = [r for r in hub.requests if r.path.endswith(".safetensors")]
+    assert [r.range for r in shard_reads] == [RANGE_CHECK], shard_reads  # the check's request only
+    hub.serves_ranges = True
+    hub.reset_requests()
+    assert run_cli("inspect", REPO).exit_code == 0
+    assert [r.range for r in hub.requests].count(RANGE_CHECK) == 1  # once per run, not per file or read
 
 
 def test_store_lists_files_without_hidden_or_overlay(hub, src):
@@ -376,10 +403,10 @@ def test_transient_drop_mid_read_is_retried(hub, src, tmp_path):
     convert(src, tmp_path / "local", ConvertOptions(files="none", workers=1))
     assert run_cli("inspect", REPO).exit_code == 0  # config and index now cached: the next resolves are ranges
     hub.reset_requests()
-    hub.fail("resolve", cut=True, times=3)  # the revision check (HEAD), then two range reads cut off mid-body
+    hub.fail("resolve", cut=True, times=4)  # the revision check (HEAD), the range check, then two range reads
     convert(REPO, tmp_path / "hub", ConvertOptions(workers=1))
     assert overlay_bytes(tmp_path / "hub") == overlay_bytes(tmp_path / "local")
-    cut = [(r.path, r.range) for r in hub.requests if r.status == -2 and r.method == "GET"]
+    cut = [(r.path, r.range) for r in hub.requests if r.status == -2 and r.method == "GET" and r.range != RANGE_CHECK]
     assert len(cut) == 2 and len(set(cut)) == 1 and cut[0][1] is not None  # one range read, retried twice
 
 
@@ -440,7 +467,7 @@ def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected
     if case == "unavailable":
         assert lines[0].endswith(": Hub under maintenance, back at 18:00 UTC"), lines
     if case == "cut":
-        cut = [r for r in hub.requests if r.status == -2 and r.method == "GET"]
+        cut = [r for r in hub.requests if r.status == -2 and r.method == "GET" and r.range != RANGE_CHECK]
         assert len(cut) == 6 and len({(r.path, r.range) for r in cut}) == 1  # 1 try + 5 retries of one read
     if case == "offline-shards-not-cached":
         assert lines[0].endswith(f"{REPO}@{hub.sha}/model-00001-of-00003.safetensors)")
