@@ -427,6 +427,7 @@ def _closed_port() -> int:
         ("unavailable", f"the Hub answered 503 for {REPO} at http://127.0.0.1:"),
         ("refused", "cannot connect to http://127.0.0.1:"),
         ("cut", "connection to http://127.0.0.1:"),
+        ("range-denied", f"permission denied (403) reading {REPO} at http://127.0.0.1:"),  # from the range check
         ("offline-empty-cache", "HF_HUB_OFFLINE is set and the local Hugging Face cache has no org/glm-5-small"),
         ("offline-shards-not-cached", "not in the local Hugging Face cache and HF_HUB_OFFLINE is set"),
     ],
@@ -450,6 +451,10 @@ def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected
     elif case == "cut":  # config and index cached by a first run; then every range read is cut short
         assert run_cli("inspect", REPO).exit_code == 0
         hub.fail("resolve", cut=True)
+    elif case == "range-denied":  # config and index cached by a first run; then the shards are refused
+        assert run_cli("inspect", REPO).exit_code == 0
+        hub.fail("resolve", 403, headers={"X-Error-Message": "Access to this file is restricted"})
+        hub.reset_requests()
     elif case == "offline-shards-not-cached":  # config and index cached by a first run, the shards never
         assert run_cli("inspect", REPO).exit_code == 0
         set_offline(monkeypatch, True)
@@ -466,6 +471,9 @@ def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected
         assert lines[0].endswith("; the Hub says: Too many requests: retry in 5 minutes"), lines
     if case == "unavailable":
         assert lines[0].endswith(": Hub under maintenance, back at 18:00 UTC"), lines
+    if case == "range-denied":  # the check's answer, read as any other: the Hub's reason and the shard named
+        assert "Access to this file is restricted" in lines[0] and "model-00001-of-00003.safetensors" in lines[0], lines
+        assert [(r.range, r.status) for r in hub.requests if r.range] == [(RANGE_CHECK, 403)]  # not retried
     if case == "cut":
         cut = [r for r in hub.requests if r.status == -2 and r.method == "GET" and r.range != RANGE_CHECK]
         assert len(cut) == 6 and len({(r.path, r.range) for r in cut}) == 1  # 1 try + 5 retries of one read
