@@ -12,14 +12,15 @@ layouts, buffer loads, inline asm), and ``gluon.jit`` compiles even under ``TRIT
     TRITON_INTERPRET=1 python benchmarks/check_aiter_interpreted.py AITER_ROOT [--heads 4] [--tokens 1,3,16,33]
 
 It converts a one-layer synthetic GLM-5 twice (``--k-pad card``: w_kc K padded to 256; ``--k-pad none``: K 192),
-opens each with ``backend="aiter"`` (the backend's own lookup finds the stubbed aiter) and with ``backend="torch"``,
-and prints one line per case: K-up and V-up outputs (poisoned with NaN first; V-up written into a slice of a larger
-buffer whose rest must stay untouched) against the reference, on tie-free random inputs (no activation lies exactly
-between two E2M1 values after scaling): max |err| / tolerance (fp32 accumulation order, one bf16 ulp) and the share
-of bit-identical elements. Then a tie case per aiter: purpose-built activations with exact E2M1 ties, compared with
-the reference (ties to even) and with the same product whose ties round away from zero. Then the config check: the
-pinned config per route and M bucket, and whether aiter's wrapper takes its even-K path with it; and a negative
-control: the K-192 route once more with a ragged BLOCK_SIZE_K (256) instead of the pinned 64.
+opens each with ``backend="aiter"`` (the backend's own lookup finds the stubbed aiter), and prints one line per
+case: K-up and V-up outputs (poisoned with NaN first; V-up written into a slice of a larger buffer whose rest must
+stay untouched) against the reference (its activation round trip times the dequantized weight, in float64), on
+tie-free random inputs (no activation lies exactly between two E2M1 values after scaling): max |err| / tolerance
+(fp32 accumulation order, one bf16 ulp) and the share of bit-identical elements. Then a tie case per aiter:
+purpose-built activations with exact E2M1 ties, compared with the reference (ties to even) and with the same product
+whose ties round away from zero. Then the config check: the pinned config per route and M bucket, and whether
+aiter's wrapper takes its even-K path with it; and a negative control: the K-192 route once more with a ragged
+BLOCK_SIZE_K (256) instead of the pinned 64.
 
 Needs a Triton whose interpreter implements ``tl.dot_scaled`` (3.7 or later, triton-lang/triton#10311; put it
 first on PYTHONPATH when the environment has 3.6). Three interpreter gaps that aiter's kernels meet are bridged
@@ -142,12 +143,12 @@ def sparse_mla_found(fn) -> str:
     return f"{module.__name__}.sparse_mla_fwd {usable}; its kernels are Gluon ({', '.join(gluon) or 'none'})"
 
 
-def open_on_cpu(out: Path, backend: str, tp_size: int):
-    """``runtime.open`` on CPU; for "aiter" the GPU and arch checks are answered as on a gfx950 (the interpreter
+def open_aiter_on_cpu(out: Path, tp_size: int):
+    """``runtime.open(backend="aiter")`` on CPU, its GPU and arch checks answered as on a gfx950 (the interpreter
     runs the kernels on CPU tensors)."""
     aiter_backend.detect_arch = lambda: "gfx950"
     aiter_backend.gpu_reason = lambda device: ""
-    return runtime.open(out, device="cpu", backend=backend, tp_rank=0, tp_size=tp_size)
+    return runtime.open(out, device="cpu", backend="aiter", tp_rank=0, tp_size=tp_size)
 
 
 # ---- inputs -----------------------------------------------------------------------------------------------------
@@ -208,7 +209,7 @@ def compare(y: torch.Tensor, act: torch.Tensor, w_codes: torch.Tensor, w_scales:
     return err.max().item(), (y == exact.float().bfloat16()).double().mean().item()
 
 
-def run_case(layer, ref, route: str, T: int, gen: torch.Generator) -> bool:
+def run_case(layer, route: str, T: int, gen: torch.Generator) -> bool:
     g = layer.geometry
     H, L, V = g.num_heads, g.kv_lora_rank, g.v_head_dim
     q = tie_free((T, H, g.qk_nope_head_dim + g.qk_rope_head_dim), gen)
@@ -310,15 +311,15 @@ def main() -> None:
             out = work / f"out-{k_pad}"
             if not out.exists():
                 convert(src, out, ConvertOptions(files="copy", k_pad=k_pad))
-            model = open_on_cpu(out, "aiter", GLM5_HEADS // args.heads)
+            model = open_aiter_on_cpu(out, GLM5_HEADS // args.heads)
             if route == "padded":
                 fn = model.backend.fn
                 print(f"aiter {args.aiter_root}: {fn.bmm.__module__}.{fn.bmm.__name__} ({fn.bmm_kind})")
                 print(f"sparse MLA: {sparse_mla_found(fn)}")
-            layer, ref = model.mla(0), open_on_cpu(out, "torch", GLM5_HEADS // args.heads).mla(0)
+            layer = model.mla(0)
             gen = torch.Generator().manual_seed(0)
             for T in tokens:
-                ok &= run_case(layer, ref, route, T, gen)
+                ok &= run_case(layer, route, T, gen)
             if route == "padded":
                 tie_case(layer, gen)
             else:
