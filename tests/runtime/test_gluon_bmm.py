@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import queue
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -218,9 +220,9 @@ def test_ws_needs_the_wgmma_kernel():
         tb.bmm_a16wfp4(x, codes, scales, config=tb.BmmConfig(64, 64, 64, 4, 2, 0, ws=True))
 
 
-_COMPILE = textwrap.dedent(
+_COMPILER = textwrap.dedent(
     r"""
-    import dataclasses, json, os, re, subprocess, sys, tempfile
+    import dataclasses, json, os, re, subprocess, sys, tempfile, traceback
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -228,73 +230,111 @@ _COMPILE = textwrap.dedent(
     from triton.experimental.gluon._runtime import GluonASTSource
     from glm_pack.runtime.kernels import gluon_bmm as gb
 
-    bm, bn, bk, warps, schedule, K, act, ws, per_sm, round_warps, plain = json.loads(sys.argv[1])
-    p = gb.plan(bm, bn, bk, warps, schedule, K, 232448, ws=ws, round_warps=round_warps)
-    if schedule == "swap" and not ws:  # a launch that swap_workers leaves without worker warps
-        p = dataclasses.replace(p, ws=False)
-    decode, swap = schedule in gb.FROM_CODES, schedule == "swap"
-    def desc(block):
-        return f"tensordesc<bf16{block},{gb._smem_layout(tuple(block))!r}>"
-    weights = {"c_ptr": "*u8" if decode else "*bf16", "s_ptr": "*u8" if decode else "*bf16", "stride_cb": "i32",
-               "stride_cn": "i32", "stride_sb": "i32", "stride_sn": "i32", "M": "i32", "N": "i32"}
-    y_desc = "constexpr" if plain else desc([1, bm, gb.y_columns(bm, bn)])
-    y = {"y_ptr": "*bf16", "stride_yb": "i32", "stride_ym": "i32"}
-    if swap:  # the parameters in each kernel's order
-        sig = {"x_desc": desc([1, bm, bk]), "y_desc": y_desc, **weights, **y}
-    else:
-        sig = {"x_desc": desc([1, bm, bk]), "w_desc": "constexpr" if decode else desc([1, bn, bk]),
-               "y_desc": y_desc, **weights, "SPLITS": "i32", **y}
-    consts = gb.kernel_constants(p, K, act, per_sm, plain)  # what a launch passes
-    options = {"num_warps": consts["num_warps"], **({"maxnreg": consts.pop("maxnreg")} if "maxnreg" in consts else {})}
-    consts.update({n: None for n in ("w_desc", "y_desc") if sig.get(n) == "constexpr"})
-    sig.update(dict.fromkeys(consts, "constexpr"))
-    # pointers, strides and N as a launch specializes them (multiples of 16): codes and y in 16-byte vectors
-    aligned = ("c_ptr", "s_ptr", "stride_cb", "stride_cn", "N", "y_ptr", "stride_yb", "stride_ym")
-    attrs = {(list(sig).index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = GluonASTSource(fn=gb._swap_kernel if swap else gb._bmm_kernel, signature=sig, constexprs=consts,
-                         attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    ptx = k.asm["ptx"]
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        cuobjdump = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
-    ins = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+([^;]*);", sass, re.M)
-    code_loads = [i for i, t in enumerate(ins) if re.search(r"LDG\.E\.(64|128)\b", t)]  # the codes' vectors
-    print(json.dumps({"stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "shared": k.metadata.shared,
-                      "warps": k.metadata.num_warps, "stages": p.stages, "maxnreg": options.get("maxnreg"),
-                      "setmaxnreg": ptx.count("setmaxnreg"),
-                      "estimate": gb.smem_bytes(bm, bn, bk, K, schedule, p.stages),
-                      "wgmma": ptx.count("wgmma.mma_async"), "prmt": ptx.count("prmt.b32"),
-                      "byte_loads": ptx.count("ld.global.b8") + ptx.count("ld.global.u8"),
-                      "code_loads": len(code_loads), "identities": ptx.count("0x3210;"),
-                      "y_tma_stores": ptx.count("cp.async.bulk.tensor.3d.global.shared"),
-                      "y_vector_stores": ptx.count("st.global.v4.b32"),
-                      "prmt_between_code_loads": sum("PRMT" in t for t in ins[code_loads[0]:code_loads[-1]])
-                      if code_loads else 0,
-                      "cubin": len(k.asm["cubin"])}))
+    def facts(bm, bn, bk, warps, schedule, K, act, ws, per_sm, round_warps, plain):
+        p = gb.plan(bm, bn, bk, warps, schedule, K, 232448, ws=ws, round_warps=round_warps)
+        if schedule == "swap" and not ws:  # a launch that swap_workers leaves without worker warps
+            p = dataclasses.replace(p, ws=False)
+        decode, swap = schedule in gb.FROM_CODES, schedule == "swap"
+        def desc(block):
+            return f"tensordesc<bf16{block},{gb._smem_layout(tuple(block))!r}>"
+        weights = {"c_ptr": "*u8" if decode else "*bf16", "s_ptr": "*u8" if decode else "*bf16", "stride_cb": "i32",
+                   "stride_cn": "i32", "stride_sb": "i32", "stride_sn": "i32", "M": "i32", "N": "i32"}
+        y_desc = "constexpr" if plain else desc([1, bm, gb.y_columns(bm, bn)])
+        y = {"y_ptr": "*bf16", "stride_yb": "i32", "stride_ym": "i32"}
+        if swap:  # the parameters in each kernel's order
+            sig = {"x_desc": desc([1, bm, bk]), "y_desc": y_desc, **weights, **y}
+        else:
+            sig = {"x_desc": desc([1, bm, bk]), "w_desc": "constexpr" if decode else desc([1, bn, bk]),
+                   "y_desc": y_desc, **weights, "SPLITS": "i32", **y}
+        consts = gb.kernel_constants(p, K, act, per_sm, plain)  # what a launch passes
+        options = {"num_warps": consts["num_warps"]}
+        if "maxnreg" in consts:
+            options["maxnreg"] = consts.pop("maxnreg")
+        consts.update({n: None for n in ("w_desc", "y_desc") if sig.get(n) == "constexpr"})
+        sig.update(dict.fromkeys(consts, "constexpr"))
+        # pointers, strides and N as a launch specializes them (multiples of 16): codes and y in 16-byte vectors
+        aligned = ("c_ptr", "s_ptr", "stride_cb", "stride_cn", "N", "y_ptr", "stride_yb", "stride_ym")
+        attrs = {(list(sig).index(n),): [["tt.divisibility", 16]] for n in aligned}
+        src = GluonASTSource(fn=gb._swap_kernel if swap else gb._bmm_kernel, signature=sig, constexprs=consts,
+                             attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        ptx = k.asm["ptx"]
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            cuobjdump = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
+            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+            sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+        ins = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+([^;]*);", sass, re.M)
+        code_loads = [i for i, t in enumerate(ins) if re.search(r"LDG\.E\.(64|128)\b", t)]  # the codes' vectors
+        return {"stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "shared": k.metadata.shared,
+                "warps": k.metadata.num_warps, "stages": p.stages, "maxnreg": options.get("maxnreg"),
+                "setmaxnreg": ptx.count("setmaxnreg"),
+                "estimate": gb.smem_bytes(bm, bn, bk, K, schedule, p.stages),
+                "wgmma": ptx.count("wgmma.mma_async"), "prmt": ptx.count("prmt.b32"),
+                "byte_loads": ptx.count("ld.global.b8") + ptx.count("ld.global.u8"),
+                "code_loads": len(code_loads), "identities": ptx.count("0x3210;"),
+                "y_tma_stores": ptx.count("cp.async.bulk.tensor.3d.global.shared"),
+                "y_vector_stores": ptx.count("st.global.v4.b32"),
+                "prmt_between_code_loads": sum("PRMT" in t for t in ins[code_loads[0]:code_loads[-1]])
+                if code_loads else 0,
+                "cubin": len(k.asm["cubin"])}
+    for line in sys.stdin:  # one JSON list of facts' arguments a line; one answer line each
+        try:
+            answer = {"facts": facts(*json.loads(line))}
+        except Exception:
+            answer = {"error": traceback.format_exc()}
+        print(ANSWER + json.dumps(answer), flush=True)
     """
 )
 
 
-def _compile(tiles, schedule, K, act, ws, per_sm, round_warps=4, plain_y=False) -> dict:
-    """The facts :data:`_COMPILE` prints about the real kernel compiled for sm_90a in a fresh process."""
+ANSWER = "facts: "  # what starts the compiler's answer lines (Triton or ptxas may print lines of their own)
+
+
+@pytest.fixture(scope="module")
+def compile_sm90(tmp_path_factory):
+    """``compile_sm90(tiles, schedule, K, act, ws, per_sm, round_warps=4, plain_y=False) -> dict``: the facts
+    :data:`_COMPILER` gives about the real kernel compiled for sm_90a, by one process for the whole module
+    (without ``TRITON_INTERPRET``; Triton and torch are imported once, not once a kernel). A kernel that fails to
+    compile fails its test only; the process answers the next."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = json.dumps([*tiles, schedule, K, act, ws, per_sm, round_warps, plain_y])
-    run = subprocess.run([sys.executable, "-c", _COMPILE, args],
-                         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    log = tmp_path_factory.mktemp("compiler") / "stderr"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", f"ANSWER = {ANSWER!r}\n" + _COMPILER], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)  # fmt: skip
+    answers: queue.Queue = queue.Queue()
+
+    def read_answers():
+        for line in proc.stdout:
+            if line.startswith(ANSWER):
+                answers.put(json.loads(line[len(ANSWER) :]))
+        answers.put(None)  # the process has ended
+
+    threading.Thread(target=read_answers, daemon=True).start()
+
+    def compile_(tiles, schedule, K, act, ws, per_sm, round_warps=4, plain_y=False) -> dict:
+        proc.stdin.write(json.dumps([*tiles, schedule, K, act, ws, per_sm, round_warps, plain_y]) + "\n")
+        proc.stdin.flush()
+        try:
+            answer = answers.get(timeout=300)
+        except queue.Empty:
+            pytest.fail("no answer from the compiler process in 300 s")
+        assert answer is not None, f"the compiler process died: {log.read_text()[-3000:]}"
+        assert "error" not in answer, answer["error"][-3000:]
+        return answer["facts"]
+
+    yield compile_
+    proc.stdin.close()
+    proc.wait(timeout=60)
 
 
-def test_256_deep_k_steps_compile_without_spilling_in_the_rounding_warps():
+def test_256_deep_k_steps_compile_without_spilling_in_the_rounding_warps(compile_sm90):
     """64 x 64 x 256 decode tiles with rounding warps (K-up 256's default at 64 tokens and 16 heads in session
     9, a sweep candidate since): each rounding thread holds 128 values of x in its 96 registers, which the PTX
     rounding leaves room for (with the Triton-op rounding this kernel spilled 256 bytes of stack, and ran 7.41
     instead of 4.70 us on the H200)."""
-    got = _compile((64, 64, 256, 4), "decode", 256, True, True, 1)
+    got = compile_sm90((64, 64, 256, 4), "decode", 256, True, True, 1)
     assert got["warps"] == 4 + gb.ROUND_WARPS and got["stack"] == 0
 
 
@@ -310,14 +350,14 @@ def test_256_deep_k_steps_compile_without_spilling_in_the_rounding_warps():
          "kup256-stationary-ws", "vup-streaming-ws", "vup-streaming", "vup-streaming-none", "kup192-decode-4warps-ws",
          "kup192-decode-ws-2-per-sm"],
 )  # fmt: skip
-def test_kernel_compiles_for_sm90_within_shared_memory(tiles, schedule, K, act, ws, per_sm):
+def test_kernel_compiles_for_sm90_within_shared_memory(tiles, schedule, K, act, ws, per_sm, compile_sm90):
     """The real kernel, compiled for sm_90a by Triton's bundled ptxas on this machine (no GPU needed): it
     builds with the warps asked for (plus :data:`ROUND_WARPS` rounding warps with ``ws`` and mxfp4
     activations, two partitions of them where :func:`round_partitions` says so, their registers rebalanced
     within the 65536 of a multiprocessor), the wgmma instructions (and
     for ``decode`` the byte-table lookups) are there, and its shared memory is within the H200's limit and the
     planner's estimate."""
-    got = _compile(tiles, schedule, K, act, ws, per_sm)
+    got = compile_sm90(tiles, schedule, K, act, ws, per_sm)
     assert got["wgmma"] >= 1 and got["cubin"] > 0
     if act and ws:
         parts = gb.round_partitions(gb.plan(*tiles, schedule, K, H200_SMEM, ws=True), K, True, per_sm)
@@ -346,10 +386,10 @@ def test_two_rounding_partitions_only_for_one_warpgroup_decoding_alone_with_seve
     assert parts((64, 64, 64, 4), 192, ws=False) == 1 and parts((32, 64, 256, 4), 512, schedule="swap") == 1
 
 
-def test_decode_kernel_with_two_rounding_partitions_compiles_for_sm90():
+def test_decode_kernel_with_two_rounding_partitions_compiles_for_sm90(compile_sm90):
     """K-up 192's 16-head 64-row default (64 x 64 x 64, 4 MMA warps, three K steps) with two partitions of 4
     rounding warps, compiled for sm_90a here: 12 warps under a cap of 65536 / 384 registers, no stack."""
-    got = _compile((64, 64, 64, 4), "decode", 192, True, True, 1)
+    got = compile_sm90((64, 64, 64, 4), "decode", 192, True, True, 1)
     assert got["warps"] == 12 and got["maxnreg"] == 168 and got["stack"] == 0 and got["setmaxnreg"] > 0
 
 
@@ -378,14 +418,14 @@ def test_swap_plans_one_stage_per_k_step_at_most_and_always_rounding_warps():
          "vup-64x128x256-8-rounding-warps", "kup256-64x256x128-four-warpgroups", "vup-64x128x128"],
 )  # fmt: skip
 def test_swap_kernel_compiles_for_sm90_with_its_weights_in_registers(tiles, K, act, per_sm, round_warps,
-                                                                     scale_loads):  # fmt: skip
+                                                                     scale_loads, compile_sm90):  # fmt: skip
     """The swap kernel compiled for sm_90a here: MMA warps plus the worker warps (also with ``act_quant="none"``:
     they reorder x), registers within the multiprocessor's 65536, no stack (the decoded A operand and the
     column's codes stay in registers), and shared memory within the estimate, which counts only the x ring and
     the y tile: moving the decoded weights to the MMA's register layout through shared memory (a 16-64 KiB
     scratch tile) would exceed it. The only byte loads are the scales' (hand counts: per K step, a thread's two
     rows r and r + 8 times the 32-blocks of its run of block_k / 4 k, at least one); codes come in vectors."""
-    got = _compile(tiles, "swap", K, act, True, per_sm, round_warps, plain_y=True)
+    got = compile_sm90(tiles, "swap", K, act, True, per_sm, round_warps, plain_y=True)
     assert got["warps"] == tiles[3] + round_warps and got["setmaxnreg"] > 0 and got["stack"] == 0
     assert got["warps"] * 32 * got["maxnreg"] * per_sm <= 65536
     assert got["wgmma"] >= 1 and got["prmt"] > 0 and got["byte_loads"] == scale_loads
@@ -398,11 +438,11 @@ def test_swap_kernel_compiles_for_sm90_with_its_weights_in_registers(tiles, K, a
                    ((16, 128, 256, 8), True)],
     ids=["kup256-32x64x256", "kup256-32x64x256-none", "kup256-32x128x256-none", "kup256-16x128x256-half-blocks"],
 )  # fmt: skip
-def test_one_step_swap_kernel_compiles_for_sm90_without_worker_warps(tiles, act):
+def test_one_step_swap_kernel_compiles_for_sm90_without_worker_warps(tiles, act, compile_sm90):
     """The swap kernel as launched where :func:`swap_workers` drops the worker warps (K-up 256's one 256-deep K
     step), compiled for sm_90a here: only the MMA warps, which round or reorder x themselves (with 16 rows a
     thread holds half a 32-block), no register rebalancing, no stack, and shared memory within the estimate."""
-    got = _compile(tiles, "swap", 256, act, False, 1)
+    got = compile_sm90(tiles, "swap", 256, act, False, 1)
     assert got["warps"] == tiles[3] and got["maxnreg"] is None and got["setmaxnreg"] == 0 and got["stack"] == 0
     assert got["wgmma"] >= 1 and got["prmt"] > 0 and got["stages"] == 1
     assert got["shared"] <= got["estimate"]
@@ -412,7 +452,7 @@ def test_one_step_swap_kernel_compiles_for_sm90_without_worker_warps(tiles, act)
 @pytest.mark.parametrize("plain", [True, False], ids=["plain", "tma"])
 @pytest.mark.parametrize("tiles, sites", [((64, 64, 64, 4), 2), ((128, 256, 64, 8), 1)],
                          ids=["64x64x64", "128x256x64-halves"])  # fmt: skip
-def test_decode_kernel_writes_y_plainly_or_by_tma(tiles, sites, plain):
+def test_decode_kernel_writes_y_plainly_or_by_tma(tiles, sites, plain, compile_sm90):
     """The ``decode`` kernel compiled for sm_90a here with y written by plain stores (:func:`plain_y`) or by
     TMA: with plain stores no bulk tensor store is left, and y leaves in 16-byte vector stores, hand count: the
     ``[BM, BN]`` tile over the MMA warps' threads, 8 values each (in two halves at 128 rows, :func:`y_columns`),
@@ -420,7 +460,7 @@ def test_decode_kernel_writes_y_plainly_or_by_tma(tiles, sites, plain):
     two decode the column first, :func:`decode_first`); with TMA one bulk store per half and site, no vector
     stores. Neither uses a stack or more shared memory than the estimate, which counts the y buffer (the plain
     path moves the tile through shared memory the compiler allocates instead)."""
-    got = _compile(tiles, "decode", 192, True, True, 1, plain_y=plain)
+    got = compile_sm90(tiles, "decode", 192, True, True, 1, plain_y=plain)
     halves = tiles[1] // gb.y_columns(tiles[0], tiles[1])
     if plain:
         assert got["y_tma_stores"] == 0
@@ -467,7 +507,8 @@ def test_swap_launches_keep_eight_rounding_warps_only_where_their_programs_run_a
     ids=["vup-32x64x256", "kup192-32x64x64", "vup-64x64x256-rw8", "vup-32x64x256-2-per-sm", "vup-64x128x256-w8"],
 )  # fmt: skip
 def test_swap_programs_of_one_warpgroup_alone_load_every_k_steps_codes_before_decoding(tiles, K, per_sm, round_warps,
-                                                                                        first):  # fmt: skip
+                                                                                        first,
+                                                                                        compile_sm90):  # fmt: skip
     """The SASS of the swap kernel compiled for sm_90a here: where :func:`swap_codes_first` says so (one MMA
     warpgroup, several K steps, one program a multiprocessor) no decode instruction (``PRMT``) comes between
     the column's first and last code loads, so every K step's codes are in flight before step 0 is decoded;
@@ -478,7 +519,7 @@ def test_swap_programs_of_one_warpgroup_alone_load_every_k_steps_codes_before_de
     bk = tiles[2]
     steps = K // bk
     assert gb.swap_codes_first(tiles[3], steps, per_sm) == first
-    got = _compile(tiles, "swap", K, True, True, per_sm, round_warps)
+    got = compile_sm90(tiles, "swap", K, True, True, per_sm, round_warps)
     assert got["code_loads"] == steps * 2 * max(1, bk // 128) and got["stack"] == 0
     assert got["identities"] == ((steps - 1) * 2 * bk // 32 if first else 0)
     assert (got["prmt_between_code_loads"] == 0) == first
@@ -495,12 +536,12 @@ def test_swap_codes_come_first_only_for_one_warpgroup_with_several_k_steps_alone
     "tiles, K, act", [((64, 256, 128, 4), 256, True), ((64, 128, 64, 4), 192, True), ((128, 128, 128, 8), 512, False)],
     ids=["kup256-64x256x128", "kup192-64x128x64", "vup-128x128x128-none"],
 )  # fmt: skip
-def test_xreg_kernel_compiles_for_sm90_with_x_in_registers(tiles, K, act):
+def test_xreg_kernel_compiles_for_sm90_with_x_in_registers(tiles, K, act, compile_sm90):
     """The xreg schedule compiled for sm_90a here: only the MMA warps (no rounding warps, no register
     rebalancing), no stack (two x tiles and the accumulator in registers), the weight decode there, and shared
     memory within the estimate, which counts the column, the x ring and the y tile only: taking x into the A
     operand's layout through shared memory (a scratch tile) would exceed it."""
-    got = _compile(tiles, "xreg", K, act, False, 1)
+    got = compile_sm90(tiles, "xreg", K, act, False, 1)
     assert got["warps"] == tiles[3] and got["maxnreg"] is None and got["setmaxnreg"] == 0 and got["stack"] == 0
     assert got["wgmma"] >= 1 and got["prmt"] > 0
     assert got["shared"] <= got["estimate"] <= H200_SMEM
@@ -552,7 +593,7 @@ def test_programs_of_more_than_twelve_warps_run_alone():
     assert gb.programs_per_sm(narrow, 192, 256, 132, H200_SMEM) == 2
 
 
-def test_programs_pair_only_where_the_register_cap_leaves_the_accumulator_room():
+def test_programs_pair_only_where_the_register_cap_leaves_the_accumulator_room(compile_sm90):
     """4 MMA warps of 64 x 128 (64 fp32 accumulator registers a thread) with 8 rounding warps: two programs
     would cap every thread at 80 registers, under which ptxas refuses the MMA warps' code (it asked for 90),
     so they run alone, and compile; at 64 x 64 (32 registers) two share a multiprocessor and compile under the
@@ -565,7 +606,7 @@ def test_programs_pair_only_where_the_register_cap_leaves_the_accumulator_room()
     for p, tiles, programs, per_sm in ((wide, (64, 128, 64, 4), 256, 1), (narrow, (64, 64, 64, 4), 512, 2)):
         assert 2 * (gb.smem_bytes(*tiles[:3], 192, "decode", p.stages) + 1024) <= H200_SMEM + 1024
         assert gb.programs_per_sm(p, 192, programs, 132, H200_SMEM) == per_sm
-        got = _compile(tiles, "decode", 192, True, True, per_sm, 8)
+        got = compile_sm90(tiles, "decode", 192, True, True, per_sm, 8)
         assert got["stack"] == 0 and got["warps"] == 12 and got["maxnreg"] == gb.register_cap(12, per_sm)
 
 
