@@ -139,6 +139,8 @@ def plan_option(name: str, help_text: str):
     type=int,
     default=os.cpu_count() or 1,
     show_default="number of cores",
+    envvar="GLM_PACK_WORKERS",
+    show_envvar=True,
     help="Worker processes, one work item (layer) each; output is identical for every count. A Hub SRC read by "
     "range requests (--files other than copy) is read by one process.",
 )

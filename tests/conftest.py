@@ -10,6 +10,10 @@ convert and reliability suites share one cache and one conversion per session. `
 shared=False)`` starts a second process that holds OUT's lock until the test ends (or it is killed);
 ``read_only(out)`` gives a view of OUT nobody may write to. ``refuse(owner, name, hit, code=EACCES)`` makes one
 file-system call fail for some paths, as the OS would (the tests run as root, whom chmod does not stop).
+
+``glm-pack convert`` run without ``--workers`` uses one process here (``GLM_PACK_WORKERS=1``, for this process and
+the ones it starts): spawning workers, each importing torch, took 4-5 s a conversion of these small checkpoints.
+Tests of several workers say ``--workers N``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from safetensors.torch import load_file, save_file
 
 from glm_pack.convert.convert import ConvertOptions, convert
 from glm_pack.convert.synth import synthesize
+
+os.environ["GLM_PACK_WORKERS"] = "1"
 
 
 @pytest.fixture

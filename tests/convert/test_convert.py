@@ -454,6 +454,29 @@ def test_refusals(synth_ckpt, tmp_path):
     assert r.exit_code == 1 and "--workers must be at least 1, got 0" in r.output and not (tmp_path / "o").exists()
 
 
+def test_workers_default_comes_from_glm_pack_workers(synth_ckpt, tmp_path, monkeypatch):
+    """``GLM_PACK_WORKERS`` sets --workers' default (else the number of cores); --workers wins over it; a value
+    that is no integer is refused, naming the variable. (The test session sets it to 1: tests/conftest.py.)"""
+    from glm_pack.convert import commands
+
+    seen = []
+
+    def spy(src, out, options, progress=None):
+        seen.append(options.workers)
+        raise GlmPackError("spied")
+
+    monkeypatch.setattr(commands, "convert", spy)
+    src, runner = synth_ckpt("glm-5", "bf16"), CliRunner()
+    cases = [({"GLM_PACK_WORKERS": "3"}, [], 3), ({"GLM_PACK_WORKERS": "3"}, ["--workers", "5"], 5),
+             ({"GLM_PACK_WORKERS": None}, [], os.cpu_count() or 1), ({"GLM_PACK_WORKERS": ""}, [], os.cpu_count() or 1)]
+    for env, args, workers in cases:  # fmt: skip
+        r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o"), *args], env=env)
+        assert r.exit_code == 1 and "spied" in r.output and seen.pop() == workers, (env, args, r.output)
+    r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o")], env={"GLM_PACK_WORKERS": "two"})
+    assert r.exit_code == 2 and "'two' is not a valid integer" in r.output and "GLM_PACK_WORKERS" in r.output, r.output
+    assert not seen and not (tmp_path / "o").exists()
+
+
 def test_nan_weight_named_in_error(synth_ckpt, tmp_path, ckpt_copy, edit_tensor):
     src = ckpt_copy(synth_ckpt("glm-5", "bf16"))
     name = "model.layers.0.self_attn.kv_b_proj.weight"
@@ -463,7 +486,7 @@ def test_nan_weight_named_in_error(synth_ckpt, tmp_path, ckpt_copy, edit_tensor)
         return t
 
     shard = edit_tensor(src, name, poison)
-    r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "o")])
+    r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "o"), "--workers", "2"])  # raised in a worker
     assert r.exit_code == 1
     assert "1 non-finite" in r.output and "(100, 3)" in r.output and name in r.output and shard.name in r.output
     assert not (tmp_path / "o" / "glm-pack" / "manifest.json").exists()
