@@ -30,10 +30,13 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+# Before glm_pack's Rich consoles are made: a console made while COLUMNS is set keeps that width for good (pytest-xdist
+# sets COLUMNS=80 in its workers); made without, it reads COLUMNS at each print, which the tests set per invocation.
+os.environ.pop("COLUMNS", None)
+os.environ["GLM_PACK_WORKERS"] = "1"
+
 from glm_pack.convert.convert import ConvertOptions, convert
 from glm_pack.convert.synth import synthesize
-
-os.environ["GLM_PACK_WORKERS"] = "1"
 
 
 @pytest.fixture
