@@ -8,15 +8,13 @@ import logging
 import math
 
 import click
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .commands import console
 from .humanize import counted, size_text
 from .modelcard import write_card
 from .push import MAX_COMMIT_BYTES, PushOptions, PushReport, push
-
-console = Console(stderr=False, emoji=False, soft_wrap=True)  # ":cd:" in a path is no emoji code; lines never wrap
 
 
 def _print_report(report: PushReport, repo_id: str) -> None:
