@@ -18,7 +18,7 @@ from glm_pack.packing.absorb import POLICIES
 from glm_pack.packing.errors import VerifyError
 
 from . import state
-from .convert import ConvertOptions, ConvertReport, convert, output_leftovers
+from .convert import ConvertOptions, ConvertReport, convert, output_leftovers, usable_cores
 from .humanize import counted, size_text
 from .modelcard import error_cells, fmt_error, source_error_text, worst_head_text
 from .plan import FILE_MODES
@@ -137,8 +137,8 @@ def plan_option(name: str, help_text: str):
 @click.option(
     "--workers",
     type=int,
-    default=os.cpu_count() or 1,
-    show_default="number of cores",
+    default=usable_cores,
+    show_default="the cores glm-pack may run on",
     envvar="GLM_PACK_WORKERS",
     show_envvar=True,
     help="Worker processes, one work item (layer) each; output is identical for every count. A Hub SRC read by "

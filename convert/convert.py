@@ -314,12 +314,21 @@ def _kept(entries: list, overlay: Path, items) -> dict[str, dict]:
     return kept
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the OS keeps one (Linux: a container's cpuset,
+    taskset), else every core of the machine. A CPU quota (cgroup ``cpu.max``) is not seen."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity API (macOS, Windows)
+        return os.cpu_count() or 1
+
+
 def _run_items(ckpt: Checkpoint, todo, settings: Settings, overlay: Path, workers: int, on_done) -> None:
     if workers <= 1 or len(todo) <= 1:
         for item in todo:
             on_done(run_item(ckpt, item, settings, overlay))
         return
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    threads = max(1, usable_cores() // workers)
     ctx = get_context("spawn")
     with ProcessPoolExecutor(
         workers, mp_context=ctx, initializer=worker_init, initargs=(threads, os.getpid())

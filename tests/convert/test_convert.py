@@ -454,9 +454,10 @@ def test_refusals(synth_ckpt, tmp_path):
     assert r.exit_code == 1 and "--workers must be at least 1, got 0" in r.output and not (tmp_path / "o").exists()
 
 
-def test_workers_default_comes_from_glm_pack_workers(synth_ckpt, tmp_path, monkeypatch):
-    """``GLM_PACK_WORKERS`` sets --workers' default (else the number of cores); --workers wins over it; a value
-    that is no integer is refused, naming the variable. (The test session sets it to 1: tests/conftest.py.)"""
+def test_workers_default_comes_from_glm_pack_workers_else_the_cores_it_may_run_on(synth_ckpt, tmp_path, monkeypatch):
+    """``GLM_PACK_WORKERS`` sets --workers' default, else the cores of the process's CPU affinity (a container's
+    cpuset: 3 of the machine's cores here), else every core where the OS has no affinity; --workers wins over it;
+    a value that is no integer is refused, naming the variable. (The test session sets it to 1: tests/conftest.py.)"""
     from glm_pack.convert import commands
 
     seen = []
@@ -466,12 +467,17 @@ def test_workers_default_comes_from_glm_pack_workers(synth_ckpt, tmp_path, monke
         raise GlmPackError("spied")
 
     monkeypatch.setattr(commands, "convert", spy)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 7}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
     src, runner = synth_ckpt("glm-5", "bf16"), CliRunner()
     cases = [({"GLM_PACK_WORKERS": "3"}, [], 3), ({"GLM_PACK_WORKERS": "3"}, ["--workers", "5"], 5),
-             ({"GLM_PACK_WORKERS": None}, [], os.cpu_count() or 1), ({"GLM_PACK_WORKERS": ""}, [], os.cpu_count() or 1)]
+             ({"GLM_PACK_WORKERS": None}, [], 3), ({"GLM_PACK_WORKERS": ""}, [], 3)]
     for env, args, workers in cases:  # fmt: skip
         r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o"), *args], env=env)
         assert r.exit_code == 1 and "spied" in r.output and seen.pop() == workers, (env, args, r.output)
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o")], env={"GLM_PACK_WORKERS": None})
+    assert r.exit_code == 1 and seen.pop() == 16, r.output
     r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o")], env={"GLM_PACK_WORKERS": "two"})
     assert r.exit_code == 2 and "'two' is not a valid integer" in r.output and "GLM_PACK_WORKERS" in r.output, r.output
     assert not seen and not (tmp_path / "o").exists()
