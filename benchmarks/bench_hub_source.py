@@ -34,6 +34,7 @@ from fake_hub import FakeHub  # noqa: E402
 from huggingface_hub import constants, snapshot_download  # noqa: E402
 
 from glm_pack.convert.convert import ConvertOptions, convert  # noqa: E402
+from glm_pack.convert.hub_source import RANGE_CHECK  # noqa: E402
 from glm_pack.convert.inspect import inspect_checkpoint  # noqa: E402
 from glm_pack.convert.synth import synthesize  # noqa: E402
 
@@ -52,7 +53,7 @@ def range_bytes(hub: FakeHub) -> int:
     the reader leaves unread and does not count)."""
     total = 0
     for r in hub.kinds("resolve"):
-        if r.method == "GET" and r.range and r.range != "bytes=0-0":
+        if r.method == "GET" and r.range and r.range != RANGE_CHECK:
             first, last = r.range.removeprefix("bytes=").split("-")
             total += int(last) - int(first) + 1
     return total

@@ -35,6 +35,7 @@ from .safetensors_io import LocalFile
 HUB_PREFIX = "hf://"
 INDEX_NAME = "model.safetensors.index.json"
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+")
+RANGE_CHECK = "bytes=0-0"  # the Range of the one request checking that the endpoint serves ranges
 RECENT_BYTES = 256 << 20  # ranges kept for re-reads (a GLM-5 kv_b_proj in BF16 is 29 MB)
 
 
@@ -232,7 +233,7 @@ class HubStore:
         from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
 
         url = hf_hub_url(self.repo_id, rel, revision=self.sha, endpoint=self.endpoint)
-        headers = {**build_hf_headers(), "range": "bytes=0-0"}
+        headers = {**build_hf_headers(), "range": RANGE_CHECK}
         with self._errors(rel):
             with http_stream_backoff("GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as answer:
                 hf_raise_for_status(answer)
