@@ -18,7 +18,8 @@ from glm_pack.packing.absorb import POLICIES
 from glm_pack.packing.errors import VerifyError
 
 from . import state
-from .convert import ConvertOptions, ConvertReport, convert, output_leftovers, usable_cores
+from .convert import ConvertOptions, ConvertReport, convert, output_leftovers
+from .cores import usable_cores
 from .humanize import counted, size_text
 from .modelcard import error_cells, fmt_error, source_error_text, worst_head_text
 from .plan import FILE_MODES

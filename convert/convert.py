@@ -35,6 +35,7 @@ from glm_pack.packing.experts import moe_layout_description
 
 from . import state
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
+from .cores import usable_cores
 from .items import Settings, is_entry_of, plan_items, run_item, run_item_in_worker, worker_init
 from .plan import check_files_mode, kernel_route, resolve_k_up
 from .writer import OutputError, clear_directory, fsync_path, is_temp, list_folder, remove, temp_path, write_text
@@ -312,15 +313,6 @@ def _kept(entries: list, overlay: Path, items) -> dict[str, dict]:
             if file_sha256(overlay / file) == entry["sha256"]:
                 kept[file] = entry
     return kept
-
-
-def usable_cores() -> int:
-    """The cores this process may run on: its CPU affinity where the OS keeps one (Linux: a container's cpuset,
-    taskset), else every core of the machine. A CPU quota (cgroup ``cpu.max``) is not seen."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):  # no affinity API (macOS, Windows)
-        return os.cpu_count() or 1
 
 
 def _run_items(ckpt: Checkpoint, todo, settings: Settings, overlay: Path, workers: int, on_done) -> None:

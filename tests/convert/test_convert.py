@@ -456,9 +456,10 @@ def test_refusals(synth_ckpt, tmp_path):
 
 def test_workers_default_comes_from_glm_pack_workers_else_the_cores_it_may_run_on(synth_ckpt, tmp_path, monkeypatch):
     """``GLM_PACK_WORKERS`` sets --workers' default, else the cores of the process's CPU affinity (a container's
-    cpuset: 3 of the machine's cores here), else every core where the OS has no affinity; --workers wins over it;
-    a value that is no integer is refused, naming the variable. (The test session sets it to 1: tests/conftest.py.)"""
-    from glm_pack.convert import commands
+    cpuset: 3 of the machine's cores here) capped by a cgroup CPU quota, else every core where the OS has no
+    affinity; --workers wins over it; a value that is no integer is refused, naming the variable. (The test session
+    sets it to 1: tests/conftest.py.)"""
+    from glm_pack.convert import commands, cores
 
     seen = []
 
@@ -467,6 +468,7 @@ def test_workers_default_comes_from_glm_pack_workers_else_the_cores_it_may_run_o
         raise GlmPackError("spied")
 
     monkeypatch.setattr(commands, "convert", spy)
+    monkeypatch.setattr(cores, "SELF_CGROUP", tmp_path / "no-cgroup")  # this machine's own quota, if any, aside
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 7}, raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     src, runner = synth_ckpt("glm-5", "bf16"), CliRunner()
@@ -475,6 +477,13 @@ def test_workers_default_comes_from_glm_pack_workers_else_the_cores_it_may_run_o
     for env, args, workers in cases:  # fmt: skip
         r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o"), *args], env=env)
         assert r.exit_code == 1 and "spied" in r.output and seen.pop() == workers, (env, args, r.output)
+    (tmp_path / "cgroup").write_text("0::/\n")  # a container whose CPU limit is 1.5 cores
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    monkeypatch.setattr(cores, "SELF_CGROUP", tmp_path / "cgroup")
+    monkeypatch.setattr(cores, "CGROUP_FS", tmp_path)
+    r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o")], env={"GLM_PACK_WORKERS": None})
+    assert r.exit_code == 1 and seen.pop() == 2, r.output
+    monkeypatch.setattr(cores, "SELF_CGROUP", tmp_path / "no-cgroup")
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)
     r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o")], env={"GLM_PACK_WORKERS": None})
     assert r.exit_code == 1 and seen.pop() == 16, r.output

@@ -1,0 +1,111 @@
+"""usable_cores / cpu_quota on hand-made cgroup trees (the layouts Docker, Kubernetes and systemd leave)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from glm_pack.convert import cores
+
+
+@pytest.fixture
+def cgroup(tmp_path, monkeypatch):
+    """Point the module at a fake cgroup mount and /proc/self/cgroup; returns (write_self, write_file)."""
+    mount, self_file = tmp_path / "sys-fs-cgroup", tmp_path / "proc-self-cgroup"
+    mount.mkdir()
+    monkeypatch.setattr(cores, "CGROUP_FS", mount)
+    monkeypatch.setattr(cores, "SELF_CGROUP", self_file)
+
+    def write_self(*lines: str) -> None:
+        self_file.write_text("".join(line + "\n" for line in lines))
+
+    def write_file(rel: str, text: str) -> None:
+        path = mount / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+
+    return write_self, write_file
+
+
+def test_v2_quota_is_the_smallest_along_the_path_rounded_up(cgroup):
+    write_self, write_file = cgroup
+    write_self("0::/kubepods/pod1/ctr")
+    write_file("kubepods/pod1/ctr/cpu.max", "max 100000")  # the container sets none
+    write_file("kubepods/pod1/cpu.max", "250000 100000")  # the pod's limit: 2.5 cores -> 3
+    write_file("kubepods/cpu.max", "800000 100000")
+    write_file("cpu.max", "max 100000")
+    assert cores.cpu_quota() == 3
+    write_file("kubepods/pod1/ctr/cpu.max", "50000 100000")  # half a core still runs one worker
+    assert cores.cpu_quota() == 1
+
+
+def test_v2_namespace_root_with_and_without_a_quota(cgroup):
+    write_self, write_file = cgroup
+    write_self("0::/")  # a container with its own cgroup namespace sees its cgroup as the root
+    write_file("cpu.max", "200000 100000")
+    assert cores.cpu_quota() == 2
+    write_file("cpu.max", "max 100000")
+    assert cores.cpu_quota() is None
+
+
+@pytest.mark.parametrize("folder", ["cpu,cpuacct", "cpu"])
+def test_v1_cfs_quota_under_either_mount_name(cgroup, folder):
+    """cgroup v1: the cpu controller's folder is "cpu,cpuacct" (with a "cpu" link) or "cpu"; -1 means no quota."""
+    write_self, write_file = cgroup
+    write_self("4:memory:/docker/abc", "3:cpu,cpuacct:/docker/abc", "0::/docker/abc")
+    write_file(f"{folder}/docker/abc/cpu.cfs_quota_us", "300000")
+    write_file(f"{folder}/docker/abc/cpu.cfs_period_us", "100000")
+    write_file(f"{folder}/docker/cpu.cfs_quota_us", "-1")
+    write_file(f"{folder}/docker/cpu.cfs_period_us", "100000")
+    write_file("memory/docker/abc/cpu.cfs_quota_us", "100000")  # another controller's folder is not read
+    write_file("memory/docker/abc/cpu.cfs_period_us", "100000")
+    assert cores.cpu_quota() == 3
+    write_file(f"{folder}/docker/abc/cpu.cfs_quota_us", "-1")
+    assert cores.cpu_quota() is None
+
+
+def test_hybrid_layout_reads_both_hierarchies(cgroup):
+    """A hybrid host (v1 controllers, an empty v2 tree beside them): the v2 line finds no cpu.max, the v1 line does."""
+    write_self, write_file = cgroup
+    write_self("1:cpu:/glm", "0::/")
+    write_file("unified/cgroup.procs", "")
+    write_file("cpu/glm/cpu.cfs_quota_us", "100000")
+    write_file("cpu/glm/cpu.cfs_period_us", "100000")
+    assert cores.cpu_quota() == 1
+
+
+@pytest.mark.parametrize(
+    "self_lines, files",
+    [
+        (None, {}),  # no /proc/self/cgroup (not Linux)
+        (["0::/"], {}),  # no cpu.max at all
+        (["0::/"], {"cpu.max": "lots 100000"}),
+        (["0::/"], {"cpu.max": "100000"}),
+        (["0::/"], {"cpu.max": "100000 0"}),
+        (["1:cpu:/a"], {"cpu/a/cpu.cfs_quota_us": "100000"}),  # no period file
+        (["0::/../outside"], {"cpu.max": "100000 100000", "outside/cpu.max": "100000 100000"}),
+        (["garbage"], {"cpu.max": "100000 100000"}),
+    ],
+)
+def test_no_quota_when_none_can_be_read(cgroup, self_lines, files):
+    write_self, write_file = cgroup
+    if self_lines is not None:
+        write_self(*self_lines)
+    for rel, text in files.items():
+        write_file(rel, text)
+    assert cores.cpu_quota() is None
+
+
+def test_usable_cores_is_the_fewer_of_affinity_and_quota(cgroup, monkeypatch):
+    write_self, write_file = cgroup
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    write_self("0::/")
+    assert cores.usable_cores() == 8  # no quota
+    write_file("cpu.max", "350000 100000")
+    assert cores.usable_cores() == 4
+    write_file("cpu.max", "3200000 100000")
+    assert cores.usable_cores() == 8
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS, Windows: every core of the machine
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert cores.usable_cores() == 16  # 32-core quota, 16 cores
