@@ -54,3 +54,21 @@ def hub_says(err: BaseException) -> str:
     retry it)."""
     reason = _server_reason(err)
     return f"; the Hub says: {reason}" if reason else ""
+
+
+def auth_failed(endpoint: str, err: BaseException) -> str:
+    """The line for a 401: the endpoint refused the token (or its absence)."""
+    return (
+        f"authentication failed (401) at {endpoint}: the token was rejected; check HF_TOKEN or run `hf auth login`"
+        f"{hub_says(err)}"
+    )
+
+
+def unreachable(endpoint: str) -> str:
+    """The line for a connection that could not be made."""
+    return f"cannot connect to {endpoint}: connection refused or unreachable"
+
+
+def answered(status: int, repo_id: str, endpoint: str, err: BaseException) -> str:
+    """The line for an HTTP status glm-pack has no more specific words for."""
+    return f"the Hub answered {status} for {repo_id} at {endpoint}: {hub_reason(err)}"

@@ -29,7 +29,16 @@ from pathlib import Path, PurePosixPath
 from glm_pack.packing.errors import CheckpointError, GlmPackError, HubError
 
 from .checkpoint import is_original, walk_files
-from .hub_common import exception_chain, first_line, hub_reason, hub_says, is_kind, resolve_endpoint
+from .hub_common import (
+    answered,
+    auth_failed,
+    exception_chain,
+    first_line,
+    hub_says,
+    is_kind,
+    resolve_endpoint,
+    unreachable,
+)
 from .safetensors_io import LocalFile
 
 HUB_PREFIX = "hf://"
@@ -331,19 +340,16 @@ def hub_read_error(err: BaseException, store: HubStore, rel: str | None) -> HubE
         if isinstance(e, HfHubHTTPError) and e.response is not None:
             status = e.response.status_code
             if status == 401:
-                return HubError(
-                    f"authentication failed (401) at {endpoint}: the token was rejected; "
-                    f"check HF_TOKEN or run `hf auth login`{hub_says(e)}"
-                )
+                return HubError(auth_failed(endpoint, e))
             if status == 403:
                 return HubError(f"permission denied (403) reading {repo} at {endpoint}{hub_says(e)}", file=file)
             if status == 429:
                 return HubError(
                     f"rate limited (429) by {endpoint}; wait and run the same command again{hub_says(e)}", file=file
                 )
-            return HubError(f"the Hub answered {status} for {repo} at {endpoint}: {hub_reason(e)}", file=file)
+            return HubError(answered(status, repo, endpoint, e), file=file)
         if is_kind(e, "ConnectError", "ConnectionRefusedError"):
-            return HubError(f"cannot connect to {endpoint}: connection refused or unreachable", file=file)
+            return HubError(unreachable(endpoint), file=file)
         if is_kind(e, "TimeoutException", "TimeoutError"):
             return HubError(f"timed out reading from {endpoint} (after retries)", file=file)
         if is_kind(e, "TransportError", "ConnectionError"):

@@ -37,7 +37,16 @@ from glm_pack.packing.errors import HubError, VerifyError
 
 from .checkpoint import walk_files
 from .convert import file_digest, file_sha256
-from .hub_common import exception_chain, first_line, hub_reason, hub_says, is_kind, resolve_endpoint
+from .hub_common import (
+    answered,
+    auth_failed,
+    exception_chain,
+    first_line,
+    hub_says,
+    is_kind,
+    resolve_endpoint,
+    unreachable,
+)
 from .modelcard import SOURCE_README, require_originals, write_card_unlocked
 from .state import OutputLock
 from .writer import OutputError
@@ -429,10 +438,7 @@ def hub_error(err: Exception, repo_id: str, endpoint: str, revision: str, report
         if isinstance(e, HfHubHTTPError) and e.response is not None:
             status = e.response.status_code
             if status == 401:
-                return HubError(
-                    f"authentication failed (401) at {endpoint}: the token was rejected; "
-                    f"check HF_TOKEN or run `hf auth login`{hub_says(e)}"
-                )
+                return HubError(auth_failed(endpoint, e))
             if status == 403:
                 return HubError(
                     f"permission denied (403): the token may not write to {repo_id} at {endpoint}{hub_says(e)}"
@@ -445,9 +451,9 @@ def hub_error(err: Exception, repo_id: str, endpoint: str, revision: str, report
                     f"({report.uploaded_files} of {len(report.plan.uploads)} files committed so far are kept)"
                     f"{hub_says(e)}"
                 )
-            return HubError(f"the Hub answered {status} for {repo_id} at {endpoint}: {hub_reason(e)}")
+            return HubError(answered(status, repo_id, endpoint, e))
         if is_kind(e, "ConnectError", "ConnectionRefusedError") and report.uploaded_files == 0:
-            return HubError(f"cannot connect to {endpoint}: connection refused or unreachable")
+            return HubError(unreachable(endpoint))
         if is_kind(e, "TimeoutException", "TimeoutError"):
             return HubError(_interrupted(report, f"timed out talking to {endpoint}"))
         if is_kind(e, "TransportError", "ConnectionError"):
