@@ -19,7 +19,7 @@ from glm_pack.packing.errors import VerifyError
 
 from . import state
 from .convert import ConvertOptions, ConvertReport, convert, output_leftovers
-from .cores import usable_cores
+from .cores import usable_cores, use_threads
 from .humanize import counted, size_text
 from .modelcard import error_cells, fmt_error, source_error_text, worst_head_text
 from .plan import FILE_MODES
@@ -81,6 +81,7 @@ def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> Conve
         rate = written[0] / max(elapsed() - start, 1e-9) / 2**20
         bar.update(task, completed=done, total=total, rate=f"{rate:.0f} MiB/s")
 
+    use_threads(usable_cores())  # the work of --workers 1 runs in this process
     try:
         report = convert(src, out, options, progress=progress)
     finally:

@@ -26,6 +26,20 @@ def usable_cores() -> int:
     return cores if quota is None else max(1, min(cores, quota))
 
 
+def use_threads(threads: int) -> None:
+    """Run torch's and numba's parallel work in this process on at most ``threads`` threads (never more than each
+    would use anyway). Both size their pools by the cores they see, which a CPU quota does not shrink."""
+    import torch
+
+    torch.set_num_threads(max(1, min(threads, torch.get_num_threads())))
+    try:
+        import numba
+
+        numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+    except ImportError:
+        pass
+
+
 def cpu_quota() -> int | None:
     """Cores the cgroup CPU quota of this process allows: quota / period rounded up, the smallest set on its cgroup
     or any ancestor (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``); None where none is

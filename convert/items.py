@@ -25,6 +25,7 @@ from glm_pack.packing.errors import GlmPackError, PlanError
 from glm_pack.packing.mla import split_kv_b_mxfp4_vc
 
 from .checkpoint import Checkpoint, open_checkpoint
+from .cores import use_threads
 from .plan import layers_to_convert
 from .writer import LazyTensor, dtype_name, write_safetensors
 
@@ -235,15 +236,7 @@ def worker_init(threads: int, parent: int) -> None:
     """Give each worker process its share of the cores (torch and numba), and tie its life to the converting
     process ``parent`` (pid): a worker must never go on writing into an OUT whose run was killed."""
     _die_with(parent)
-    import torch
-
-    torch.set_num_threads(threads)
-    try:
-        import numba
-
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    except ImportError:
-        pass
+    use_threads(threads)
 
 
 def _die_with(parent: int) -> None:

@@ -109,3 +109,44 @@ def test_usable_cores_is_the_fewer_of_affinity_and_quota(cgroup, monkeypatch):
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS, Windows: every core of the machine
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert cores.usable_cores() == 16  # 32-core quota, 16 cores
+
+
+@pytest.fixture
+def restore_threads():
+    """Put torch's and numba's thread counts back after a test that lets the CLI change them."""
+    import numba
+    import torch
+
+    before = torch.get_num_threads(), numba.get_num_threads()
+    yield
+    torch.set_num_threads(before[0])
+    numba.set_num_threads(before[1])
+
+
+def test_cli_convert_runs_on_the_quota_s_threads(cgroup, monkeypatch, tmp_path, restore_threads):
+    """The CLI's own process (where --workers 1 does the work) gives torch and numba no more threads than the quota
+    allows: both size their pools by the cores they see, which a quota does not shrink."""
+    import numba
+    import torch
+    from click.testing import CliRunner
+
+    from glm_pack.convert import commands
+    from glm_pack.convert.cli import main
+    from glm_pack.packing.errors import GlmPackError
+
+    write_self, write_file = cgroup
+    write_self("0::/")
+    write_file("cpu.max", "100000 100000")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    torch.set_num_threads(2)
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    seen = []
+
+    def spy(src, out, options, progress=None):
+        seen.append((options.workers, torch.get_num_threads(), numba.get_num_threads()))
+        raise GlmPackError("spied")
+
+    monkeypatch.setattr(commands, "convert", spy)
+    args = ["convert", str(tmp_path / "src"), str(tmp_path / "out")]
+    r = CliRunner().invoke(main, args, env={"GLM_PACK_WORKERS": None})
+    assert r.exit_code == 1 and "spied" in r.output and seen == [(1, 1, 1)], (r.output, seen)
