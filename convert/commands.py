@@ -224,7 +224,6 @@ def verify_command(out, as_json):
     source cannot be reached only OUT's own files are checked: the verdict says so, exit code still 0.
     Refused while a convert, card or push writes OUT; other verifies may run beside it.
     """
-    use_threads(usable_cores())  # the tensors are re-derived in this process
     report = verify(out)
     print_verify(report, as_json)
     if not report.ok:
