@@ -19,8 +19,8 @@ from glm_pack.packing.errors import VerifyError
 
 from . import state
 from .convert import ConvertOptions, ConvertReport, convert, output_leftovers
-from .cores import usable_cores, use_threads
 from .humanize import counted, size_text
+from .machine import default_workers, usable_cores, use_threads
 from .modelcard import error_cells, fmt_error, source_error_text, worst_head_text
 from .plan import FILE_MODES
 from .verify import VerifyReport, verify
@@ -139,8 +139,8 @@ def plan_option(name: str, help_text: str):
 @click.option(
     "--workers",
     type=int,
-    default=usable_cores,
-    show_default="the cores glm-pack may run on",
+    default=default_workers,
+    show_default="one per core glm-pack may use, at most one per GiB of memory it may take",
     envvar="GLM_PACK_WORKERS",
     show_envvar=True,
     help="Worker processes, one work item (layer) each; output is identical for every count. A Hub SRC read by "

@@ -35,8 +35,8 @@ from glm_pack.packing.experts import moe_layout_description
 
 from . import state
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
-from .cores import usable_cores
 from .items import Settings, is_entry_of, plan_items, run_item, run_item_in_worker, worker_init
+from .machine import usable_cores
 from .plan import check_files_mode, kernel_route, resolve_k_up
 from .writer import OutputError, clear_directory, fsync_path, is_temp, list_folder, remove, temp_path, write_text
 

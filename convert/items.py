@@ -25,7 +25,7 @@ from glm_pack.packing.errors import GlmPackError, PlanError
 from glm_pack.packing.mla import split_kv_b_mxfp4_vc
 
 from .checkpoint import Checkpoint, open_checkpoint
-from .cores import use_threads
+from .machine import use_threads
 from .plan import layers_to_convert
 from .writer import LazyTensor, dtype_name, write_safetensors
 

@@ -454,12 +454,12 @@ def test_refusals(synth_ckpt, tmp_path):
     assert r.exit_code == 1 and "--workers must be at least 1, got 0" in r.output and not (tmp_path / "o").exists()
 
 
-def test_workers_default_comes_from_glm_pack_workers_else_the_cores_it_may_run_on(synth_ckpt, tmp_path, monkeypatch):
+def test_workers_default_comes_from_glm_pack_workers_else_the_machine(synth_ckpt, tmp_path, monkeypatch):
     """``GLM_PACK_WORKERS`` sets --workers' default, else the cores of the process's CPU affinity (a container's
-    cpuset: 3 of the machine's cores here) capped by a cgroup CPU quota, else every core where the OS has no
-    affinity; --workers wins over it; a value that is no integer is refused, naming the variable. (The test session
-    sets it to 1: tests/conftest.py.)"""
-    from glm_pack.convert import commands, cores
+    cpuset: 3 of the machine's cores here) capped by a cgroup CPU quota and by one worker per GiB of memory, else
+    every core where the OS has no affinity; --workers wins over it; a value that is no integer is refused, naming
+    the variable. (The test session sets it to 1: tests/conftest.py.)"""
+    from glm_pack.convert import commands, machine
 
     seen = []
 
@@ -467,8 +467,20 @@ def test_workers_default_comes_from_glm_pack_workers_else_the_cores_it_may_run_o
         seen.append(options.workers)
         raise GlmPackError("spied")
 
+    def container(*files: tuple[str, str]) -> None:
+        """This process in a cgroup namespace whose root holds ``files``; plenty of memory available."""
+        root = tmp_path / f"cgroup-{len(list(tmp_path.glob('cgroup-*')))}"
+        root.mkdir()
+        for name, text in files:
+            (root / name).write_text(text + "\n")
+        monkeypatch.setattr(machine, "CGROUP_FS", root)
+
     monkeypatch.setattr(commands, "convert", spy)
-    monkeypatch.setattr(cores, "SELF_CGROUP", tmp_path / "no-cgroup")  # this machine's own quota, if any, aside
+    (tmp_path / "self-cgroup").write_text("0::/\n")
+    (tmp_path / "meminfo").write_text("MemTotal: 67108864 kB\nMemAvailable: 50331648 kB\n")  # 48 GiB available
+    monkeypatch.setattr(machine, "SELF_CGROUP", tmp_path / "self-cgroup")
+    monkeypatch.setattr(machine, "MEMINFO", tmp_path / "meminfo")
+    container()  # no limits
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 7}, raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     src, runner = synth_ckpt("glm-5", "bf16"), CliRunner()
@@ -477,13 +489,15 @@ def test_workers_default_comes_from_glm_pack_workers_else_the_cores_it_may_run_o
     for env, args, workers in cases:  # fmt: skip
         r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o"), *args], env=env)
         assert r.exit_code == 1 and "spied" in r.output and seen.pop() == workers, (env, args, r.output)
-    (tmp_path / "cgroup").write_text("0::/\n")  # a container whose CPU limit is 1.5 cores
-    (tmp_path / "cpu.max").write_text("150000 100000\n")
-    monkeypatch.setattr(cores, "SELF_CGROUP", tmp_path / "cgroup")
-    monkeypatch.setattr(cores, "CGROUP_FS", tmp_path)
-    r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o")], env={"GLM_PACK_WORKERS": None})
-    assert r.exit_code == 1 and seen.pop() == 2, r.output
-    monkeypatch.setattr(cores, "SELF_CGROUP", tmp_path / "no-cgroup")
+    for files, workers in [
+        ([("cpu.max", "150000 100000")], 2),  # a CPU limit of 1.5 cores
+        ([("memory.max", str(5 << 29))], 2),  # a memory limit of 2.5 GiB
+        ([("cpu.max", "150000 100000"), ("memory.max", str(1 << 29))], 1),
+    ]:
+        container(*files)
+        r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o")], env={"GLM_PACK_WORKERS": None})
+        assert r.exit_code == 1 and seen.pop() == workers, (files, r.output)
+    container()
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)
     r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o")], env={"GLM_PACK_WORKERS": None})
     assert r.exit_code == 1 and seen.pop() == 16, r.output

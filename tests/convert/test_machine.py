@@ -1,4 +1,5 @@
-"""usable_cores / cpu_quota on hand-made cgroup trees (the layouts Docker, Kubernetes and systemd leave)."""
+"""What glm-pack may use of the machine, read from hand-made cgroup trees (the layouts Docker, Kubernetes and
+systemd leave) and /proc/meminfo."""
 
 from __future__ import annotations
 
@@ -6,16 +7,18 @@ import os
 
 import pytest
 
-from glm_pack.convert import cores
+from glm_pack.convert import machine
 
 
 @pytest.fixture
 def cgroup(tmp_path, monkeypatch):
-    """Point the module at a fake cgroup mount and /proc/self/cgroup; returns (write_self, write_file)."""
+    """Point the module at a fake cgroup mount, /proc/self/cgroup and /proc/meminfo (none of them written yet);
+    returns (write_self, write_file)."""
     mount, self_file = tmp_path / "sys-fs-cgroup", tmp_path / "proc-self-cgroup"
     mount.mkdir()
-    monkeypatch.setattr(cores, "CGROUP_FS", mount)
-    monkeypatch.setattr(cores, "SELF_CGROUP", self_file)
+    monkeypatch.setattr(machine, "CGROUP_FS", mount)
+    monkeypatch.setattr(machine, "SELF_CGROUP", self_file)
+    monkeypatch.setattr(machine, "MEMINFO", tmp_path / "proc-meminfo")
 
     def write_self(*lines: str) -> None:
         self_file.write_text("".join(line + "\n" for line in lines))
@@ -35,18 +38,18 @@ def test_v2_quota_is_the_smallest_along_the_path_rounded_up(cgroup):
     write_file("kubepods/pod1/cpu.max", "250000 100000")  # the pod's limit: 2.5 cores -> 3
     write_file("kubepods/cpu.max", "800000 100000")
     write_file("cpu.max", "max 100000")
-    assert cores.cpu_quota() == 3
+    assert machine.cpu_quota() == 3
     write_file("kubepods/pod1/ctr/cpu.max", "50000 100000")  # half a core still runs one worker
-    assert cores.cpu_quota() == 1
+    assert machine.cpu_quota() == 1
 
 
 def test_v2_namespace_root_with_and_without_a_quota(cgroup):
     write_self, write_file = cgroup
     write_self("0::/")  # a container with its own cgroup namespace sees its cgroup as the root
     write_file("cpu.max", "200000 100000")
-    assert cores.cpu_quota() == 2
+    assert machine.cpu_quota() == 2
     write_file("cpu.max", "max 100000")
-    assert cores.cpu_quota() is None
+    assert machine.cpu_quota() is None
 
 
 @pytest.mark.parametrize("folder", ["cpu,cpuacct", "cpu"])
@@ -60,9 +63,9 @@ def test_v1_cfs_quota_under_either_mount_name(cgroup, folder):
     write_file(f"{folder}/docker/cpu.cfs_period_us", "100000")
     write_file("memory/docker/abc/cpu.cfs_quota_us", "100000")  # another controller's folder is not read
     write_file("memory/docker/abc/cpu.cfs_period_us", "100000")
-    assert cores.cpu_quota() == 3
+    assert machine.cpu_quota() == 3
     write_file(f"{folder}/docker/abc/cpu.cfs_quota_us", "-1")
-    assert cores.cpu_quota() is None
+    assert machine.cpu_quota() is None
 
 
 def test_hybrid_layout_reads_both_hierarchies(cgroup):
@@ -72,7 +75,7 @@ def test_hybrid_layout_reads_both_hierarchies(cgroup):
     write_file("unified/cgroup.procs", "")
     write_file("cpu/glm/cpu.cfs_quota_us", "100000")
     write_file("cpu/glm/cpu.cfs_period_us", "100000")
-    assert cores.cpu_quota() == 1
+    assert machine.cpu_quota() == 1
 
 
 @pytest.mark.parametrize(
@@ -94,21 +97,21 @@ def test_no_quota_when_none_can_be_read(cgroup, self_lines, files):
         write_self(*self_lines)
     for rel, text in files.items():
         write_file(rel, text)
-    assert cores.cpu_quota() is None
+    assert machine.cpu_quota() is None
 
 
 def test_usable_cores_is_the_fewer_of_affinity_and_quota(cgroup, monkeypatch):
     write_self, write_file = cgroup
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     write_self("0::/")
-    assert cores.usable_cores() == 8  # no quota
+    assert machine.usable_cores() == 8  # no quota
     write_file("cpu.max", "350000 100000")
-    assert cores.usable_cores() == 4
+    assert machine.usable_cores() == 4
     write_file("cpu.max", "3200000 100000")
-    assert cores.usable_cores() == 8
+    assert machine.usable_cores() == 8
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS, Windows: every core of the machine
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    assert cores.usable_cores() == 16  # 32-core quota, 16 cores
+    assert machine.usable_cores() == 16  # 32-core quota, 16 cores
 
 
 @pytest.fixture
@@ -150,3 +153,63 @@ def test_cli_convert_runs_on_the_quota_s_threads(cgroup, monkeypatch, tmp_path, 
     args = ["convert", str(tmp_path / "src"), str(tmp_path / "out")]
     r = CliRunner().invoke(main, args, env={"GLM_PACK_WORKERS": None})
     assert r.exit_code == 1 and "spied" in r.output and seen == [(1, 1, 1)], (r.output, seen)
+
+
+def test_memory_limit_is_the_smallest_along_the_path(cgroup):
+    write_self, write_file = cgroup
+    write_self("0::/kubepods/pod1/ctr")
+    write_file("kubepods/pod1/ctr/memory.max", "max")
+    write_file("kubepods/pod1/memory.max", str(12 << 30))
+    write_file("kubepods/memory.max", str(64 << 30))
+    assert machine.memory_limit() == 12 << 30
+    write_file("kubepods/pod1/memory.max", "max")
+    assert machine.memory_limit() == 64 << 30
+    write_file("kubepods/memory.max", "max")
+    assert machine.memory_limit() is None
+
+
+def test_v1_memory_limit_and_its_no_limit_value(cgroup):
+    write_self, write_file = cgroup
+    write_self("4:memory:/docker/abc", "3:cpu,cpuacct:/docker/abc")
+    write_file("memory/docker/abc/memory.limit_in_bytes", str(3 << 30))
+    write_file("memory/memory.limit_in_bytes", "9223372036854771712")  # v1's "no limit" (2**63 - 1, page-rounded)
+    write_file("cpu,cpuacct/docker/abc/memory.limit_in_bytes", str(1 << 30))  # another controller's folder
+    assert machine.memory_limit() == 3 << 30
+    write_file("memory/docker/abc/memory.limit_in_bytes", "9223372036854771712")
+    assert machine.memory_limit() is None
+
+
+@pytest.mark.parametrize(
+    "meminfo, expected",
+    [
+        ("MemTotal:       24570404 kB\nMemFree:         1000000 kB\nMemAvailable:   23714384 kB\n", 23714384 * 1024),
+        ("MemTotal: 1000 kB\n", None),  # kernels before 3.14 have no MemAvailable
+        ("MemAvailable: lots kB\n", None),
+        (None, None),
+    ],
+)
+def test_available_memory_reads_memavailable(cgroup, tmp_path, meminfo, expected):
+    if meminfo is not None:
+        (tmp_path / "proc-meminfo").write_text(meminfo)
+    assert machine.available_memory() == expected
+
+
+def test_default_workers_one_per_core_and_per_gib(cgroup, tmp_path, monkeypatch):
+    """One worker per usable core, at most one per GiB of the fewer of the cgroup limit and MemAvailable; at least
+    one; cores alone where no memory figure can be read."""
+    write_self, write_file = cgroup
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    meminfo = tmp_path / "proc-meminfo"
+    assert machine.default_workers() == 8  # nothing to read
+    write_self("0::/")
+    meminfo.write_text(f"MemAvailable: {(5 << 30) // 1024 + 10} kB\n")
+    assert machine.default_workers() == 5
+    write_file("memory.max", str((7 << 29) - 1))  # just under 3.5 GiB
+    assert machine.default_workers() == 3
+    write_file("cpu.max", "200000 100000")
+    assert machine.default_workers() == 2
+    write_file("memory.max", str(1 << 28))
+    assert machine.default_workers() == 1
+    write_file("memory.max", str(64 << 30))
+    meminfo.write_text(f"MemAvailable: {64 << 20} kB\n")
+    assert machine.default_workers() == 2  # the quota
