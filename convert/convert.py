@@ -336,7 +336,8 @@ def _run_items(ckpt: Checkpoint, todo, settings: Settings, overlay: Path, worker
             unfinished = sorted(files[f] for f in pending | {f for f in files if f.done() and f.exception()})
             raise OutputError(
                 f"a worker process died (killed, or out of memory?) while writing {', '.join(unfinished[:4])}"
-                f"{' ...' if len(unfinished) > 4 else ''}; finished files are kept: rerun with --resume",
+                f"{' ...' if len(unfinished) > 4 else ''}; finished files are kept: rerun with --resume, and with "
+                f"--workers below {workers} if memory ran out (each worker process holds about 0.5 GiB)",
                 file=overlay,
             ) from err
         except BaseException:

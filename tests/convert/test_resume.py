@@ -871,6 +871,7 @@ def test_a_killed_worker_gives_one_line_and_a_resumable_out(converted, tmp_path)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
     assert "a worker process died" in lines[0] and "--resume" in lines[0], lines[0]
+    assert "--workers below 2 if memory ran out" in lines[0], lines[0]  # KILL_A_WORKER runs 2
     convert(src, out, ConvertOptions(files="copy", resume=True, repack_experts="aiter-a4w4"))
     assert overlay(out) == overlay(clean) and verify(out).ok
 
