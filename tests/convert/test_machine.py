@@ -68,6 +68,17 @@ def test_v1_cfs_quota_under_either_mount_name(cgroup, folder):
     assert machine.cpu_quota() is None
 
 
+def test_v1_docker_mounts_the_container_s_own_cgroup_as_the_root(cgroup):
+    """Docker on cgroup v1 lists "/docker/ID" in /proc/self/cgroup but mounts that cgroup's own folder at the
+    controller's root, so no docker/ID folder exists: the walk up the path reaches the root and reads it there."""
+    write_self, write_file = cgroup
+    write_self("3:cpu,cpuacct:/docker/0123abcd", "4:memory:/docker/0123abcd")
+    write_file("cpu,cpuacct/cpu.cfs_quota_us", "200000")
+    write_file("cpu,cpuacct/cpu.cfs_period_us", "100000")
+    write_file("memory/memory.limit_in_bytes", str(6 << 30))
+    assert (machine.cpu_quota(), machine.memory_limit()) == (2, 6 << 30)
+
+
 def test_hybrid_layout_reads_both_hierarchies(cgroup):
     """A hybrid host (v1 controllers, an empty v2 tree beside them): the v2 line finds no cpu.max, the v1 line does."""
     write_self, write_file = cgroup
