@@ -16,8 +16,9 @@ from pathlib import Path, PurePosixPath
 CGROUP_FS = Path("/sys/fs/cgroup")  # where cgroup v2 (or v1's per-controller folders) is mounted
 SELF_CGROUP = Path("/proc/self/cgroup")  # this process's cgroup per hierarchy: "ID:CONTROLLERS:PATH" lines
 MEMINFO = Path("/proc/meminfo")
-# Memory to plan per worker process: one peaks at 0.55-0.75 GiB (MLA layers or a layer's routed experts alike,
-# BENCHMARKS "convert at scale"), the converting process holds about 0.3 GiB more.
+# Memory to plan per worker process, with room: under a cgroup limit two workers and the converting process fitted
+# 1.25 GiB but not 1 GiB, i.e. about 0.5 GiB a worker (RSS 0.55-0.75 GiB each, counting shared pages; MLA layers
+# and a layer's routed experts alike; BENCHMARKS "convert at scale").
 WORKER_BYTES = 1 << 30
 _NO_V1_LIMIT = 1 << 60  # v1 reports "no memory limit" as a page-rounded 2**63 - 1
 
