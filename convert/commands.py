@@ -153,9 +153,27 @@ def plan_option(name: str, help_text: str):
     show_default=True,
     help="Also write MXFP4 routed experts in aiter's gfx950 fused-MoE a4w4 layout (shuffled).",
 )
+@click.option(
+    "--skip-space-check",
+    is_flag=True,
+    help="Start even when the bytes this run writes exceed the free space of a filesystem it writes to (for one that "
+    "compresses or deduplicates what it stores).",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar or summary.")
 def convert_command(
-    src, out, quant_mode, k_pad, mla_precision, max_rel_error, files, overwrite, resume, workers, repack_experts, quiet
+    src,
+    out,
+    quant_mode,
+    k_pad,
+    mla_precision,
+    max_rel_error,
+    files,
+    overwrite,
+    resume,
+    workers,
+    repack_experts,
+    skip_space_check,
+    quiet,
 ):
     """Write the kernel-ready MLA overlay of SRC into OUT.
 
@@ -169,7 +187,16 @@ def convert_command(
       glm-pack convert ckpt out --mla-precision auto --max-rel-error 0.12 --quant-mode mse
     """
     options = ConvertOptions(
-        quant_mode, k_pad, mla_precision, max_rel_error, files, overwrite, resume, workers, repack_experts
+        quant_mode,
+        k_pad,
+        mla_precision,
+        max_rel_error,
+        files,
+        overwrite,
+        resume,
+        workers,
+        repack_experts,
+        space_check=not skip_space_check,
     )
     manifest = Path(out) / mf.OVERLAY_DIR / mf.MANIFEST_NAME
     before = _file_identity(manifest)  # an earlier conversion's manifest, which --overwrite replaces

@@ -20,7 +20,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
@@ -33,9 +33,9 @@ from glm_pack.packing.absorb import check_policy
 from glm_pack.packing.errors import CheckpointError, GlmPackError, PlanError
 from glm_pack.packing.experts import moe_layout_description
 
-from . import state
+from . import space, state
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
-from .items import Settings, is_entry_of, plan_items, run_item, run_item_in_worker, worker_init
+from .items import Settings, is_entry_of, payload_bytes, plan_items, run_item, run_item_in_worker, worker_init
 from .machine import usable_cores
 from .plan import check_files_mode, kernel_route, resolve_k_up
 from .writer import OutputError, clear_directory, fsync_path, is_temp, list_folder, remove, temp_path, write_text
@@ -54,6 +54,7 @@ class ConvertOptions:
     resume: bool = False
     workers: int = 1
     repack_experts: str = "none"
+    space_check: bool = True  # refuse a run whose writes exceed the free space (:mod:`.space`)
 
     def recorded(self, k_multiple: int | None) -> dict:
         """The options that shape the output (recorded in the manifest; a resume must match them)."""
@@ -181,17 +182,20 @@ def output_leftovers(out: Path) -> list[Path]:
     return [p for p in list_folder(out) if p.name != state.LOCK_NAME and not _unstarted_dir(p)]
 
 
-def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict) -> list[dict]:
-    """Decide what an existing OUT means; returns journal entries a resume may keep (re-checked later). OutputError
-    naming the path that cannot be looked at (a folder of OUT this user cannot enter, as after ``chmod -R 644``, an
-    I/O error)."""
+FitCheck = Callable[[set[str], list[Path]], None]  # (overlay files a resume keeps, what --overwrite deletes first)
+
+
+def prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict, fits: FitCheck) -> list[dict]:
+    """Decide what an existing OUT means; returns journal entries a resume may keep (re-checked later). ``fits`` is
+    called once the decision is made and before anything is deleted or written. OutputError naming the path that
+    cannot be looked at (a folder of OUT this user cannot enter, as after ``chmod -R 644``, an I/O error)."""
     try:
-        return _prepare_output(out, overlay, options, run)
+        return _prepare_output(out, overlay, options, run, fits)
     except OSError as err:
         raise OutputError(f"cannot read {err.filename}: {err.strerror or err}", file=err.filename) from err
 
 
-def _prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict) -> list[dict]:
+def _prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict, fits: FitCheck) -> list[dict]:
     try:
         previous = state.read_run(overlay)
     except PlanError:  # a run record that is no JSON object, nothing to resume: --overwrite starts over, as it says
@@ -207,7 +211,9 @@ def _prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict
                 "--resume to start over",
                 file=overlay / state.RUN_NAME,
             )
-        return state.Journal(overlay).entries()
+        entries = state.Journal(overlay).entries()
+        fits({e["file"] for e in entries if isinstance(e.get("file"), str) and (overlay / e["file"]).is_file()}, [])
+        return entries
     if options.resume and complete:
         raise PlanError("the output is already complete; nothing to resume", file=overlay / mf.MANIFEST_NAME)
     if previous is not None and not complete and not options.overwrite:
@@ -219,6 +225,7 @@ def _prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict
     leftovers = output_leftovers(out)
     if leftovers and not options.overwrite:
         raise PlanError(f"output {out} is not empty; pass --overwrite to replace its contents", file=out)
+    fits(set(), leftovers)
     if leftovers:  # --overwrite: nothing of the old contents may stay beside the new output
         if overlay.is_dir() and not overlay.is_symlink():  # a link is replaced itself, never what it points to
             remove(overlay / mf.MANIFEST_NAME)  # first: never a manifest over partial files
@@ -261,6 +268,30 @@ def place_original(src_file: Path, dst: Path, mode: str) -> bool:
             raise OutputError(f"no space left on device while placing {dst}", file=dst) from err
         raise OutputError(f"cannot place {dst}: {err.strerror or err}", file=dst) from err
     return copied
+
+
+def check_space(
+    ckpt: Checkpoint, out: Path, options: ConvertOptions, stats: dict, sizes: dict[str, int], kept, clearing
+) -> None:
+    """OutputError unless this run's writes fit (:mod:`.space`): the overlay files (``sizes``: payload bytes by file)
+    a resume does not keep (``kept``); the originals (``stats``: {file: [size, ...]}) copied into OUT (all of them with
+    ``--files copy``; with ``link``, those on another filesystem) or downloaded into the HF cache. ``clearing``: what
+    ``--overwrite`` deletes first (its freed bytes count as free, and nothing of OUT as placed already)."""
+    if not options.space_check:
+        return
+    writes = space.Writes()
+    writes.add(out, "overlay files", sum(n + space.FILE_SLACK for file, n in sizes.items() if file not in kept))
+    hub = is_hub(ckpt)
+    out_device = space.device(out)
+    for rel, (size, *_) in stats.items() if options.files != "none" else ():
+        if hub and not ckpt.store.in_cache(rel):
+            writes.add(ckpt.store.cache_folder(), "downloads into the Hugging Face cache", size)
+        if not clearing and (out / rel).is_file() and (out / rel).stat().st_size == size:
+            continue  # placed by the interrupted run this one resumes
+        source_device = space.device(ckpt.store.cache_folder() if hub else ckpt.root / rel)
+        if (options.files == "copy" and not hub) or source_device != out_device:
+            writes.add(out, "copies of the original files", size)
+    writes.check(space.freed_bytes(clearing), out)
 
 
 def fsync_files(paths: list[Path], folders: Iterable[Path] = ()) -> None:
@@ -375,9 +406,14 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
     }
     overlay = out / mf.OVERLAY_DIR
     items = plan_items(ckpt, options.repack_experts)
+    sizes = {item.file: payload_bytes(ckpt, item, settings) for item in items}
     report = ConvertReport(out=out)
+
+    def fits(kept: set[str], clearing: list[Path]) -> None:
+        check_space(ckpt, out, options, stats, sizes, kept, clearing)
+
     with state.OutputLock(out):
-        journal_entries = prepare_output(out, overlay, options, run)
+        journal_entries = prepare_output(out, overlay, options, run, fits)
         journal = state.Journal(overlay)
         results = _kept(journal_entries, overlay, items)
         journal.rewrite(list(results.values()))

@@ -193,6 +193,10 @@ class HubStore:
         found = try_to_load_from_cache(self.repo_id, rel, revision=self.sha)
         return found if isinstance(found, str) else None
 
+    def in_cache(self, rel: str) -> bool:
+        """Whether the commit's file ``rel`` is in the local HF cache already (a download would fetch nothing)."""
+        return self._cached(rel) is not None
+
     def _cached_or_fetchable(self, rel: str) -> str | None:
         """The file's path in the HF cache, else None where it can be fetched: CheckpointError when the commit
         lacks it, HubError when HF_HUB_OFFLINE is set."""

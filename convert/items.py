@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import signal
 from dataclasses import asdict, dataclass
@@ -26,7 +27,7 @@ from glm_pack.packing.mla import split_kv_b_mxfp4_vc
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .machine import use_threads
-from .plan import layers_to_convert
+from .plan import layer_outputs, layers_to_convert
 from .writer import LazyTensor, dtype_name, write_safetensors
 
 OVERLAY_METADATA = {"format": "pt", "producer": "glm-pack"}
@@ -102,6 +103,16 @@ def plan_items(ckpt: Checkpoint, repack_experts: str = "none", file_bytes: int =
             )
         named.append(item)
     return named
+
+
+def payload_bytes(ckpt: Checkpoint, item: WorkItem, settings: Settings) -> int:
+    """Tensor bytes ``item``'s overlay file will hold (its header aside): an MLA layer's w_kc / w_vc (with policy
+    ``auto``, the most they take: all BF16), or the expert codes and scales (as many bytes as the source's)."""
+    if item.kind == "experts":
+        return sum(math.prod(ckpt.info(name).shape) for w in item.weights for name in (w, w + "_scale"))
+    precision = "mxfp4" if settings.policy == "mxfp4" else "bf16"
+    outputs = layer_outputs(ckpt.card.layer_prefix(item.layer), ckpt.geometry, settings.k_kc, precision)
+    return sum(o.nbytes for o in outputs)
 
 
 def _locate(err: GlmPackError, ckpt: Checkpoint, name: str) -> GlmPackError:

@@ -150,6 +150,16 @@ def _projection(
     ]
 
 
+def layer_outputs(prefix: str, geom, k_kc: int, precision: str) -> list[OutputTensor]:
+    """The overlay tensors of one MLA layer (w_kc then w_vc) stored as ``precision`` (``mxfp4`` or ``bf16``), w_kc
+    with K = ``k_kc``."""
+    heads, kv_lora = geom.num_heads, geom.kv_lora_rank
+    return [
+        *_projection(prefix, "w_kc", heads, kv_lora, geom.qk_nope_head_dim, k_kc, precision),
+        *_projection(prefix, "w_vc", heads, geom.v_head_dim, kv_lora, kv_lora, precision),
+    ]
+
+
 def layers_to_convert(ckpt: Checkpoint) -> list[int]:
     """The MLA layer ids of ``ckpt``; PlanError when it holds none (there would be no w_kc / w_vc to write)."""
     layers = ckpt.mla_layers()
@@ -174,23 +184,15 @@ def make_plan(
     k_multiple, k_kc = resolve_k_up(ckpt.card, geom, k_pad, mla_precision)
     route = kernel_route(k_kc, geom.qk_nope_head_dim)
     stored_precision = "mxfp4" if mla_precision == "auto" else mla_precision
-
-    def projections(prefix: str, precision: str) -> list[OutputTensor]:
-        heads, kv_lora = geom.num_heads, geom.kv_lora_rank
-        return [
-            *_projection(prefix, "w_kc", heads, kv_lora, geom.qk_nope_head_dim, k_kc, precision),
-            *_projection(prefix, "w_vc", heads, geom.v_head_dim, kv_lora, kv_lora, precision),
-        ]
-
     jobs = []
     for layer in layers_to_convert(ckpt):
         prefix = ckpt.card.layer_prefix(layer)
         source = ckpt.card.kv_b_proj(layer)
-        outputs = projections(prefix, stored_precision)
+        outputs = layer_outputs(prefix, geom, k_kc, stored_precision)
         jobs.append(MlaJob(layer, prefix, source, ckpt.weight_format(source), ckpt.source_tensors(source), outputs))
     bf16_bytes = None
     if mla_precision == "auto":
-        bf16_bytes = sum(o.nbytes for job in jobs for o in projections(job.prefix, "bf16"))
+        bf16_bytes = sum(o.nbytes for job in jobs for o in layer_outputs(job.prefix, geom, k_kc, "bf16"))
     reused = [] if files == "none" else ckpt.store.list_files()
     return Plan(
         card=ckpt.card.name,

@@ -23,14 +23,14 @@ from fake_hub import FakeHub
 from huggingface_hub import constants
 from huggingface_hub.utils import _http
 
-from glm_pack.convert import hub_source
+from glm_pack.convert import hub_source, space
 from glm_pack.convert.checkpoint import open_checkpoint
 from glm_pack.convert.cli import main
 from glm_pack.convert.convert import ConvertOptions, convert
 from glm_pack.convert.hub_common import exception_chain, first_line, is_kind, resolve_endpoint
 from glm_pack.convert.hub_source import parse_repo_spec
 from glm_pack.convert.verify import verify
-from glm_pack.packing.errors import HubError, PlanError
+from glm_pack.packing.errors import GlmPackError, HubError, PlanError
 
 REPO = "org/glm-5-small"
 RANGE_CHECK = "bytes=0-0"  # the Range of the request checking that the endpoint serves ranges
@@ -196,6 +196,22 @@ def test_convert_from_the_hub_says_how_much_it_read(hub, src, tmp_path):
     line = result.stdout.splitlines()[-1]
     m = re.fullmatch(r"read ([\d,]+) bytes \(([\d.]+) MiB\) from the Hub", line)
     assert m and int(m[1].replace(",", "")) >= kv_b and m[2] == f"{int(m[1].replace(',', '')) / 2**20:.1f}", line
+
+
+def test_files_copy_counts_the_downloads_until_they_are_cached(hub, src, tmp_path, monkeypatch):
+    """--files copy from the Hub downloads the originals into the HF cache, then hard-links them into OUT: the space
+    check counts the downloads (the cache is on OUT's filesystem here, so no copies into OUT), none once cached."""
+    originals = sum(p.stat().st_size for p in src.iterdir())
+    monkeypatch.setattr(space, "free_bytes", lambda folder: originals)  # room for the downloads, not the overlay too
+    with pytest.raises(GlmPackError, match="downloads into the Hugging Face cache") as err:
+        convert(REPO, tmp_path / "first", ConvertOptions(files="copy", workers=1))
+    assert "copies of the original files" not in str(err.value)
+    assert [f for f, rng in shard_reads(hub) if rng is None] == []  # refused before any download
+    monkeypatch.setattr(space, "free_bytes", lambda folder: 1 << 60)
+    convert(REPO, tmp_path / "first", ConvertOptions(files="copy", workers=1))
+    monkeypatch.setattr(space, "free_bytes", lambda folder: originals)
+    convert(REPO, tmp_path / "second", ConvertOptions(files="copy", workers=1))  # the overlay alone is written
+    assert verify(tmp_path / "second").ok
 
 
 def test_files_copy_downloads_originals_then_offline_works_from_cache(hub, src, tmp_path, monkeypatch):

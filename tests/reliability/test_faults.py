@@ -317,10 +317,24 @@ def small_tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_disk_full_on_a_real_small_filesystem(source, clean, small_tmpfs):
+def test_a_run_too_big_for_a_real_small_filesystem_is_refused_before_it_starts(source, clean, small_tmpfs):
     out = small_tmpfs / "out"
     before = tree_digest(source)
     r, errors = cli(source, out, "--files", "none")
+    assert_failed_cleanly(r, errors, out, source, before, f"not enough free space on the filesystem of {out}")
+    assert "(overlay files 19.0 MiB) and 12.0 MiB is free;" in errors[0]  # 2 layers of 8.5 MiB + 1 MiB each
+    assert [p.name for p in out.iterdir()] == [".glm-pack.lock"]
+    r = subprocess.run(["mount", "-o", "remount,size=64m", str(small_tmpfs)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r, errors = cli(source, out, "--files", "none")  # nothing was started: no --resume
+    assert r.exit_code == 0, r.output
+    assert overlay_bytes(out) == overlay_bytes(clean) and temp_files(out) == []
+
+
+def test_disk_full_on_a_real_small_filesystem(source, clean, small_tmpfs):
+    out = small_tmpfs / "out"
+    before = tree_digest(source)
+    r, errors = cli(source, out, "--files", "none", "--skip-space-check")  # past the estimate: the disk fills
     assert_failed_cleanly(r, errors, out, source, before, "no space left on device")
     r = subprocess.run(["mount", "-o", "remount,size=64m", str(small_tmpfs)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
