@@ -271,7 +271,13 @@ def place_original(src_file: Path, dst: Path, mode: str) -> bool:
 
 
 def check_space(
-    ckpt: Checkpoint, out: Path, options: ConvertOptions, stats: dict, sizes: dict[str, int], kept, clearing
+    ckpt: Checkpoint,
+    out: Path,
+    options: ConvertOptions,
+    stats: dict,
+    sizes: dict[str, int],
+    kept: set[str],
+    clearing: list[Path],
 ) -> None:
     """OutputError unless this run's writes fit (:mod:`.space`): the overlay files (``sizes``: payload bytes by file)
     a resume does not keep (``kept``); the originals (``stats``: {file: [size, ...]}) copied into OUT (all of them with
@@ -283,7 +289,8 @@ def check_space(
     writes.add(out, "overlay files", sum(n + space.FILE_SLACK for file, n in sizes.items() if file not in kept))
     hub = is_hub(ckpt)
     out_device = space.device(out)
-    for rel, (size, *_) in stats.items() if options.files != "none" else ():
+    placed = stats.items() if options.files != "none" else ()
+    for rel, (size, *_) in placed:
         if hub and not ckpt.store.in_cache(rel):
             writes.add(ckpt.store.cache_folder(), "downloads into the Hugging Face cache", size)
         if not clearing and (out / rel).is_file() and (out / rel).stat().st_size == size:
