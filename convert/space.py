@@ -38,9 +38,11 @@ def device(path: Path) -> int:
     return _nearest(path)[1]
 
 
-def free_bytes(folder: Path) -> int:
-    """Bytes this user may still write to ``folder``'s filesystem (root's reserve aside); ``folder`` may not exist."""
-    return shutil.disk_usage(_nearest(folder)[0]).free
+def free_bytes(folder: Path) -> int | None:
+    """Bytes this user may still write to ``folder``'s filesystem (root's reserve aside; ``folder`` may not exist yet);
+    None where the filesystem reports no size at all (some FUSE and network filesystems): nothing can be judged."""
+    usage = shutil.disk_usage(_nearest(folder)[0])
+    return usage.free if usage.total else None
 
 
 def freed_bytes(paths: Iterable[Path]) -> int:
@@ -89,7 +91,7 @@ class Writes:
             need = sum(parts.values())
             free = free_bytes(folder)
             credit = freed if dev == credit_dev else 0
-            if need <= free + credit:
+            if free is None or need <= free + credit:
                 continue
             what = ", ".join(f"{name} {size_text(n)}" for name, n in parts.items())
             deleted = f" (and {size_text(credit)} that --overwrite deletes first)" if credit else ""

@@ -11,6 +11,7 @@ import errno
 import hashlib
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -24,6 +25,7 @@ MIB = 2**20
 # One MLA layer of the synthetic GLM-5 (64 heads, kv_lora 512, nope 192 stored as K = 256, v 256), counted by hand:
 LAYER_MXFP4 = 64 * 512 * 128 + 64 * 512 * 8 + 64 * 256 * 256 + 64 * 256 * 16  # w_kc codes + scales, w_vc codes + scales
 LAYER_BF16 = 2 * (64 * 512 * 256 + 64 * 256 * 512)
+REAL_FREE_BYTES = space.free_bytes
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +87,15 @@ def test_a_run_that_cannot_fit_is_refused_before_out_changes(source, tmp_path, f
     r, _ = cli(source, out, "--files", "none")
     assert r.exit_code == 0, r.output
     assert verify(out).ok
+
+
+def test_a_filesystem_that_reports_no_size_is_not_judged(source, tmp_path, free, monkeypatch):
+    no_size = SimpleNamespace(total=0, used=0, free=0)  # what statvfs gives on some FUSE and network filesystems
+    monkeypatch.setattr(space.shutil, "disk_usage", lambda path: no_size)
+    monkeypatch.setattr(space, "free_bytes", REAL_FREE_BYTES)
+    r, _ = cli(source, tmp_path / "out", "--files", "copy")
+    assert r.exit_code == 0, r.output
+    assert verify(tmp_path / "out").ok and len(free.checks) == 1
 
 
 def test_skip_space_check_starts_anyway(source, tmp_path, free):
