@@ -20,6 +20,7 @@ from glm_pack.packing.errors import VerifyError
 from . import state
 from .convert import ConvertOptions, ConvertReport, convert, output_leftovers
 from .humanize import counted, size_text
+from .items import REPACK_MODES
 from .machine import default_workers, usable_cores, use_threads
 from .modelcard import error_cells, fmt_error, source_error_text, worst_head_text
 from .plan import FILE_MODES
@@ -98,6 +99,7 @@ _PLAN_OPTIONS = {
     "--k-pad": {"default": "card", "show_default": True},
     "--mla-precision": {"type": click.Choice(POLICIES), "default": "mxfp4", "show_default": True},
     "--files": {"type": click.Choice(FILE_MODES), "default": None},
+    "--repack-experts": {"type": click.Choice(REPACK_MODES), "default": "none", "show_default": True},
 }
 
 
@@ -146,12 +148,8 @@ def plan_option(name: str, help_text: str):
     help="Worker processes, one work item (layer) each; output is identical for every count. A Hub SRC read by "
     "range requests (--files other than copy) is read by one process.",
 )
-@click.option(
-    "--repack-experts",
-    type=click.Choice(["none", "aiter-a4w4"]),
-    default="none",
-    show_default=True,
-    help="Also write MXFP4 routed experts in aiter's gfx950 fused-MoE a4w4 layout (shuffled).",
+@plan_option(
+    "--repack-experts", "Also write MXFP4 routed experts in aiter's gfx950 fused-MoE a4w4 layout (shuffled)."
 )
 @click.option(
     "--skip-space-check",

@@ -28,7 +28,10 @@ JSON output (``--json``; schema ``glm-pack.inspect/1``, keys are stable; sizes i
                    ``layer``, ``prefix``, ``source``, ``source_format``, ``source_tensors``, ``outputs``
                    [{``name``, ``shape``, ``dtype``, ``nbytes``, ``layout``}], ``nbytes``), ``reused_files``
                    [{``name``, ``bytes``}], ``overlay_bytes`` (with ``auto``: every tensor MXFP4),
-                   ``overlay_bytes_bf16`` (``auto`` only: every tensor BF16; null otherwise), ``reused_bytes``
+                   ``overlay_bytes_bf16`` (``auto`` only: every tensor BF16; null otherwise), ``reused_bytes``,
+                   ``repack_experts`` (the option), ``expert_files`` [{``name``, ``layer``, ``tensors``, ``bytes``}]
+                   (the files ``--repack-experts aiter-a4w4`` adds, bytes of their tensors; empty with ``none``),
+                   ``expert_bytes``
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .commands import console, plan_option
 from .convert import files_mode, is_hub
 from .humanize import counted, plural, size_text
-from .items import expert_groups
+from .items import expert_file_bytes, expert_groups, plan_items
 from .modelcard import compact_ranges
 from .plan import make_plan
 
@@ -54,12 +57,18 @@ SCHEMA = "glm-pack.inspect/1"
 
 
 def inspect_checkpoint(
-    src, *, k_pad="card", mla_precision: str = "mxfp4", files: str | None = None, quant_mode: str = "even"
+    src,
+    *,
+    k_pad="card",
+    mla_precision: str = "mxfp4",
+    files: str | None = None,
+    quant_mode: str = "even",
+    repack_experts: str = "none",
 ) -> dict:
     """The inspect report of ``src`` as a JSON-ready dict (keys documented in the module docstring).
 
     ``files`` None: convert's default for the source (link for a local directory, none for a Hub repo). The plan
-    covers the MLA overlay and the reused files, not the experts ``--repack-experts`` would add.
+    covers the MLA overlay, the expert files ``repack_experts`` adds and the reused files.
     """
     ckpt = open_checkpoint(src)
     files = files_mode(ckpt, files)
@@ -92,11 +101,22 @@ def inspect_checkpoint(
         "formats": dict(sorted(counts.items())),
         "mla": [_mla_entry(ckpt, layer) for layer in ckpt.mla_layers()],
         "experts": _experts(ckpt),
-        "plan": make_plan(
-            ckpt, quant_mode=quant_mode, k_pad=k_pad, mla_precision=mla_precision, files=files
-        ).to_dict(),
+        "plan": {
+            **make_plan(ckpt, quant_mode=quant_mode, k_pad=k_pad, mla_precision=mla_precision, files=files).to_dict(),
+            **_expert_plan(ckpt, repack_experts),
+        },
         "hub": _hub(ckpt),
     }
+
+
+def _expert_plan(ckpt: Checkpoint, repack_experts: str) -> dict:
+    """The expert overlay files ``--repack-experts`` would add (PlanError where convert would refuse it)."""
+    files = [
+        {"name": i.file, "layer": i.layer, "tensors": 2 * len(i.weights), "bytes": expert_file_bytes(ckpt, i)}
+        for i in plan_items(ckpt, repack_experts)
+        if i.kind == "experts"
+    ]
+    return {"repack_experts": repack_experts, "expert_files": files, "expert_bytes": sum(f["bytes"] for f in files)}
 
 
 def _hub(ckpt: Checkpoint) -> dict | None:
@@ -200,6 +220,13 @@ def render(report: dict, console: Console) -> None:
         f"{counted(len(plan['reused_files']), 'file')}, "
         f"{size_text(plan['reused_bytes'])}"
     )
+    if plan["expert_files"]:
+        layers = sorted({f["layer"] for f in plan["expert_files"]})
+        console.print(
+            f"experts repacked ({plan['repack_experts']}): {size_text(plan['expert_bytes'])} in "
+            f"{counted(len(plan['expert_files']), 'file')} of at most 5 GB, MoE {plural('layer', len(layers))} "
+            f"{_ranges(layers)}"
+        )
     if report.get("hub"):
         console.print(f"read {report['hub']['bytes_transferred']:,} bytes from the Hub (config, index, shard headers)")
 
@@ -223,13 +250,16 @@ def _overlay_size(plan: dict) -> str:
 )
 @plan_option("--quant-mode", "As for convert.")
 @plan_option("--files", "As for convert (default: link; none for a Hub SRC).")
-def inspect_command(src, as_json, k_pad, mla_precision, quant_mode, files):
+@plan_option("--repack-experts", "As for convert: aiter-a4w4 adds the repacked expert files to the plan.")
+def inspect_command(src, as_json, k_pad, mla_precision, quant_mode, files, repack_experts):
     """Show a checkpoint's family, geometry, per-layer source formats and the plan convert would carry out.
 
     SRC is a checkpoint directory or a Hub repo id org/name[@revision] (headers read by HTTP range requests).
     Reads headers only. Example: glm-pack inspect ./GLM-5-FP8 --json > plan.json
     """
-    report = inspect_checkpoint(src, k_pad=k_pad, mla_precision=mla_precision, files=files, quant_mode=quant_mode)
+    report = inspect_checkpoint(
+        src, k_pad=k_pad, mla_precision=mla_precision, files=files, quant_mode=quant_mode, repack_experts=repack_experts
+    )
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

@@ -105,11 +105,16 @@ def plan_items(ckpt: Checkpoint, repack_experts: str = "none", file_bytes: int =
     return named
 
 
+def expert_file_bytes(ckpt: Checkpoint, item: WorkItem) -> int:
+    """Tensor bytes of an experts item's overlay file (its header aside): U8 codes and scales of the source's shapes."""
+    return sum(math.prod(ckpt.info(name).shape) for w in item.weights for name in (w, w + "_scale"))
+
+
 def payload_bytes(ckpt: Checkpoint, item: WorkItem, settings: Settings) -> int:
     """Tensor bytes ``item``'s overlay file will hold (its header aside): an MLA layer's w_kc / w_vc (with policy
-    ``auto``, the most they take: all BF16), or the expert codes and scales (as many bytes as the source's)."""
+    ``auto``, the most they take: all BF16), or :func:`expert_file_bytes`."""
     if item.kind == "experts":
-        return sum(math.prod(ckpt.info(name).shape) for w in item.weights for name in (w, w + "_scale"))
+        return expert_file_bytes(ckpt, item)
     precision = "mxfp4" if settings.policy == "mxfp4" else "bf16"
     outputs = layer_outputs(ckpt.card.layer_prefix(item.layer), ckpt.geometry, settings.k_kc, precision)
     return sum(o.nbytes for o in outputs)

@@ -7,10 +7,12 @@ import math
 
 import pytest
 from click.testing import CliRunner
+from safetensors import safe_open
 
 from glm_pack.convert import safetensors_io
 from glm_pack.convert.checkpoint import open_checkpoint
 from glm_pack.convert.cli import main
+from glm_pack.convert.humanize import size_text
 from glm_pack.convert.plan import make_plan
 from glm_pack.packing.errors import PlanError
 
@@ -181,3 +183,28 @@ def test_inspect_counts_of_one_are_singular(synth_ckpt):
     r = CliRunner().invoke(main, ["inspect", str(synth_ckpt("glm-5", "bf16", layers=1, mtp=False))])
     assert r.exit_code == 0 and r.stdout.splitlines()[3].startswith("1 file, "), r.stdout
     assert " in 1 layer; originals reused (link): 3 files, " in r.stdout, r.stdout  # shard, index, config
+
+
+def test_inspect_plans_the_expert_files_convert_writes(converted):
+    """The expert files were left out of the plan; with --repack-experts they are there, as convert writes them."""
+    src, out = converted  # converted with --repack-experts aiter-a4w4
+    r = CliRunner().invoke(main, ["inspect", str(src), "--json", "--repack-experts", "aiter-a4w4"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)["plan"]
+    written = sorted((out / "glm-pack").glob("experts-*.safetensors"))
+    assert [f["name"] for f in plan["expert_files"]] == [p.name for p in written] != []
+    for entry, path in zip(plan["expert_files"], written, strict=True):
+        with safe_open(path, framework="pt") as f:
+            tensors = [f.get_tensor(name) for name in f.keys()]
+        assert entry["tensors"] == len(tensors) and entry["bytes"] == sum(t.numel() * t.element_size() for t in tensors)
+        assert entry["layer"] == int(path.name.split("-")[1])
+    assert plan["expert_bytes"] == sum(f["bytes"] for f in plan["expert_files"])
+    people = CliRunner().invoke(main, ["inspect", str(src), "--repack-experts", "aiter-a4w4"])
+    assert f"experts repacked (aiter-a4w4): {size_text(plan['expert_bytes'])} in " in people.stdout, people.output
+    plain = json.loads(CliRunner().invoke(main, ["inspect", str(src), "--json"]).stdout)["plan"]
+    assert (plain["repack_experts"], plain["expert_files"], plain["expert_bytes"]) == ("none", [], 0)
+
+
+def test_inspect_refuses_repack_experts_where_convert_would(synth_ckpt):
+    r = CliRunner().invoke(main, ["inspect", str(synth_ckpt("glm-5", "bf16")), "--repack-experts", "aiter-a4w4"])
+    assert r.exit_code == 1 and "has no MXFP4 routed-expert weights" in r.output, r.output
