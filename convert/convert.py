@@ -35,7 +35,16 @@ from glm_pack.packing.experts import moe_layout_description
 
 from . import space, state
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
-from .items import Settings, is_entry_of, payload_bytes, plan_items, run_item, run_item_in_worker, worker_init
+from .items import (
+    Settings,
+    is_entry_of,
+    payload_bytes,
+    plan_items,
+    run_item,
+    run_item_in_worker,
+    tensor_count,
+    worker_init,
+)
 from .machine import usable_cores
 from .plan import check_files_mode, kernel_route, resolve_k_up
 from .writer import OutputError, clear_directory, fsync_path, is_temp, list_folder, remove, temp_path, write_text
@@ -279,14 +288,14 @@ def check_space(
     kept: set[str],
     clearing: list[Path],
 ) -> None:
-    """OutputError unless this run's writes fit (:mod:`.space`): the overlay files (``sizes``: payload bytes by file)
+    """OutputError unless this run's writes fit (:mod:`.space`): the overlay files (``sizes``: bytes counted by file)
     a resume does not keep (``kept``); the originals (``stats``: {file: [size, ...]}) copied into OUT (all of them with
     ``--files copy``; with ``link``, those on another filesystem) or downloaded into the HF cache. ``clearing``: what
     ``--overwrite`` deletes first (its freed bytes count as free, and nothing of OUT as placed already)."""
     if not options.space_check:
         return
     writes = space.Writes()
-    writes.add(out, "overlay files", sum(n + space.FILE_SLACK for file, n in sizes.items() if file not in kept))
+    writes.add(out, "overlay files", sum(n for file, n in sizes.items() if file not in kept))
     hub = is_hub(ckpt)
     out_device = space.device(out)
     placed = stats.items() if options.files != "none" else ()
@@ -413,7 +422,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
     }
     overlay = out / mf.OVERLAY_DIR
     items = plan_items(ckpt, options.repack_experts)
-    sizes = {item.file: payload_bytes(ckpt, item, settings) for item in items}
+    sizes = {item.file: payload_bytes(ckpt, item, settings) + space.overhead(tensor_count(item)) for item in items}
     report = ConvertReport(out=out)
 
     def fits(kept: set[str], clearing: list[Path]) -> None:

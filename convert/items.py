@@ -110,6 +110,12 @@ def expert_file_bytes(ckpt: Checkpoint, item: WorkItem) -> int:
     return sum(math.prod(ckpt.info(name).shape) for w in item.weights for name in (w, w + "_scale"))
 
 
+def tensor_count(item: WorkItem) -> int:
+    """Tensors ``item``'s overlay file holds at most: an expert weight's codes and scales, an MLA layer's w_kc / w_vc
+    and (MXFP4) their scales."""
+    return 2 * len(item.weights) if item.kind == "experts" else 4
+
+
 def payload_bytes(ckpt: Checkpoint, item: WorkItem, settings: Settings) -> int:
     """Tensor bytes ``item``'s overlay file will hold (its header aside): an MLA layer's w_kc / w_vc (with policy
     ``auto``, the most they take: all BF16), or :func:`expert_file_bytes`."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
+from glm_pack.convert import convert as convert_module
 from glm_pack.convert import space, writer
 from glm_pack.convert.cli import main
 from glm_pack.convert.verify import verify
@@ -25,6 +27,7 @@ MIB = 2**20
 # One MLA layer of the synthetic GLM-5 (64 heads, kv_lora 512, nope 192 stored as K = 256, v 256), counted by hand:
 LAYER_MXFP4 = 64 * 512 * 128 + 64 * 512 * 8 + 64 * 256 * 256 + 64 * 256 * 16  # w_kc codes + scales, w_vc codes + scales
 LAYER_BF16 = 2 * (64 * 512 * 256 + 64 * 256 * 512)
+LAYER_FILE = LAYER_MXFP4 + space.overhead(4)  # as counted: w_kc, w_vc and their scales
 REAL_FREE_BYTES = space.free_bytes
 
 
@@ -68,6 +71,24 @@ def new_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and p.stat().st_nlink == 1)
 
 
+@pytest.fixture(name="peak")
+def peak_fixture(monkeypatch):
+    """``peak.bytes``: what OUT held at its fullest, as the manifest is written (the journal is still there then),
+    counting the manifest's text; the originals are placed by then."""
+
+    class Peak:
+        bytes = 0
+
+    real = convert_module.write_text
+
+    def write_text(path, text):
+        Peak.bytes = new_bytes(path.parent.parent) + len(text.encode())
+        return real(path, text)
+
+    monkeypatch.setattr(convert_module, "write_text", write_text)
+    return Peak
+
+
 def needed(free) -> int:
     (writes,) = free.checks
     return sum(n for parts in writes.parts.values() for n in parts.values())
@@ -75,12 +96,12 @@ def needed(free) -> int:
 
 def test_a_run_that_cannot_fit_is_refused_before_out_changes(source, tmp_path, free):
     out = tmp_path / "out"
-    need = 2 * (LAYER_MXFP4 + space.FILE_SLACK)  # 19.0 MiB: two overlay files, nothing else with --files none
+    need = 2 * LAYER_FILE  # 17.1 MiB: two overlay files, nothing else with --files none
     free.bytes = need - 1
     r, errors = cli(source, out, "--files", "none")
     assert r.exit_code == 1 and len(errors) == 1, r.output
     assert f"not enough free space on the filesystem of {out}:" in errors[0]
-    assert "writes about 19.0 MiB there (overlay files 19.0 MiB) and 19.0 MiB is free;" in errors[0]
+    assert "writes about 17.1 MiB there (overlay files 17.1 MiB) and 17.1 MiB is free;" in errors[0]
     assert "--skip-space-check" in errors[0] and "Traceback" not in r.output
     assert [p.name for p in out.iterdir()] == [".glm-pack.lock"]  # nothing else: a rerun needs no --resume
     free.bytes = need
@@ -118,32 +139,36 @@ def test_skip_space_check_starts_anyway(source, tmp_path, free):
         ("--files", "copy", "--mla-precision", "bf16"),
     ],
 )
-def test_the_estimate_bounds_what_a_run_writes(source, tmp_path, free, args):
+def test_the_estimate_bounds_what_a_run_writes(source, tmp_path, free, peak, args):
     out = tmp_path / "out"
     r, _ = cli(source, out, *args)
     assert r.exit_code == 0, r.output
-    written, need = new_bytes(out), needed(free)
+    need = needed(free)
     originals = sum(p.stat().st_size for p in source.iterdir()) if "copy" in args else 0
     layer = LAYER_MXFP4 if "auto" not in args and "bf16" not in args else LAYER_BF16
-    assert need == 2 * (layer + space.FILE_SLACK) + originals
-    assert written <= need
-    slack = 2 * (LAYER_BF16 - LAYER_MXFP4) if "1" in args else 0  # auto kept MXFP4 where BF16 was counted
-    assert need - written <= 2 * space.FILE_SLACK + slack
+    assert need == 2 * (layer + space.overhead(4)) + originals
+    assert new_bytes(out) <= peak.bytes <= need
+    over = 2 * (LAYER_BF16 - LAYER_MXFP4) if "1" in args else 0  # auto kept MXFP4 where BF16 was counted
+    assert need - peak.bytes <= 2 * space.overhead(4) + over
 
 
-def test_experts_are_counted_at_their_source_size(synth_ckpt, tmp_path, free):
-    src = synth_ckpt("glm-5", "mxfp4-quark", layers=4, experts=2)  # layer 3: first MoE layer
+def test_experts_are_counted_at_their_source_size(synth_ckpt, tmp_path, free, peak):
+    """64 experts in one file: 384 tensors, whose headers, journal lines and manifest entries add up (1.2 KiB each)."""
+    src = synth_ckpt("glm-5", "mxfp4-quark", layers=4, experts=64)  # layer 3: first MoE layer
     out = tmp_path / "out"
     r, _ = cli(src, out, "--files", "none", "--repack-experts", "aiter-a4w4")
     assert r.exit_code == 0, r.output
     files = list((out / "glm-pack").glob("*.safetensors"))
-    assert any(f.name.startswith("experts-") for f in files)
-    written, need = new_bytes(out), needed(free)
-    assert written <= need <= written + len(files) * space.FILE_SLACK
+    experts = [f for f in files if f.name.startswith("experts-")]
+    tensors = json.loads((out / "glm-pack" / "manifest.json").read_text())["tensors"]
+    assert len(experts) == 1 and sum(t["file"] == experts[0].name for t in tensors.values()) == 64 * 3 * 2
+    need, overhead = needed(free), space.overhead(64 * 3 * 2) + (len(files) - 1) * space.overhead(4)
+    assert new_bytes(out) <= peak.bytes <= need
+    assert need - overhead <= peak.bytes  # the tensors' bytes themselves are counted exactly
 
 
 def test_originals_count_where_they_are_copied(source, tmp_path, free, monkeypatch):
-    overlay_only = 2 * (LAYER_MXFP4 + space.FILE_SLACK)
+    overlay_only = 2 * LAYER_FILE
     free.bytes = overlay_only
     r, errors = cli(source, tmp_path / "copy", "--files", "copy")
     assert r.exit_code == 1 and "copies of the original files" in errors[0], r.output
@@ -160,7 +185,7 @@ def test_overwrite_counts_what_it_deletes(source, tmp_path, free):
     copied, linked = tmp_path / "copied", tmp_path / "linked"
     assert cli(source, copied, "--files", "copy")[0].exit_code == 0
     assert cli(source, linked, "--files", "link")[0].exit_code == 0
-    free.bytes = 2 * space.FILE_SLACK  # enough only once what --overwrite deletes counts as free
+    free.bytes = 2 * space.overhead(4)  # enough only once what --overwrite deletes counts as free
     r, _ = cli(source, copied, "--files", "copy", "--overwrite")
     assert r.exit_code == 0, r.output
     # The hard-linked originals free nothing; the refusal leaves the earlier output as it was.
@@ -183,7 +208,7 @@ def test_resume_counts_only_what_is_left(source, tmp_path, free, monkeypatch):
     r, errors = cli(source, out, "--files", "none")
     assert r.exit_code == 1 and "no space left" in errors[0], r.output
     monkeypatch.setattr(writer, "_os_write", real)
-    free.bytes = LAYER_MXFP4 + space.FILE_SLACK  # one layer left to write
+    free.bytes = LAYER_FILE  # one layer left to write
     r, errors = cli(source, tmp_path / "fresh", "--files", "none")
     assert r.exit_code == 1 and "not enough free space" in errors[0]
     first = (out / "glm-pack" / "layer-000.safetensors").stat().st_mtime_ns
