@@ -153,26 +153,14 @@ def plan_option(name: str, help_text: str):
 )
 @click.option(
     "--skip-space-check",
-    is_flag=True,
+    "space_check",
+    flag_value=False,
+    default=True,
     help="Start even when the bytes this run writes exceed the free space of a filesystem it writes to (for one that "
     "compresses or deduplicates what it stores).",
 )
 @click.option("--quiet", is_flag=True, help="No progress bar or summary.")
-def convert_command(
-    src,
-    out,
-    quant_mode,
-    k_pad,
-    mla_precision,
-    max_rel_error,
-    files,
-    overwrite,
-    resume,
-    workers,
-    repack_experts,
-    skip_space_check,
-    quiet,
-):
+def convert_command(src, out, quiet, **option_values):
     """Write the kernel-ready MLA overlay of SRC into OUT.
 
     SRC is a checkpoint directory or a Hub repo id org/name[@revision]: from the Hub only the shard headers
@@ -184,24 +172,13 @@ def convert_command(
       glm-pack convert zai-org/GLM-5 ./GLM-5-gfx950
       glm-pack convert ckpt out --mla-precision auto --max-rel-error 0.12 --quant-mode mse
     """
-    options = ConvertOptions(
-        quant_mode,
-        k_pad,
-        mla_precision,
-        max_rel_error,
-        files,
-        overwrite,
-        resume,
-        workers,
-        repack_experts,
-        space_check=not skip_space_check,
-    )
+    options = ConvertOptions(**option_values)  # the options are named as ConvertOptions' fields
     manifest = Path(out) / mf.OVERLAY_DIR / mf.MANIFEST_NAME
     before = _file_identity(manifest)  # an earlier conversion's manifest, which --overwrite replaces
     interrupted = os.path.isfile(manifest.parent / state.RUN_NAME)  # an interrupted run's record: --resume continues
     # e.g. a mistyped OUT: said before hours of work, not before a refusal (a non-empty OUT without --overwrite)
-    if resume and not quiet and not interrupted and before is None:
-        if overwrite or not os.path.isdir(out) or not output_leftovers(Path(out)):
+    if options.resume and not quiet and not interrupted and before is None:
+        if options.overwrite or not os.path.isdir(out) or not output_leftovers(Path(out)):
             console.print(f"--resume: {out} holds no interrupted conversion; converting from the start")
     try:
         run_convert(src, out, options, quiet)
