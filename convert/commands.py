@@ -70,17 +70,18 @@ def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> Conve
     )
     # The bar starts with the work: a run refused before it prints nothing but its error line.
     bar = Progress(*columns, console=console, disable=quiet, transient=False)
-    task = bar.add_task("overlay files", total=None, rate="")
-    written = [0]
+    tasks: dict[str, list] = {}  # phase -> [task id, its start time, bytes written]
     elapsed = console.get_time
-    start = elapsed()
 
-    def progress(done: int, total: int, nbytes: int) -> None:
+    def progress(phase: str, done: int, total: int, nbytes: int) -> None:
         if not bar.live.is_started:
             bar.start()
-        written[0] += nbytes
-        rate = written[0] / max(elapsed() - start, 1e-9) / 2**20
-        bar.update(task, completed=done, total=total, rate=f"{rate:.0f} MiB/s")
+        if phase not in tasks:
+            tasks[phase] = [bar.add_task(phase, total=total, rate=""), elapsed(), 0]
+        task, start, written = tasks[phase]
+        tasks[phase][2] = written = written + nbytes
+        rate = written / max(elapsed() - start, 1e-9) / 2**20
+        bar.update(task, completed=done, total=total, rate=f"{rate:.0f} MiB/s" if written else "")  # none: linked
 
     use_threads(usable_cores())  # the work of --workers 1 runs in this process
     try:

@@ -396,7 +396,9 @@ def _run_items(ckpt: Checkpoint, todo, settings: Settings, overlay: Path, worker
 def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOptions, progress=None) -> ConvertReport:
     """Run the whole conversion; raises a GlmPackError subclass on any problem (no manifest is written then).
 
-    ``progress(done, total, nbytes)`` is called after each finished work item.
+    ``progress(phase, done, total, nbytes)`` is called as the work goes: phase ``"overlay files"`` once a run has
+    decided what to do (``nbytes`` 0) and after each work item (its file's bytes), ``"original files"`` before the
+    originals are placed and after each one (``nbytes``: its bytes where copied, else 0).
     """
     started = time.monotonic()
     if options.workers < 1:
@@ -440,23 +442,29 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
             journal.append(entry)
             results[entry["file"]] = entry
             if progress is not None:
-                progress(len(results), len(items), entry["size"])
+                progress("overlay files", len(results), len(items), entry["size"])
 
         if hub and options.files == "copy":  # download first: the work items then read the local copies
             for rel in originals:
                 ckpt.store.download(rel.as_posix())
         if progress is not None:
-            progress(len(results), len(items), 0)
+            progress("overlay files", len(results), len(items), 0)
         # A Hub source read by ranges is read by this process alone (one reader; the network is the bottleneck).
         workers = 1 if hub and options.files != "copy" else options.workers
         _run_items(ckpt, todo, settings, overlay, workers, on_done)
         if options.files != "none":
             copied = []
-            for rel in originals:
+            for done, rel in enumerate(originals):
+                if progress is not None and done == 0:
+                    progress("original files", 0, len(originals), 0)
                 # A Hub source: hard-link the HF cache blob (copied across filesystems).
                 src_file = ckpt.store.download(rel.as_posix()) if hub else ckpt.root / rel
+                nbytes = 0
                 if place_original(src_file, out / rel, "link" if hub else options.files):
                     copied.append(out / rel)
+                    nbytes = stats[str(rel)][0]
+                if progress is not None:
+                    progress("original files", done + 1, len(originals), nbytes)
             fsync_files(copied, {(out / rel).parent for rel in originals})
             report.original_files = len(originals)
         if not hub and source_stats(ckpt.root, originals) != stats:

@@ -313,6 +313,19 @@ def test_quiet_convert_prints_nothing(synth_ckpt, tmp_path):
     assert verify(out).ok
 
 
+@pytest.mark.parametrize("files, rate", [("copy", True), ("link", False)])
+def test_progress_shows_the_originals_being_placed(synth_ckpt, tmp_path, files, rate):
+    """After the overlay files, --files copy of a GLM-5 copies hundreds of GB; the bar stood still at N/N meanwhile."""
+    src = synth_ckpt("glm-5", "bf16")
+    r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--files", files], env={"COLUMNS": "120"})
+    assert r.exit_code == 0, r.output
+    bars = {line.split("━")[0].strip(): line for line in r.stdout.splitlines() if "━ " in line and line[0].isalpha()}
+    originals = len(list(src.iterdir()))
+    assert list(bars) == ["overlay files", "original files"], r.stdout
+    assert " 3/3 " in bars["overlay files"] and f" {originals}/{originals} " in bars["original files"]
+    assert ("MiB/s" in bars["original files"]) == rate  # hard links move no bytes: no rate
+
+
 def test_debug_lets_the_error_through(tmp_path):
     """--debug: the error itself propagates (Python prints its traceback) instead of the one line."""
     args = ["convert", str(tmp_path / "nope"), str(tmp_path / "o")]
