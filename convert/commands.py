@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -59,7 +61,11 @@ def _summary(report: ConvertReport) -> None:
         console.print(f"read {report.hub_bytes:,} bytes ({size_text(report.hub_bytes)}) from the Hub")
 
 
-def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> ConvertReport:
+@contextmanager
+def phase_bars(*, disable: bool, transient: bool) -> Iterator:
+    """A ``progress(phase, done, total, nbytes)`` callback drawing one bar per phase of the work (done of total,
+    MiB/s of the ``nbytes`` its steps moved, where they moved any; a phase of no steps gets none). The bars start
+    with the first report: a command refused before it prints nothing but its error line."""
     columns = (
         "[progress.description]{task.description}",
         BarColumn(),
@@ -68,27 +74,33 @@ def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> Conve
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     )
-    # The bar starts with the work: a run refused before it prints nothing but its error line.
-    bar = Progress(*columns, console=console, disable=quiet, transient=False)
-    tasks: dict[str, list] = {}  # phase -> [task id, its start time, bytes written]
+    bar = Progress(*columns, console=console, disable=disable, transient=transient)
+    tasks: dict[str, list] = {}  # phase -> [task id, its start time, bytes moved]
     elapsed = console.get_time
 
     def progress(phase: str, done: int, total: int, nbytes: int) -> None:
+        if phase not in tasks and not total:
+            return
         if not bar.live.is_started:
             bar.start()
         if phase not in tasks:
             tasks[phase] = [bar.add_task(phase, total=total, rate=""), elapsed(), 0]
-        task, start, written = tasks[phase]
-        tasks[phase][2] = written = written + nbytes
-        rate = written / max(elapsed() - start, 1e-9) / 2**20
-        bar.update(task, completed=done, total=total, rate=f"{rate:.0f} MiB/s" if written else "")  # none: linked
+        task, start, moved = tasks[phase]
+        tasks[phase][2] = moved = moved + nbytes
+        rate = moved / max(elapsed() - start, 1e-9) / 2**20
+        bar.update(task, completed=done, total=total, rate=f"{rate:.0f} MiB/s" if moved else "")  # none: linked
 
-    use_threads(usable_cores())  # the work of --workers 1 runs in this process
     try:
-        report = convert(src, out, options, progress=progress)
+        yield progress
     finally:
         if bar.live.is_started:
             bar.stop()
+
+
+def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> ConvertReport:
+    use_threads(usable_cores())  # the work of --workers 1 runs in this process
+    with phase_bars(disable=quiet, transient=False) as progress:
+        report = convert(src, out, options, progress=progress)
     if not quiet:
         _summary(report)
     return report
@@ -227,7 +239,8 @@ def verify_command(out, as_json):
     source cannot be reached only OUT's own files are checked: the verdict says so, exit code still 0.
     Refused while a convert, card or push writes OUT; other verifies may run beside it.
     """
-    report = verify(out)
+    with phase_bars(disable=as_json, transient=True) as progress:  # gone once done: the report follows
+        report = verify(out, progress)
     print_verify(report, as_json)
     if not report.ok:
         raise SystemExit(1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,12 @@ from .writer import OutputError, sha256_tensor
 
 # Recomputed errors may differ from the recorded ones only by float32 summation order (thread count).
 ERROR_TOLERANCE = 1e-4
+
+Progress = Callable[[str, int, int, int], None]  # (phase, done, total, bytes read for that step)
+
+
+def _silent(phase: str, done: int, total: int, nbytes: int) -> None:
+    """A :data:`Progress` that reports nowhere."""
 
 
 class IncompleteOutputError(GlmPackError):
@@ -138,29 +145,39 @@ def stored_to_float(proj: mf.Projection, overlay: Path, tensors: dict[str, mf.Te
     return dequantize(codes, scales, axis=-1)
 
 
-def _check_files(report: VerifyReport, overlay: Path, manifest: dict, tensors) -> set[str]:
+def _check_files(report: VerifyReport, overlay: Path, manifest: dict, tensors, progress: Progress) -> set[str]:
+    """Hash every overlay file against the manifest; returns the files that failed (missing, unreadable, changed)."""
     bad_files, unhashed = set(), set()
-    for name, info in sorted(manifest["files"].items()):
-        path = overlay / name
-        if not path.is_file():
-            report.problems.append(f"overlay file missing: {path}")
+    files = sorted(manifest["files"].items())
+    progress("overlay files hashed", 0, len(files), 0)
+    for done, (name, info) in enumerate(files, 1):
+        hashed = _check_file(report, overlay, name, info, tensors)
+        if hashed is not True:
             bad_files.add(name)
+        if hashed is None:
             unhashed.add(name)
-            continue
-        try:
-            same = path.stat().st_size == info.get("size") and file_sha256(path) == info.get("sha256")
-        except OutputError as err:  # unreadable (a permission, an I/O error): not hashed, its layers not re-derived
-            report.problems.append(str(err))
-            bad_files.add(name)
-            unhashed.add(name)
-            continue
-        if not same:
-            bad_files.add(name)
-            changed = _changed_tensors(overlay, name, tensors)
-            what = f" (changed tensors: {', '.join(changed)})" if changed else " (header or layout changed)"
-            report.problems.append(f"overlay file {path} does not match its sha256 in the manifest{what}")
-    report.checked.append(f"{counted(len(manifest['files']) - len(unhashed), 'overlay file')} hashed")
+        progress("overlay files hashed", done, len(files), (overlay / name).stat().st_size if hashed is not None else 0)
+    report.checked.append(f"{counted(len(files) - len(unhashed), 'overlay file')} hashed")
     return bad_files
+
+
+def _check_file(report: VerifyReport, overlay: Path, name: str, info: dict, tensors) -> bool | None:
+    """One overlay file against its manifest entry: True (same size and sha256), False (changed: the problem names
+    the tensors that changed), None (missing or unreadable: not hashed, its layers not re-derived)."""
+    path = overlay / name
+    if not path.is_file():
+        report.problems.append(f"overlay file missing: {path}")
+        return None
+    try:
+        same = path.stat().st_size == info.get("size") and file_sha256(path) == info.get("sha256")
+    except OutputError as err:  # unreadable (a permission, an I/O error)
+        report.problems.append(str(err))
+        return None
+    if not same:
+        changed = _changed_tensors(overlay, name, tensors)
+        what = f" (changed tensors: {', '.join(changed)})" if changed else " (header or layout changed)"
+        report.problems.append(f"overlay file {path} does not match its sha256 in the manifest{what}")
+    return same
 
 
 def _changed_tensors(overlay: Path, file: str, tensors) -> list[str]:
@@ -215,18 +232,20 @@ def _source_root(out: Path, manifest: dict) -> Path | str | None:
     return Path(path) if path and os.path.isfile(Path(path, "config.json")) else None  # False where it cannot be seen
 
 
-def verify(out: str | Path) -> VerifyReport:
+def verify(out: str | Path, progress: Progress = _silent) -> VerifyReport:
     """Verify a converted output; never raises for a bad output, reports problems instead. ``ok`` with
     ``source_checked`` false: OUT's own files passed, but the source could not be reached to re-derive them.
+    ``progress(phase, done, total, nbytes)`` is called before each phase's first step and after every step
+    (phases: overlay files hashed, source tensors hashed, MLA layers re-derived, expert tensors unshuffled).
 
     Holds OUT's lock shared (other verifies may run beside it) and raises PlanError while a glm-pack run
     writes OUT; an OUT this user cannot write (no lock file there, none can be made) is verified without it.
     """
     with OutputLock(Path(out), shared=True, create=False):
-        return verify_unlocked(out)
+        return verify_unlocked(out, progress)
 
 
-def verify_unlocked(out: str | Path) -> VerifyReport:
+def verify_unlocked(out: str | Path, progress: Progress = _silent) -> VerifyReport:
     """:func:`verify` without taking OUT's lock: for a caller that holds it (push)."""
     out = Path(out)
     report = VerifyReport(out=out)
@@ -240,7 +259,7 @@ def verify_unlocked(out: str | Path) -> VerifyReport:
     tensors = mf.parse_tensors(manifest)
     layers = mf.parse_mla(manifest)
     geom = mf.parse_geometry(manifest)
-    bad_files = _check_files(report, overlay, manifest, tensors)
+    bad_files = _check_files(report, overlay, manifest, tensors, progress)
     _check_precisions(report, manifest["options"], layers)
     quant_mode = manifest["options"].get("quant_mode")  # the run's scale rule, which BF16-kept errors need
     if quant_mode not in MODES:
@@ -276,13 +295,18 @@ def verify_unlocked(out: str | Path) -> VerifyReport:
         if index_sha and (ckpt.index_path is None or store_sha256(ckpt.store, INDEX_NAME) != index_sha):
             report.problems.append(f"the original index in {src_root} was changed or removed")
     hashed = 0
-    for name, sha in sorted(manifest["source"]["tensors"].items()):
+    sources = sorted(manifest["source"]["tensors"].items())
+    progress("source tensors hashed", 0, len(sources), 0)
+    for done, (name, sha) in enumerate(sources, 1):
+        nbytes = 0
         try:
             if ckpt.raw_sha256(name) != sha:
                 report.problems.append(f"source tensor {name} differs from the one the overlay was made from")
             hashed += 1
+            nbytes = ckpt.info(name).nbytes
         except (GlmPackError, OSError) as err:
             report.problems.append(f"source tensor {name} unreadable: {err}")
+        progress("source tensors hashed", done, len(sources), nbytes)
     report.checked.append(f"{counted(hashed, 'source tensor')} hashed")
     _check_layer_set(report, ckpt, layers)
     if not same_geometry:
@@ -290,20 +314,27 @@ def verify_unlocked(out: str | Path) -> VerifyReport:
 
     report.source_checked = True
     derived = unshuffled = 0
-    for layer in layers if quant_mode in MODES else []:
-        if any(tensors[t].file in bad_files for p in (layer.w_kc, layer.w_vc) for t in (p.weight, p.scale) if t):
-            continue
+    todo = [
+        layer
+        for layer in (layers if quant_mode in MODES else [])
+        if not any(tensors[t].file in bad_files for p in (layer.w_kc, layer.w_vc) for t in (p.weight, p.scale) if t)
+    ]
+    progress("MLA layers re-derived", 0, len(todo), 0)
+    for done, layer in enumerate(todo, 1):
         with _rederiving(report, ckpt, f"MLA layer {layer.layer}", layer.source_tensor):
             _check_layer(report, ckpt, layer, geom, overlay, tensors, quant_mode)
             derived += 1
+        progress("MLA layers re-derived", done, len(todo), 0)
     report.checked.append(f"{counted(derived, 'MLA layer')} re-derived from the source and compared byte for byte")
     groups = mf.parse_experts(manifest)
-    for _, file, names in groups:
-        if file not in bad_files:
-            for name in names:
-                with _rederiving(report, ckpt, "repacked expert tensor", name):
-                    _check_expert(report, ckpt, overlay, manifest, tensors, name)
-                    unshuffled += 1
+    experts = [name for _, file, names in groups if file not in bad_files for name in names]
+    if experts:
+        progress("expert tensors unshuffled", 0, len(experts), 0)
+    for done, name in enumerate(experts, 1):
+        with _rederiving(report, ckpt, "repacked expert tensor", name):
+            _check_expert(report, ckpt, overlay, manifest, tensors, name)
+            unshuffled += 1
+        progress("expert tensors unshuffled", done, len(experts), 0)
     if groups:
         report.checked.append(f"{counted(unshuffled, 'repacked expert tensor')} unshuffled to the source bytes")
     return report

@@ -42,6 +42,45 @@ def test_untampered_output_passes(out):
     runtime.open(out, backend="torch", verify=True)
 
 
+def report_steps(out):
+    """verify(out) with a recording progress: the report and {phase: [(done, total, nbytes), ...]} in call order."""
+    steps: dict[str, list] = {}
+    report = verify(out, lambda phase, done, total, nbytes: steps.setdefault(phase, []).append((done, total, nbytes)))
+    return report, steps
+
+
+def test_verify_reports_its_progress_phase_by_phase(out):
+    """verify of a GLM-5 with experts reads about four times the overlay's size; it said nothing until its end."""
+    report, steps = report_steps(out)
+    m = manifest(out)
+    experts = sum(len(g["tensors"]) for g in m["experts"]["groups"])
+    totals = {
+        "overlay files hashed": len(m["files"]),
+        "source tensors hashed": len(m["source"]["tensors"]),
+        "MLA layers re-derived": len(m["mla"]),
+        "expert tensors unshuffled": experts,
+    }
+    assert report.ok and list(steps) == list(totals)  # in this order
+    for phase, total in totals.items():
+        assert [(d, t) for d, t, _ in steps[phase]] == [(d, total) for d in range(total + 1)], phase
+    sizes = sum((out / mf.OVERLAY_DIR / name).stat().st_size for name in m["files"])
+    assert sum(n for *_, n in steps["overlay files hashed"]) == sizes
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    hashed = sum(_span(out / weight_map[name], name) for name in m["source"]["tensors"])  # read from OUT's copies
+    assert sum(n for *_, n in steps["source tensors hashed"]) == hashed
+
+
+def test_verify_progress_reaches_the_end_past_a_missing_file(out):
+    layer_file = next(name for name in manifest(out)["files"] if name.startswith("layer-"))
+    (out / mf.OVERLAY_DIR / layer_file).unlink()
+    report, steps = report_steps(out)
+    assert any("overlay file missing" in p for p in report.problems)
+    done, total, nbytes = steps["overlay files hashed"][-1]
+    assert done == total == len(manifest(out)["files"])
+    derived = steps["MLA layers re-derived"]
+    assert derived[-1][0] == derived[-1][1] == len(manifest(out)["mla"]) - 1  # its layer is not re-derived
+
+
 def test_a_changed_byte_in_any_overlay_file_is_named(out):
     """One byte flipped in the data of each overlay file (MLA and expert files) in turn."""
     m = manifest(out)
@@ -63,9 +102,18 @@ def test_a_changed_byte_in_any_overlay_file_is_named(out):
     assert verify(out).ok
 
 
-def _offset(path, tensor):
+def _offsets(path, tensor):
     header = json.loads(path.read_bytes()[8 : 8 + int.from_bytes(path.read_bytes()[:8], "little")])
-    return header[tensor]["data_offsets"][0]
+    return header[tensor]["data_offsets"]
+
+
+def _offset(path, tensor):
+    return _offsets(path, tensor)[0]
+
+
+def _span(path, tensor):
+    begin, end = _offsets(path, tensor)
+    return end - begin
 
 
 def test_a_changed_header_byte_is_reported(out):
