@@ -99,10 +99,14 @@ class Overlay:
     model: PackedModel
     level: str
 
+    def holds(self, layer_id: int) -> bool:
+        """Whether the overlay has this MLA layer (else the engine rebuilds it itself)."""
+        return layer_id in self.model.layers
+
     def layer(self, layer_id: int, engine_geometry: MlaGeometry) -> MlaLayer | None:
         """This rank's MLA layer, or None when the overlay has no such layer; the engine's per-rank geometry
         must equal the overlay's."""
-        if layer_id not in self.model.layers:
+        if not self.holds(layer_id):
             return None
         local = self.model.local_geometry
         if engine_geometry != local:

@@ -1,10 +1,13 @@
 """vLLM adapter: set ``MLAAttention``'s absorbed weights from a glm-pack overlay instead of rebuilding them.
 
-Written against vLLM main, ``vllm/model_executor/layers/attention/mla_attention.py`` at commit
-0014ca6b9929614f1b72c4bb11e5238de49cba89 (also ``vllm/model_executor/model_loader/utils.py``, which calls
-``module.process_weights_after_loading(model_config.dtype)`` on every ``MLAAttention`` after the quant
-methods, ``vllm/plugins/__init__.py``: ``vllm.general_plugins`` entry points run in every process, and
-``vllm/model_executor/layers/quantization/utils/quant_utils.py``: ``get_and_maybe_dequant_weights``).
+Written against the vLLM 0.33.0 release (the wheel's ``vllm/model_executor/layers/attention/mla_attention.py``;
+first against main at commit 0014ca6b9929614f1b72c4bb11e5238de49cba89), with
+``vllm/model_executor/model_loader/utils.py``, which calls ``module.process_weights_after_loading(model_config.dtype)``
+on every ``MLAAttention`` after the quant methods, ``vllm/plugins/__init__.py``: ``vllm.general_plugins`` entry
+points run in every process, and ``vllm/model_executor/layers/quantization/utils/quant_utils.py``:
+``get_and_maybe_dequant_weights``. The releases' wheels from 0.19 on build these weights on the layer as below;
+0.29+ first let the attention backend's impl pack its own (a no-op but for the CPU AMX backend, whose layers are left
+to vLLM), 0.27+ gather ``W_UK_T_dcp_qrep`` for decode context parallelism's query replication (torch.bmm path only).
 
 vLLM's own rebuild (``MLAAttention.process_weights_after_loading``): dequantize kv_b_proj to
 ``[L, H*(P+V)]``, view ``[L, H, P+V]``, split into ``W_UK [L, H, P]`` / ``W_UV [L, H, V]``, then
@@ -120,6 +123,11 @@ def _overlay_for(layer) -> common.Overlay | None:
     setting = common.overlay_setting()
     if setting is None:
         return None
+    if not (hasattr(layer, "_vllm_config") and hasattr(layer, "kv_b_proj")):
+        raise BackendError(
+            f"{layer.layer_name}: this vLLM's MLAAttention lacks the model config or kv_b_proj glm-pack's adapter "
+            f"reads (vLLM before 0.18); use vLLM 0.18 or later, or unset {common.ENV} to let vLLM rebuild the weights"
+        )
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     model_config = layer._vllm_config.model_config  # captured by MLAAttention.__init__
@@ -134,10 +142,35 @@ def _overlay_for(layer) -> common.Overlay | None:
     )
 
 
+def _replicate_for_dcp(layer) -> None:
+    """Decode context parallelism's query replication (vLLM 0.32+, ``dcp_q_replicate``): the decode K-up reads
+    ``W_UK_T_dcp_qrep``, W_UK_T gathered over the DCP group, which vLLM builds only on its torch.bmm path."""
+    if layer.is_aiter_triton_fp4_bmm_enabled:
+        raise BackendError(
+            f"{layer.layer_name}: vLLM does not implement DCP query replication on its aiter FP4 BMM path, which an "
+            "MXFP4 overlay needs; turn DCP query replication off, or convert with --mla-precision bf16"
+        )
+    if layer.q_pad_num_heads not in (None, layer.num_heads):
+        raise BackendError(f"{layer.layer_name}: vLLM does not support DCP query replication with head padding")
+    from vllm.distributed.parallel_state import get_dcp_group
+
+    layer.W_UK_T_dcp_qrep = get_dcp_group().all_gather(layer.W_UK_T.contiguous(), dim=0)
+
+
 def _process_weights_after_loading(self, act_dtype: torch.dtype):
     overlay = _overlay_for(self)
-    if overlay is None or not apply(self, overlay, act_dtype):
+    if overlay is not None and getattr(self, "is_amx_bmm_enabled", False):
+        log.warning("glm-pack: %s: vLLM's AMX (CPU) MLA packs its own weights from kv_b_proj; the overlay is not used",
+                    self.layer_name)  # fmt: skip
+        overlay = None
+    if overlay is None or not overlay.holds(layer_index(self.layer_name)):
         return getattr(type(self), _ORIGINAL)(self, act_dtype)
+    impl = getattr(self, "impl", None)
+    if hasattr(impl, "process_weights_after_loading"):  # vLLM 0.32+: the backend's own packing comes first
+        impl.process_weights_after_loading(act_dtype)
+    apply(self, overlay, act_dtype)
+    if getattr(self, "dcp_q_replicate", False):
+        _replicate_for_dcp(self)
     from vllm.model_executor.layers.attention.attention import set_default_quant_scales, should_load_quant_weights
 
     quant_method = self.quant_config.get_quant_method(self, prefix=self.layer_name) if self.quant_config else None

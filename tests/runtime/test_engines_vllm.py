@@ -30,6 +30,7 @@ def _fresh_cache(monkeypatch):
     aiter = aiter_functions(vllm_mla.batched_gemm_a16wfp4, "a16wfp4")
     monkeypatch.setattr(aiter_backend, "load_aiter", lambda: aiter)
     vllm_mla.REBUILDS.clear()
+    vllm_mla.PACKED.clear()
     yield
     common._OPEN.clear()
 
@@ -270,6 +271,7 @@ def fake_vllm(monkeypatch):
         "vllm.distributed": types.SimpleNamespace(
             get_tensor_model_parallel_rank=lambda: 0, get_tensor_model_parallel_world_size=lambda: 1
         ),
+        "vllm.distributed.parallel_state": vllm_mla,
     }
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
@@ -286,6 +288,20 @@ def test_a_vllm_with_mla_bmm_objects_is_refused_by_name(tmp_path):
     with pytest.raises(BackendError, match=r"model\.layers\.0\.self_attn\.attn: .*kv_b_proj\.mla_bmm.*unset GLM_"):
         vllm.apply(layer, overlay(tmp_path), torch.bfloat16)
     assert getattr(layer, "W_K", None) is None
+
+
+@pytest.mark.parametrize("missing", ["_vllm_config", "kv_b_proj"])
+def test_a_vllm_before_0_18_is_refused_by_name(tmp_path, fake_vllm, monkeypatch, missing):
+    """vLLM 0.17's MLAAttention keeps no model config, and older ones keep kv_b_proj and the absorbed weights in the
+    backend's impl: one line with the version needed, not an AttributeError from inside vLLM's loader."""
+    weights = make_served(tmp_path)
+    monkeypatch.setenv(common.ENV, "1")
+    vllm.register()
+    (layer, _) = plugin_layers(fake_vllm, weights, tmp_path)
+    delattr(layer, missing)
+    with pytest.raises(BackendError, match=r"model\.layers\.0\.self_attn\.attn: .*vLLM 0\.18 or later.*unset GLM_PACK"):
+        layer.process_weights_after_loading(torch.bfloat16)
+    assert getattr(layer, "W_K", None) is None and vllm_mla.REBUILDS == []
 
 
 def test_plugin_is_inert_without_the_variable(fake_vllm, monkeypatch):
@@ -314,6 +330,73 @@ def test_plugin_loads_overlay_layers_and_rebuilds_the_rest(tmp_path, fake_vllm, 
     assert all(layer.default_scales_set for layer in layers)
     ref, _ = engine_pair(weights, 1, fp4=True)
     assert torch.equal(layers[1].W_K, ref.W_K) and torch.equal(layers[1].W_V_scale, ref.W_V_scale)
+
+
+def plugin_layers(fake_vllm, weights, root, *, fp4=True, **flags):
+    """One fake_vllm layer per served layer, with ``flags`` (e.g. ``dcp_q_replicate=True``) set on each."""
+    layers = [
+        fake_vllm(f"model.layers.{i}.self_attn.attn", GEOM, weights[kv_b_name(i)], fp4=fp4, model=root) for i in (0, 1)
+    ]
+    for layer in layers:
+        for name, value in flags.items():
+            setattr(layer, name, value)
+    return layers
+
+
+def test_the_backend_packs_its_own_weights_first_as_in_vllm(tmp_path, fake_vllm, monkeypatch):
+    """vLLM 0.30+ lets the attention backend's impl pack its weights before the MLA rebuild; the plugin skipped that
+    step for overlay layers (a no-op but on AMX today). Each layer's impl packs once, overlay or not."""
+    weights = make_served(tmp_path)
+    manifest = tmp_path / "glm-pack" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["mla"] = [e for e in data["mla"] if e["layer"] == 1]
+    manifest.write_text(json.dumps(data))
+    monkeypatch.setenv(common.ENV, "1")
+    vllm.register()
+    for layer in plugin_layers(fake_vllm, weights, tmp_path):
+        layer.process_weights_after_loading(torch.bfloat16)
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    assert vllm_mla.PACKED == names and vllm_mla.REBUILDS == names[:1]
+
+
+def test_amx_layers_are_left_to_vllm_with_a_warning(tmp_path, fake_vllm, monkeypatch, caplog):
+    """AMX (vLLM's CPU MLA) decodes from weights its impl packs from kv_b_proj: the overlay's would go unread."""
+    weights = make_served(tmp_path, policy="bf16")
+    monkeypatch.setenv(common.ENV, "1")
+    vllm.register()
+    layers = plugin_layers(fake_vllm, weights, tmp_path, fp4=False, is_amx_bmm_enabled=True)
+    with caplog.at_level("WARNING", logger="glm_pack.vllm"):
+        for layer in layers:
+            layer.process_weights_after_loading(torch.bfloat16)
+    assert vllm_mla.REBUILDS == [layer.layer_name for layer in layers] == vllm_mla.PACKED
+    assert "AMX" in caplog.text and "the overlay is not used" in caplog.text
+
+
+def test_dcp_query_replication_gathers_the_overlays_w_uk_t(tmp_path, fake_vllm, monkeypatch):
+    """vLLM 0.30+'s decode context parallelism with query replication reads W_UK_T_dcp_qrep, W_UK_T gathered over
+    the DCP group; the plugin left it None, on which vLLM's decode asserts."""
+    weights = make_served(tmp_path, policy="bf16")
+    monkeypatch.setenv(common.ENV, "1")
+    vllm.register()
+    (layer, _) = plugin_layers(fake_vllm, weights, tmp_path, fp4=False, dcp_q_replicate=True)
+    layer.process_weights_after_loading(torch.bfloat16)
+    ref = vllm_mla.MLAAttention("model.layers.0.self_attn.attn", GEOM, weights[kv_b_name(0)], fp4=False)
+    ref.dcp_q_replicate = True
+    ref.process_weights_after_loading(torch.bfloat16)
+    assert vllm_mla.REBUILDS == [ref.layer_name]  # the reference's alone: the plugin's layer came from the overlay
+    assert layer.W_UK_T_dcp_qrep.shape == (vllm_mla.DCP_WORLD * GEOM.num_heads, P, L)
+    assert torch.equal(layer.W_UK_T_dcp_qrep, ref.W_UK_T_dcp_qrep)
+
+
+def test_dcp_query_replication_with_an_mxfp4_overlay_is_refused(tmp_path, fake_vllm, monkeypatch):
+    """vLLM raises NotImplementedError for DCP query replication on its FP4 path: the plugin says it in one line."""
+    weights = make_served(tmp_path)
+    monkeypatch.setenv(common.ENV, "1")
+    vllm.register()
+    (layer, _) = plugin_layers(fake_vllm, weights, tmp_path, dcp_q_replicate=True)
+    says = r"model\.layers\.0\.self_attn\.attn: .*DCP query replication.*--mla-precision bf16"
+    with pytest.raises(BackendError, match=says):
+        layer.process_weights_after_loading(torch.bfloat16)
 
 
 def test_a_hub_id_missing_from_the_cache_says_what_helps(tmp_path, fake_vllm, monkeypatch):

@@ -1,6 +1,8 @@
-"""Stand-in for vLLM's ``MLAAttention`` (mla_attention.py at 0014ca6b): the attributes the adapter reads and
-writes, ``process_weights_after_loading`` (the rebuild from kv_b_proj, unquantized or FP8 block-scaled), and the
-decode forward's K-up / V-up calls (``forward_impl`` MQA branch and ``_v_up_proj``)."""
+"""Stand-in for vLLM's ``MLAAttention`` (``vllm/model_executor/layers/attention/mla_attention.py`` of the vLLM 0.33.0
+wheel, the same in 0.30-0.32 and at main 0014ca6b but for the backend packing, AMX and DCP steps): the attributes
+the adapter reads and writes, ``process_weights_after_loading`` (the backend impl's own packing first, AMX's early
+return, DCP query replication's gathered ``W_UK_T_dcp_qrep``, the rebuild from kv_b_proj, unquantized or FP8
+block-scaled), and the decode forward's K-up / V-up calls (``forward_impl`` MQA branch and ``_v_up_proj``)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,28 @@ from glm_pack.runtime.reference import bmm_a16wfp4
 from .overlay_fixture import fp8_block_dequant
 
 REBUILDS = []  # layer names whose engine rebuild ran
+PACKED = []  # layer names whose backend impl packing (``impl.process_weights_after_loading``) ran
+DCP_WORLD = 2  # ranks of the stand-in DCP group; its all_gather stacks this rank's tensor that often
+
+
+class _DcpGroup:
+    def all_gather(self, tensor, dim=0):
+        return torch.cat([tensor] * DCP_WORLD, dim=dim)
+
+
+def get_dcp_group():
+    """``vllm.distributed.parallel_state.get_dcp_group``."""
+    return _DcpGroup()
+
+
+class _Impl:
+    """The attention backend's impl: ``process_weights_after_loading`` is a no-op but for AMX (CPU)."""
+
+    def __init__(self, layer_name):
+        self.layer_name = layer_name
+
+    def process_weights_after_loading(self, act_dtype):
+        PACKED.append(self.layer_name)
 
 
 def batched_gemm_a16wfp4(x, w, w_scales, dtype=torch.bfloat16, y=None, transpose_bm=False, prequant=True, **_):
@@ -74,9 +98,21 @@ class MLAAttention:
         self.is_aiter_triton_fp4_bmm_enabled = fp4 and self.kv_b_proj.weight.dtype == torch.bfloat16
         self._vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=str(model), revision=None))
         self.default_scales_set = False
+        self.impl = _Impl(layer_name)
+        self.q_pad_num_heads = None
+        self.is_amx_bmm_enabled = False
+        self.dcp_q_replicate = False
+        self.W_UK_T_dcp_qrep = None
 
     def process_weights_after_loading(self, act_dtype):
+        self.impl.process_weights_after_loading(act_dtype)
         REBUILDS.append(self.layer_name)
+        if self.is_amx_bmm_enabled:  # AMXMLAImpl packed its own weights from kv_b_proj
+            return
+        if self.dcp_q_replicate:
+            assert self.q_pad_num_heads in (None, self.num_heads)
+            if self.is_aiter_triton_fp4_bmm_enabled or self.is_aiter_triton_fp8_bmm_enabled:
+                raise NotImplementedError("DCP query replication: not on the aiter FP4/FP8 MLA BMM paths")
         kv_b = get_and_maybe_dequant_weights(self.kv_b_proj, out_dtype=act_dtype).T
         kv_b = kv_b.view(self.kv_lora_rank, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
         W_UK, W_UV = kv_b.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
@@ -88,6 +124,8 @@ class MLAAttention:
         else:
             self.W_UV = W_UV.transpose(0, 1)
             self.W_UK_T = W_UK.permute(1, 2, 0)
+            if self.dcp_q_replicate:
+                self.W_UK_T_dcp_qrep = get_dcp_group().all_gather(self.W_UK_T.contiguous(), dim=0)
         self.default_scales_set = True  # set_default_quant_scales (no quant config)
 
     def decode(self, q: torch.Tensor, attn_out: torch.Tensor):
