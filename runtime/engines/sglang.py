@@ -11,7 +11,12 @@ Re-read at commit 0340c90c71c1e2d212b1cb1327dea4d757ca2ecf (the newest stored; i
 available): the ROCm K-up / V-up moved to ``.../attention_forward_methods/forward_mla_rocm.py``
 (``rocm_absorb_q_bmm`` / ``rocm_absorb_v_bmm``) with the same calls and gates on these attributes; DCP query
 replication's ``w_kc_qrep`` is made by the model runner from ``w_kc`` after ``post_load_weights`` (bf16/fp16
-only), so it follows the overlay's.
+only), so it follows the overlay's. Checked against the released wheels 0.5.8-0.5.23 (PyPI; the attributes,
+layouts, calls and layer selection above are those of 0.5.23): the attention TP rank and size and the server args
+come from ``sglang.srt.runtime_context`` from 0.5.15 on (the older functions are gone from 0.5.16, and
+``get_global_server_args`` raises from 0.5.20); GLM's MTP draft is its own ``GlmMoeDsaForCausalLMNextN`` from
+0.5.16, and the draft classes' ``post_load_weights`` is pinned to ``is_nextn=True``; an FP8 kv_b_proj's block size
+comes from its quant method first; ``GlmMoeDsaForCausalLM`` exists from 0.5.9.
 
 SGLang's attributes (per rank, H = local heads, L = kv_lora, P = nope, V = v):
 
@@ -81,18 +86,24 @@ def absorbed_attributes(mla: MlaLayer, *, fp4_path: bool, dtype: torch.dtype = t
     }
 
 
-def fp8_block(quant_config) -> tuple[int, int] | None:
-    """The FP8 block size ``post_load_weights`` reads: ``linear_fp8_config.weight_block_size``, else
-    ``weight_block_size``; None (per-channel FP8) without either."""
-    linear = getattr(quant_config, "linear_fp8_config", None)
-    block = getattr(linear, "weight_block_size", None) or getattr(quant_config, "weight_block_size", None)
+def fp8_block(linear, quant_config) -> tuple[int, int] | None:
+    """The FP8 block size ``post_load_weights`` reads (``_resolve_layer_weight_block_size``): the linear's quant
+    method's ``weight_block_size`` where it has one, else ``linear_fp8_config``'s (the model's quant config's where
+    that is None); None (per-channel FP8) without one."""
+    method = getattr(linear, "quant_method", None)
+    if method is not None and hasattr(method, "weight_block_size"):
+        block = method.weight_block_size
+    else:
+        config = getattr(quant_config, "linear_fp8_config", None)
+        block = getattr(quant_config if config is None else config, "weight_block_size", None)
     return tuple(block) if block else None
 
 
 def loaded_kv_b(linear, quant_config) -> torch.Tensor | None:
     """kv_b_proj as float ``[out, in]`` as ``post_load_weights`` reads it (before the linear's quant method
     processes it): a float weight as is; FP8 with ``weight_scale`` (else ``weight_scale_inv``) per block of
-    :func:`fp8_block`, or per output channel without one; None for any other form."""
+    :func:`fp8_block` (UE8M0 exponents in uint8, as a reload after SGLang's requantization leaves them, decoded as
+    SGLang does), or per output channel without one; None for any other form (e.g. DeepGEMM's UE8M0 layout)."""
     weight = linear.weight
     if weight.dtype in common.FLOAT:
         return weight
@@ -101,7 +112,11 @@ def loaded_kv_b(linear, quant_config) -> torch.Tensor | None:
         scale = getattr(linear, "weight_scale_inv", None)
     if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) or scale is None:
         return None
-    block = fp8_block(quant_config)
+    if getattr(scale, "format_ue8m0", False):
+        if scale.dtype != torch.uint8:
+            return None
+        scale = (scale.to(torch.int32) << 23).view(torch.float32)  # 2**(e - 127), as SGLang reads them
+    block = fp8_block(linear, quant_config)
     return fp8.dequantize_block(weight, scale, block) if block else fp8.dequantize_channel(weight, scale)
 
 
@@ -138,29 +153,45 @@ def apply_model(model, overlay: common.Overlay, is_nextn: bool, weight_names, *,
     return {"weight_names": left} if left else None
 
 
+def serving_context() -> tuple:
+    """(server args, attention TP rank, attention TP size) of this SGLang process: from ``sglang.srt.runtime_context``
+    (``get_server_args()``, ``get_parallel().attn_tp_rank`` / ``attn_tp_size``; every release from 0.5.17 on, where
+    the older functions below are gone or, from 0.5.20, raise), else from ``get_global_server_args()`` and
+    ``dp_attention.get_attention_tp_rank()`` / ``get_attention_tp_size()`` (SGLang main at 0201c04e)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel, get_server_args
+    except ImportError:
+        from sglang.srt.layers.dp_attention import get_attention_tp_rank, get_attention_tp_size
+        from sglang.srt.server_args import get_global_server_args
+
+        return get_global_server_args(), get_attention_tp_rank(), get_attention_tp_size()
+    parallel = get_parallel()
+    return get_server_args(), parallel.attn_tp_rank, parallel.attn_tp_size
+
+
 def _overlay(model) -> common.Overlay | None:
     setting = common.overlay_setting()
     if setting is None:
         return None
-    from sglang.srt.layers.dp_attention import get_attention_tp_rank, get_attention_tp_size
-    from sglang.srt.server_args import get_global_server_args
-
-    args = get_global_server_args()
+    args, tp_rank, tp_size = serving_context()
     served = common.checkpoint_dir(args.model_path, getattr(args, "revision", None))
     return common.open_overlay(
         setting,
         served,
-        tp_rank=get_attention_tp_rank(),
-        tp_size=get_attention_tp_size(),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
         device=next(model.parameters()).device,
         level=common.check_level(),
     )
 
 
-def _with_overlay(base: type) -> type:
-    """A subclass of SGLang's model class ``base`` (same ``__name__``) that loads MLA weights from the overlay."""
+def _with_overlay(base: type, *, nextn: bool = False) -> type:
+    """A subclass of SGLang's model class ``base`` (same ``__name__``) that loads MLA weights from the overlay;
+    ``nextn``: an MTP draft class, whose ``post_load_weights`` SGLang pins to ``is_nextn=True`` (its loaders may call
+    it with no argument)."""
 
-    def post_load_weights(self, is_nextn=False, weight_names=None):
+    def post_load_weights(self, is_nextn=nextn, weight_names=None):
+        is_nextn = is_nextn or nextn
         overlay = _overlay(self)
         if overlay is None:
             return base.post_load_weights(self, is_nextn=is_nextn, weight_names=weight_names)
@@ -176,10 +207,15 @@ def _with_overlay(base: type) -> type:
 
 @functools.cache
 def _entry_classes() -> list[type]:
+    """GLM-5's model class and the MTP draft classes SGLang builds for it: ``GlmMoeDsaForCausalLMNextN`` (SGLang's
+    GLM draft from 0.5.17 on; it subclasses the original ``DeepseekV3ForCausalLMNextN``, so replacing only that one
+    left GLM's MTP layer to SGLang's rebuild) where SGLang has it, and ``DeepseekV3ForCausalLMNextN``."""
+    from sglang.srt.models import glm4_moe
     from sglang.srt.models.deepseek_nextn import DeepseekV3ForCausalLMNextN
-    from sglang.srt.models.glm4_moe import GlmMoeDsaForCausalLM
 
-    return [_with_overlay(GlmMoeDsaForCausalLM), _with_overlay(DeepseekV3ForCausalLMNextN)]
+    classes = [_with_overlay(glm4_moe.GlmMoeDsaForCausalLM), _with_overlay(DeepseekV3ForCausalLMNextN, nextn=True)]
+    glm_draft = getattr(glm4_moe, "GlmMoeDsaForCausalLMNextN", None)
+    return classes + ([_with_overlay(glm_draft, nextn=True)] if glm_draft is not None else [])
 
 
 def __getattr__(name: str):

@@ -252,31 +252,52 @@ def test_model_level_selection_hands_uncovered_layers_to_the_engine(tmp_path):
     assert nextn == {}
 
 
-@pytest.fixture
-def fake_sglang(monkeypatch, tmp_path):
+@pytest.fixture(params=["runtime_context", "legacy"])
+def fake_sglang(request, monkeypatch, tmp_path):
+    """SGLang's import paths the hook uses, served by the stand-in, in the API of a release (0.5.20+: TP rank and
+    server args in ``runtime_context``, the old functions gone or raising, GLM's own draft class) or of main at
+    0201c04e (``legacy``: ``dp_attention`` and ``get_global_server_args``, no runtime_context, no GLM draft class)."""
+
     class GlmMoeDsaForCausalLM(sglang_mla.Model):
         pass
 
-    class DeepseekV3ForCausalLMNextN(sglang_mla.Model):
+    class DeepseekV3ForCausalLMNextN(sglang_mla.NextNModel):
         pass
 
+    class GlmMoeDsaForCausalLMNextN(DeepseekV3ForCausalLMNextN):
+        pass
+
+    args = types.SimpleNamespace(model_path=str(tmp_path), revision=None)
+
+    def retired():
+        raise RuntimeError("get_global_server_args() is retired")
+
+    new = request.param == "runtime_context"
+    glm = {"GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM}
     mods = {
-        "sglang.srt.models.glm4_moe": types.SimpleNamespace(GlmMoeDsaForCausalLM=GlmMoeDsaForCausalLM),
+        "sglang.srt.models": types.ModuleType("sglang.srt.models"),
+        "sglang.srt.models.glm4_moe": types.SimpleNamespace(
+            **glm, **({"GlmMoeDsaForCausalLMNextN": GlmMoeDsaForCausalLMNextN} if new else {})
+        ),
         "sglang.srt.models.deepseek_nextn": types.SimpleNamespace(
             DeepseekV3ForCausalLMNextN=DeepseekV3ForCausalLMNextN
         ),
         "sglang.srt.models.deepseek_common.utils": types.SimpleNamespace(_use_aiter_gfx95=True),
-        "sglang.srt.layers.dp_attention": types.SimpleNamespace(
-            get_attention_tp_rank=lambda: 0, get_attention_tp_size=lambda: 1
-        ),
-        "sglang.srt.server_args": types.SimpleNamespace(
-            get_global_server_args=lambda: types.SimpleNamespace(model_path=str(tmp_path), revision=None)
-        ),
+        "sglang.srt.layers.dp_attention": types.SimpleNamespace()
+        if new
+        else types.SimpleNamespace(get_attention_tp_rank=lambda: 0, get_attention_tp_size=lambda: 1),
+        "sglang.srt.server_args": types.SimpleNamespace(get_global_server_args=retired if new else lambda: args),
+        "sglang.srt.runtime_context": types.SimpleNamespace(
+            get_parallel=lambda: types.SimpleNamespace(attn_tp_rank=0, attn_tp_size=1), get_server_args=lambda: args
+        )
+        if new
+        else None,  # import fails
     }
+    mods["sglang.srt.models"].glm4_moe = mods["sglang.srt.models.glm4_moe"]
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
     sglang._entry_classes.cache_clear()
-    yield
+    yield request.param
     sglang._entry_classes.cache_clear()
 
 
@@ -285,8 +306,10 @@ def test_entry_classes_replace_by_name_and_load_the_overlay(tmp_path, fake_sglan
     import glm_pack.runtime.engines.sglang as module
 
     assert hasattr(module, "EntryClass")  # what SGLang's registry asks
-    glm_cls, nextn_cls = module.EntryClass
+    glm_cls, nextn_cls, *glm_draft = module.EntryClass
     assert (glm_cls.__name__, nextn_cls.__name__) == ("GlmMoeDsaForCausalLM", "DeepseekV3ForCausalLMNextN")
+    drafts = ["GlmMoeDsaForCausalLMNextN"] if fake_sglang == "runtime_context" else []  # SGLang 0.5.17+'s GLM draft
+    assert [c.__name__ for c in glm_draft] == drafts
 
     monkeypatch.delenv(common.ENV, raising=False)
     model = glm_cls(GEOM, weights, layers=LAYERS)
@@ -300,3 +323,66 @@ def test_entry_classes_replace_by_name_and_load_the_overlay(tmp_path, fake_sglan
     ref = sglang_mla.SelfAttn(GEOM, weights["model.layers.0.self_attn.kv_b_proj.weight"])
     ref.rebuild(fp4=True)
     assert torch.equal(model.model.layers[0].self_attn.w_scale_k, ref.w_scale_k)
+
+
+def test_the_mtp_draft_classes_load_their_layer_when_called_without_arguments(tmp_path, fake_sglang, monkeypatch):
+    """SGLang's dummy, sharded-state and remote loaders call ``post_load_weights()`` with no argument; the MTP draft
+    classes pin ``is_nextn=True`` (0.5.17+). The override defaulted to ``is_nextn=False`` and went to the main
+    model's layers; and GLM's draft is its own class (0.5.17+), which the hook did not replace at all."""
+    weights = make_served(tmp_path)
+    import glm_pack.runtime.engines.sglang as module
+
+    monkeypatch.setenv(common.ENV, "1")
+    for draft in module.EntryClass[1:]:
+        model = draft(GEOM, weights, layers=LAYERS, nextn_layer=1)
+        model.config.num_hidden_layers = 1  # the draft's layer id: the one after the main model's last
+        model.post_load_weights()
+        assert model.rebuilt == [], draft.__name__  # from the overlay, not SGLang's rebuild
+        ref = sglang_mla.SelfAttn(GEOM, weights[kv_b_name(1)])
+        ref.rebuild(fp4=True)
+        assert torch.equal(model.model.decoder.self_attn.w_kc, ref.w_kc), draft.__name__
+        common._OPEN.clear()
+
+
+def test_tp_rank_and_size_come_from_the_serving_sglang(fake_sglang, monkeypatch):
+    """SGLang 0.5.16+ has no ``dp_attention.get_attention_tp_rank`` and 0.5.20+ retires ``get_global_server_args``
+    (it raises): the hook imported the former, so every overlay start failed with an ImportError."""
+    args, rank, size = sglang.serving_context()
+    assert (rank, size) == (0, 1) and args.model_path
+    if fake_sglang == "runtime_context":
+        parallel = types.SimpleNamespace(attn_tp_rank=3, attn_tp_size=4)
+        monkeypatch.setattr(sys.modules["sglang.srt.runtime_context"], "get_parallel", lambda: parallel)
+        assert sglang.serving_context()[1:] == (3, 4)
+
+
+def test_fp8_block_size_comes_from_the_linear_quant_method_first(tmp_path):
+    """SGLang's ``_resolve_layer_weight_block_size``: the kv_b_proj's quant method's block size where it has one
+    (None there means per channel), else ``linear_fp8_config``'s, else the model quant config's."""
+    method = types.SimpleNamespace(weight_block_size=[64, 32])
+    config = types.SimpleNamespace(weight_block_size=[128, 128], linear_fp8_config=None)
+    assert sglang.fp8_block(types.SimpleNamespace(quant_method=method), config) == (64, 32)
+    per_channel = types.SimpleNamespace(weight_block_size=None)
+    assert sglang.fp8_block(types.SimpleNamespace(quant_method=per_channel), config) is None
+    assert sglang.fp8_block(types.SimpleNamespace(quant_method=object()), config) == (128, 128)
+    config.linear_fp8_config = types.SimpleNamespace(weight_block_size=[32, 32])
+    assert sglang.fp8_block(types.SimpleNamespace(), config) == (32, 32)
+
+
+def test_ue8m0_scales_in_uint8_are_read_as_sglang_reads_them(tmp_path):
+    """After SGLang requantized kv_b_proj's scales to UE8M0 exponents in uint8 (a reload), they are 2**(e - 127):
+    read raw, the slice check compared garbage and refused the right slice."""
+    block = (32, 32)
+    weights, scales = make_served_fp8(tmp_path, block)
+    name = kv_b_name(0)
+    exponents = torch.frexp(scales[name])[1] - 1  # scales that are powers of two: exactly representable in UE8M0
+    pow2 = torch.ldexp(torch.ones_like(scales[name]), exponents)
+    fp8_weight = weights[name]
+    linear = types.SimpleNamespace(weight=fp8_weight, weight_scale_inv=(exponents + 127).to(torch.uint8))
+    linear.weight_scale_inv.format_ue8m0 = True
+    config = types.SimpleNamespace(weight_block_size=list(block), linear_fp8_config=None)
+    got = sglang.loaded_kv_b(linear, config)
+    want = fp8_weight.float() * pow2.repeat_interleave(32, 0).repeat_interleave(32, 1)[: fp8_weight.shape[0]]
+    assert torch.equal(got, want)
+    linear.weight_scale_inv = pow2.clone()
+    linear.weight_scale_inv.format_ue8m0 = True  # float UE8M0 scales: DeepGEMM's layout, not read here
+    assert sglang.loaded_kv_b(linear, config) is None

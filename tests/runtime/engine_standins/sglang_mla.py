@@ -1,6 +1,7 @@
-"""Stand-in for SGLang's DeepseekV2 MLA (main at 0201c04e): ``DeepseekV2AttentionMLA``'s absorbed-weight
-attributes, ``DeepseekV2WeightLoaderMixin.post_load_weights`` (BF16 kv_b_proj; the MXFP4 branch as in
-``quark_post_load_weights``) and the ROCm forward's K-up / V-up calls (``forward_mla.py``)."""
+"""Stand-in for SGLang's DeepseekV2 MLA (main at 0201c04e; the same in the 0.5.23 wheel): ``DeepseekV2AttentionMLA``'s
+absorbed-weight attributes, ``DeepseekV2WeightLoaderMixin.post_load_weights`` (BF16 kv_b_proj; the MXFP4 branch as
+in ``quark_post_load_weights``), the MTP draft's (``DeepseekV3ForCausalLMNextN``, which 0.5.17+ pins to
+``is_nextn=True``) and the ROCm forward's K-up / V-up calls (``forward_mla.py``, ``forward_mla_rocm.py``)."""
 
 from __future__ import annotations
 
@@ -108,3 +109,18 @@ class Model:
             attn = self.model.decoder.self_attn if is_nextn else self.model.layers[layer_id].self_attn
             attn.rebuild(self.fp4)
             self.rebuilt.append(layer_id)
+
+
+class NextNModel(Model):
+    """``DeepseekV3ForCausalLMNextN`` (0.5.17+): ``post_load_weights`` pinned to ``is_nextn=True``, which SGLang's
+    dummy, sharded-state and remote loaders call with no argument."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.model = SimpleNamespace(decoder=self.model.decoder)  # DeepseekModelNextN: one decoder layer, no list
+
+    def parameters(self):
+        return iter([self.model.decoder.self_attn.kv_b_proj.weight])
+
+    def post_load_weights(self, is_nextn=True, weight_names=None):
+        super().post_load_weights(is_nextn=True, weight_names=weight_names)
