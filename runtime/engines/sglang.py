@@ -155,9 +155,10 @@ def apply_model(model, overlay: common.Overlay, is_nextn: bool, weight_names, *,
 
 def serving_context() -> tuple:
     """(server args, attention TP rank, attention TP size) of this SGLang process: from ``sglang.srt.runtime_context``
-    (``get_server_args()``, ``get_parallel().attn_tp_rank`` / ``attn_tp_size``; every release from 0.5.17 on, where
-    the older functions below are gone or, from 0.5.20, raise), else from ``get_global_server_args()`` and
-    ``dp_attention.get_attention_tp_rank()`` / ``get_attention_tp_size()`` (SGLang main at 0201c04e)."""
+    (``get_server_args()``, ``get_parallel().attn_tp_rank`` / ``attn_tp_size``; releases from 0.5.15 on: the older
+    functions below are gone from 0.5.16, and ``get_global_server_args`` raises from 0.5.20), else from
+    ``get_global_server_args()`` and ``dp_attention.get_attention_tp_rank()`` / ``get_attention_tp_size()`` (SGLang
+    main at 0201c04e, releases before 0.5.15)."""
     try:
         from sglang.srt.runtime_context import get_parallel, get_server_args
     except ImportError:
@@ -208,7 +209,7 @@ def _with_overlay(base: type, *, nextn: bool = False) -> type:
 @functools.cache
 def _entry_classes() -> list[type]:
     """GLM-5's model class and the MTP draft classes SGLang builds for it: ``GlmMoeDsaForCausalLMNextN`` (SGLang's
-    GLM draft from 0.5.17 on; it subclasses the original ``DeepseekV3ForCausalLMNextN``, so replacing only that one
+    GLM draft from 0.5.16 on; it subclasses the original ``DeepseekV3ForCausalLMNextN``, so replacing only that one
     left GLM's MTP layer to SGLang's rebuild) where SGLang has it, and ``DeepseekV3ForCausalLMNextN``."""
     from sglang.srt.models import glm4_moe
     from sglang.srt.models.deepseek_nextn import DeepseekV3ForCausalLMNextN

@@ -308,7 +308,7 @@ def test_entry_classes_replace_by_name_and_load_the_overlay(tmp_path, fake_sglan
     assert hasattr(module, "EntryClass")  # what SGLang's registry asks
     glm_cls, nextn_cls, *glm_draft = module.EntryClass
     assert (glm_cls.__name__, nextn_cls.__name__) == ("GlmMoeDsaForCausalLM", "DeepseekV3ForCausalLMNextN")
-    drafts = ["GlmMoeDsaForCausalLMNextN"] if fake_sglang == "runtime_context" else []  # SGLang 0.5.17+'s GLM draft
+    drafts = ["GlmMoeDsaForCausalLMNextN"] if fake_sglang == "runtime_context" else []  # SGLang 0.5.16+'s GLM draft
     assert [c.__name__ for c in glm_draft] == drafts
 
     monkeypatch.delenv(common.ENV, raising=False)
@@ -327,8 +327,8 @@ def test_entry_classes_replace_by_name_and_load_the_overlay(tmp_path, fake_sglan
 
 def test_the_mtp_draft_classes_load_their_layer_when_called_without_arguments(tmp_path, fake_sglang, monkeypatch):
     """SGLang's dummy, sharded-state and remote loaders call ``post_load_weights()`` with no argument; the MTP draft
-    classes pin ``is_nextn=True`` (0.5.17+). The override defaulted to ``is_nextn=False`` and went to the main
-    model's layers; and GLM's draft is its own class (0.5.17+), which the hook did not replace at all."""
+    classes pin ``is_nextn=True`` (0.5.12+). The override defaulted to ``is_nextn=False`` and went to the main
+    model's layers; and GLM's draft is its own class (0.5.16+), which the hook did not replace at all."""
     weights = make_served(tmp_path)
     import glm_pack.runtime.engines.sglang as module
 

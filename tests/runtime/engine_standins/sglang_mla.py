@@ -1,6 +1,6 @@
 """Stand-in for SGLang's DeepseekV2 MLA (main at 0201c04e; the same in the 0.5.23 wheel): ``DeepseekV2AttentionMLA``'s
 absorbed-weight attributes, ``DeepseekV2WeightLoaderMixin.post_load_weights`` (BF16 kv_b_proj; the MXFP4 branch as
-in ``quark_post_load_weights``), the MTP draft's (``DeepseekV3ForCausalLMNextN``, which 0.5.17+ pins to
+in ``quark_post_load_weights``), the MTP draft's (``DeepseekV3ForCausalLMNextN``, which 0.5.12+ pins to
 ``is_nextn=True``) and the ROCm forward's K-up / V-up calls (``forward_mla.py``, ``forward_mla_rocm.py``)."""
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class Model:
 
 
 class NextNModel(Model):
-    """``DeepseekV3ForCausalLMNextN`` (0.5.17+): ``post_load_weights`` pinned to ``is_nextn=True``, which SGLang's
+    """``DeepseekV3ForCausalLMNextN`` (0.5.12+): ``post_load_weights`` pinned to ``is_nextn=True``, which SGLang's
     dummy, sharded-state and remote loaders call with no argument."""
 
     def __init__(self, *args, **kwargs):
