@@ -1071,7 +1071,7 @@ def test_ctrl_c_in_any_command_is_one_line_and_exit_130(monkeypatch, tmp_path):
     """click turned a Ctrl-C outside convert into 'Aborted!' and exit code 1, like a failure."""
     from glm_pack.convert import commands
 
-    def interrupted(out):
+    def interrupted(*_):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(commands, "verify", interrupted)
