@@ -191,7 +191,7 @@ def _with_overlay(base: type, *, nextn: bool = False) -> type:
     ``nextn``: an MTP draft class, whose ``post_load_weights`` SGLang pins to ``is_nextn=True`` (its loaders may call
     it with no argument)."""
 
-    def post_load_weights(self, is_nextn=nextn, weight_names=None):
+    def post_load_weights(self, is_nextn=False, weight_names=None):
         is_nextn = is_nextn or nextn
         overlay = _overlay(self)
         if overlay is None:
