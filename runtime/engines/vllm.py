@@ -5,7 +5,7 @@ first against main at commit 0014ca6b9929614f1b72c4bb11e5238de49cba89), with
 ``vllm/model_executor/model_loader/utils.py``, which calls ``module.process_weights_after_loading(model_config.dtype)``
 on every ``MLAAttention`` after the quant methods, ``vllm/plugins/__init__.py``: ``vllm.general_plugins`` entry
 points run in every process, and ``vllm/model_executor/layers/quantization/utils/quant_utils.py``:
-``get_and_maybe_dequant_weights``. The releases' wheels from 0.19 on build these weights on the layer as below;
+``get_and_maybe_dequant_weights``. The releases' wheels from 0.18 on build these weights on the layer as below;
 0.29+ first let the attention backend's impl pack its own (a no-op but for the CPU AMX backend, whose layers are left
 to vLLM), 0.27+ gather ``W_UK_T_dcp_qrep`` for decode context parallelism's query replication (torch.bmm path only).
 
@@ -143,7 +143,7 @@ def _overlay_for(layer) -> common.Overlay | None:
 
 
 def _replicate_for_dcp(layer) -> None:
-    """Decode context parallelism's query replication (vLLM 0.32+, ``dcp_q_replicate``): the decode K-up reads
+    """Decode context parallelism's query replication (vLLM 0.27+, ``dcp_q_replicate``): the decode K-up reads
     ``W_UK_T_dcp_qrep``, W_UK_T gathered over the DCP group, which vLLM builds only on its torch.bmm path."""
     if layer.is_aiter_triton_fp4_bmm_enabled:
         raise BackendError(
@@ -166,7 +166,7 @@ def _process_weights_after_loading(self, act_dtype: torch.dtype):
     if overlay is None or not overlay.holds(layer_index(self.layer_name)):
         return getattr(type(self), _ORIGINAL)(self, act_dtype)
     impl = getattr(self, "impl", None)
-    if hasattr(impl, "process_weights_after_loading"):  # vLLM 0.32+: the backend's own packing comes first
+    if hasattr(impl, "process_weights_after_loading"):  # vLLM 0.29+: the backend's own packing comes first
         impl.process_weights_after_loading(act_dtype)
     apply(self, overlay, act_dtype)
     if getattr(self, "dcp_q_replicate", False):
