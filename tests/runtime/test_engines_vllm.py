@@ -344,7 +344,7 @@ def plugin_layers(fake_vllm, weights, root, *, fp4=True, **flags):
 
 
 def test_the_backend_packs_its_own_weights_first_as_in_vllm(tmp_path, fake_vllm, monkeypatch):
-    """vLLM 0.30+ lets the attention backend's impl pack its weights before the MLA rebuild; the plugin skipped that
+    """vLLM 0.29+ lets the attention backend's impl pack its weights before the MLA rebuild; the plugin skipped that
     step for overlay layers (a no-op but on AMX today). Each layer's impl packs once, overlay or not."""
     weights = make_served(tmp_path)
     manifest = tmp_path / "glm-pack" / "manifest.json"
@@ -373,7 +373,7 @@ def test_amx_layers_are_left_to_vllm_with_a_warning(tmp_path, fake_vllm, monkeyp
 
 
 def test_dcp_query_replication_gathers_the_overlays_w_uk_t(tmp_path, fake_vllm, monkeypatch):
-    """vLLM 0.30+'s decode context parallelism with query replication reads W_UK_T_dcp_qrep, W_UK_T gathered over
+    """vLLM 0.27+'s decode context parallelism with query replication reads W_UK_T_dcp_qrep, W_UK_T gathered over
     the DCP group; the plugin left it None, on which vLLM's decode asserts."""
     weights = make_served(tmp_path, policy="bf16")
     monkeypatch.setenv(common.ENV, "1")
