@@ -294,7 +294,7 @@ def check_space(
     ``--overwrite`` deletes first (its freed bytes count as free, and nothing of OUT as placed already)."""
     if not options.space_check:
         return
-    writes = space.Writes()
+    writes = space.Writes("this conversion")
     writes.add(out, "overlay files", sum(n for file, n in sizes.items() if file not in kept))
     hub = is_hub(ckpt)
     out_device = space.device(out)

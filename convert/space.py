@@ -76,9 +76,11 @@ def freed_bytes(paths: Iterable[Path]) -> int:
 
 class Writes:
     """What a run adds to filesystems: ``add(folder, what, nbytes)`` files bytes under the filesystem of
-    ``folder``; :meth:`check` compares each filesystem's total with its free space."""
+    ``folder``; :meth:`check` compares each filesystem's total with its free space. ``writer`` names the run in the
+    error ("this conversion")."""
 
-    def __init__(self) -> None:
+    def __init__(self, writer: str) -> None:
+        self.writer = writer
         self.folders: dict[int, Path] = {}  # device -> the first folder named on it (for the message)
         self.parts: dict[int, dict[str, int]] = {}  # device -> {what: bytes}
 
@@ -104,7 +106,7 @@ class Writes:
             what = ", ".join(f"{name} {size_text(n)}" for name, n in parts.items())
             deleted = f" (and {size_text(credit)} that --overwrite deletes first)" if credit else ""
             raise OutputError(
-                f"not enough free space on the filesystem of {folder}: this conversion writes about {size_text(need)} "
+                f"not enough free space on the filesystem of {folder}: {self.writer} writes about {size_text(need)} "
                 f"there ({what}) and {size_text(free)} is free{deleted}; free some space or write elsewhere, or pass "
                 "--skip-space-check if that filesystem compresses or deduplicates what it stores",
                 file=folder,

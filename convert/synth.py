@@ -39,7 +39,7 @@ import torch
 
 from glm_pack.packing.errors import PlanError
 
-from . import formats
+from . import formats, space
 from .cards import Card, load_card
 from .humanize import counted, size_text
 from .safetensors_io import DTYPES, byte_size, encode_header
@@ -269,18 +269,26 @@ def synthesize(
     mtp: bool = True,
     shard_bytes: int | None = None,
     overwrite: bool = False,
+    space_check: bool = True,
 ) -> Path:
     """Write a synthetic checkpoint (config.json, index, shards) into ``out_dir``; returns its path. A non-empty
     ``out_dir`` is refused unless ``overwrite`` (then emptied first: files are replaced, never rewritten in
-    place, so outputs hard-linked to an earlier checkpoint there keep theirs)."""
+    place, so outputs hard-linked to an earlier checkpoint there keep theirs); so is one whose filesystem has not
+    the room for it (:mod:`.space`; ``--profile full`` of a whole GLM-5 is terabytes), unless not ``space_check``."""
     family = load_card(card)
     config = synth_config(family, layers=layers, experts=experts, fmt=fmt, profile=profile, mtp=mtp)
     entries = tensor_entries(family, config, fmt)
+    total = sum(byte_size(e.dtype, e.shape) for e in entries)
     out = Path(out_dir)
     try:
-        if out.is_dir() and any(out.iterdir()):
-            if not overwrite:
-                raise PlanError(f"output {out} is not empty; pass --overwrite to replace its contents", file=out)
+        leftovers = list(out.iterdir()) if out.is_dir() else []
+        if leftovers and not overwrite:
+            raise PlanError(f"output {out} is not empty; pass --overwrite to replace its contents", file=out)
+        if space_check:
+            writes = space.Writes("this synthetic checkpoint")
+            writes.add(out, "shards", total + space.overhead(len(entries)))
+            writes.check(space.freed_bytes(leftovers), out)
+        if leftovers:
             clear_directory(out)
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # a file where a folder should be, a read-only file system, no permission
@@ -291,7 +299,6 @@ def synthesize(
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         _write_shard(out / name, shard, seed, cache)
         weight_map.update({e.name: name for e in shard})
-    total = sum(byte_size(e.dtype, e.shape) for e in entries)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
     write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
@@ -328,7 +335,14 @@ def assumptions(card: str, *, mtp: bool = True) -> dict[str, str]:
     help="Target shard size in MiB (default: 48 small, 5120 full).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace the contents of a non-empty OUT (everything in it goes).")
-def synth_command(out, card_name, layers, experts, fmt, profile, seed, mtp, shard_mb, overwrite):
+@click.option(
+    "--skip-space-check",
+    "space_check",
+    flag_value=False,
+    default=True,
+    help="Start even when the shards exceed the free space of OUT's filesystem (one that compresses what it stores).",
+)
+def synth_command(out, card_name, layers, experts, fmt, profile, seed, mtp, shard_mb, overwrite, space_check):
     """Write a synthetic checkpoint with the family's real names, dtypes, config and sharded index.
 
     Example: glm-pack synth /tmp/glm5-fp8 --card glm-5 --layers 4 --experts 8 --format fp8-block
@@ -344,6 +358,7 @@ def synth_command(out, card_name, layers, experts, fmt, profile, seed, mtp, shar
         mtp=mtp,
         shard_bytes=None if shard_mb is None else shard_mb << 20,
         overwrite=overwrite,
+        space_check=space_check,
     )
     shards = sorted(path.glob("model-*.safetensors"))
     size = sum(p.stat().st_size for p in shards)

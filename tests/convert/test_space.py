@@ -90,7 +90,8 @@ def peak_fixture(monkeypatch):
 
 
 def needed(free) -> int:
-    (writes,) = free.checks
+    """Bytes the last run checked counted (a synthetic checkpoint made on first use is checked too)."""
+    writes = free.checks[-1]
     return sum(n for parts in writes.parts.values() for n in parts.values())
 
 
@@ -245,7 +246,7 @@ def test_the_check_names_the_first_filesystem_that_does_not_fit(tmp_path, monkey
     devices = {tmp_path / "small": 1, tmp_path / "big": 2}
     monkeypatch.setattr(space, "_nearest", lambda p: (p, devices[p]))
     monkeypatch.setattr(space, "free_bytes", lambda p: {1: 10 * MIB, 2: 100 * MIB}[devices[p]])
-    writes = space.Writes()
+    writes = space.Writes("this conversion")
     writes.add(tmp_path / "big", "downloads", 60 * MIB)
     writes.add(tmp_path / "small", "overlay files", 6 * MIB)
     writes.add(tmp_path / "small", "copies", 6 * MIB)
@@ -259,3 +260,21 @@ def test_the_check_names_the_first_filesystem_that_does_not_fit(tmp_path, monkey
         writes.check(MIB, tmp_path / "small")
     with pytest.raises(GlmPackError):
         writes.check(2 * MIB, tmp_path / "big")  # freed on another filesystem counts nothing here
+
+
+def test_synth_refuses_a_checkpoint_its_disk_cannot_hold(tmp_path, free):
+    """``synth --profile full`` of a whole GLM-5 is terabytes: refused at once, OUT not made; the estimate (tensor
+    bytes plus 64 KiB and 2 KiB a tensor) bounds what synth then writes."""
+    args = ["synth", "--card", "glm-5", "--layers", "1", "--experts", "2", "--format", "bf16"]
+    free.bytes = 1 << 60
+    r = CliRunner().invoke(main, [*args, str(tmp_path / "big")])
+    assert r.exit_code == 0, r.output
+    need, written = needed(free), new_bytes(tmp_path / "big")  # shards, index, config
+    tensors = len(json.loads((tmp_path / "big" / "model.safetensors.index.json").read_text())["weight_map"])
+    assert written <= need <= written + space.overhead(tensors)  # the tensors' bytes themselves are counted exactly
+    free.bytes = need - 1
+    r = CliRunner().invoke(main, [*args, str(tmp_path / "small")])
+    assert r.exit_code == 1 and "not enough free space" in r.output and "this synthetic checkpoint" in r.output
+    assert not (tmp_path / "small").exists()
+    r = CliRunner().invoke(main, [*args, "--skip-space-check", str(tmp_path / "small")])
+    assert r.exit_code == 0, r.output
