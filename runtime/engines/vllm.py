@@ -5,7 +5,8 @@ first against main at commit 0014ca6b9929614f1b72c4bb11e5238de49cba89), with
 ``vllm/model_executor/model_loader/utils.py``, which calls ``module.process_weights_after_loading(model_config.dtype)``
 on every ``MLAAttention`` after the quant methods, ``vllm/plugins/__init__.py``: ``vllm.general_plugins`` entry
 points run in every process, and ``vllm/model_executor/layers/quantization/utils/quant_utils.py``:
-``get_and_maybe_dequant_weights``. The releases' wheels from 0.18 on build these weights on the layer as below;
+``get_and_maybe_dequant_weights``. The releases' wheels from 0.16 on build these weights on the layer as below
+(0.16-0.17 without keeping the model config on it: then vLLM's current config, which its GPU worker sets while loading);
 0.29+ first let the attention backend's impl pack its own (a no-op but for the CPU AMX backend, whose layers are left
 to vLLM), 0.27+ gather ``W_UK_T_dcp_qrep`` for decode context parallelism's query replication (torch.bmm path only).
 
@@ -119,18 +120,29 @@ def apply(layer, overlay: common.Overlay, act_dtype: torch.dtype) -> bool:
     return overlay.apply(layer, layer_index(layer.layer_name), geometry, build, kv_b, engine_quantized=quantized)
 
 
+def model_config_of(layer):
+    """The served model's config: captured by ``MLAAttention.__init__`` (vLLM 0.18+), else vLLM's current config,
+    which the GPU worker sets around loading the model (0.16-0.17)."""
+    captured = getattr(layer, "_vllm_config", None)
+    if captured is not None:
+        return captured.model_config
+    from vllm.config import get_current_vllm_config
+
+    return get_current_vllm_config().model_config
+
+
 def _overlay_for(layer) -> common.Overlay | None:
     setting = common.overlay_setting()
     if setting is None:
         return None
-    if not (hasattr(layer, "_vllm_config") and hasattr(layer, "kv_b_proj")):
+    if not hasattr(layer, "kv_b_proj"):  # vLLM's attention backend holds it and builds the weights there
         raise BackendError(
-            f"{layer.layer_name}: this vLLM's MLAAttention lacks the model config or kv_b_proj glm-pack's adapter "
-            f"reads (vLLM before 0.18); use vLLM 0.18 or later, or unset {common.ENV} to let vLLM rebuild the weights"
+            f"{layer.layer_name}: this vLLM's MLAAttention holds no kv_b_proj (vLLM before 0.16); use vLLM 0.16 or "
+            f"later, or unset {common.ENV} to let vLLM rebuild the weights"
         )
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-    model_config = layer._vllm_config.model_config  # captured by MLAAttention.__init__
+    model_config = model_config_of(layer)
     served = common.checkpoint_dir(model_config.model, getattr(model_config, "revision", None))
     return common.open_overlay(
         setting,
@@ -184,7 +196,13 @@ def register() -> None:
     ``MLAAttention.process_weights_after_loading`` through the overlay (idempotent; vLLM may call it often)."""
     if common.overlay_setting() is None:
         return
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    try:
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    except ImportError as err:  # vLLM before 0.16 keeps MLAAttention elsewhere, its weights in the backend
+        raise BackendError(
+            f"glm-pack's vLLM adapter needs vLLM 0.16 or later ({err}); unset {common.ENV} to let vLLM rebuild the "
+            "MLA weights"
+        ) from err
 
     if not hasattr(MLAAttention, _ORIGINAL):
         setattr(MLAAttention, _ORIGINAL, MLAAttention.process_weights_after_loading)

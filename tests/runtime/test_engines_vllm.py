@@ -290,18 +290,40 @@ def test_a_vllm_with_mla_bmm_objects_is_refused_by_name(tmp_path):
     assert getattr(layer, "W_K", None) is None
 
 
-@pytest.mark.parametrize("missing", ["_vllm_config", "kv_b_proj"])
-def test_a_vllm_before_0_18_is_refused_by_name(tmp_path, fake_vllm, monkeypatch, missing):
-    """vLLM 0.17's MLAAttention keeps no model config, and older ones keep kv_b_proj and the absorbed weights in the
-    backend's impl: one line with the version needed, not an AttributeError from inside vLLM's loader."""
+def test_a_vllm_whose_mla_layer_holds_no_kv_b_proj_is_refused_by_name(tmp_path, fake_vllm, monkeypatch):
+    """Before 0.16 vLLM's attention backend held kv_b_proj and built the absorbed weights itself: one line with the
+    version needed, not an AttributeError from inside vLLM's loader."""
     weights = make_served(tmp_path)
     monkeypatch.setenv(common.ENV, "1")
     vllm.register()
     (layer, _) = plugin_layers(fake_vllm, weights, tmp_path)
-    delattr(layer, missing)
-    with pytest.raises(BackendError, match=r"model\.layers\.0\.self_attn\.attn: .*vLLM 0\.18 or later.*unset GLM_PACK"):
+    del layer.kv_b_proj
+    with pytest.raises(BackendError, match=r"model\.layers\.0\.self_attn\.attn: .*vLLM 0\.16 or later.*unset GLM_PACK"):
         layer.process_weights_after_loading(torch.bfloat16)
     assert getattr(layer, "W_K", None) is None and vllm_mla.REBUILDS == []
+
+
+def test_vllm_0_16_and_0_17_give_the_model_config_through_the_current_config(tmp_path, fake_vllm, monkeypatch):
+    """vLLM 0.16-0.17's MLAAttention keeps no ``_vllm_config``; their GPU worker loads the model inside
+    ``set_current_vllm_config``, so the served model is read from there (it was an AttributeError)."""
+    weights = make_served(tmp_path)
+    current = types.SimpleNamespace(model_config=types.SimpleNamespace(model=str(tmp_path), revision=None))
+    monkeypatch.setitem(sys.modules, "vllm.config", types.SimpleNamespace(get_current_vllm_config=lambda: current))
+    monkeypatch.setenv(common.ENV, "1")
+    vllm.register()
+    (layer, _) = plugin_layers(fake_vllm, weights, tmp_path)
+    del layer._vllm_config
+    layer.process_weights_after_loading(torch.bfloat16)
+    ref, _ = engine_pair(weights, 0, fp4=True)
+    assert torch.equal(layer.W_K, ref.W_K) and vllm_mla.REBUILDS == [ref.layer_name]  # the reference's rebuild alone
+
+
+def test_a_vllm_before_0_16_is_refused_when_the_plugin_loads(monkeypatch):
+    """vLLM 0.15 has no MLAAttention in mla_attention.py: the plugin says which vLLM it needs (an ImportError)."""
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.attention.mla_attention", types.SimpleNamespace())
+    monkeypatch.setenv(common.ENV, "1")
+    with pytest.raises(BackendError, match=r"needs vLLM 0\.16 or later .*unset GLM_PACK_OVERLAY"):
+        vllm.register()
 
 
 def test_plugin_is_inert_without_the_variable(fake_vllm, monkeypatch):

@@ -1,5 +1,5 @@
 """Stand-in for vLLM's ``MLAAttention`` (``vllm/model_executor/layers/attention/mla_attention.py`` of the vLLM 0.33.0
-wheel; 0.18-0.32 and main at 0014ca6b differ in effect in the backend packing (0.29+), AMX (0.29+) and DCP (0.27+)
+wheel; 0.16-0.32 and main at 0014ca6b differ in effect in the backend packing (0.29+), AMX (0.29+) and DCP (0.27+)
 steps only, and in how the tensors are stored: attributes or, 0.26+, vLLM's ``replace_parameter``): the attributes
 the adapter reads and writes, ``process_weights_after_loading`` (the backend impl's own packing first, AMX's early
 return, DCP query replication's gathered ``W_UK_T_dcp_qrep``, the rebuild from kv_b_proj, unquantized or FP8
