@@ -1,9 +1,10 @@
 """Stand-in for vLLM's ``MLAAttention`` (``vllm/model_executor/layers/attention/mla_attention.py`` of the vLLM 0.33.0
 wheel; 0.16-0.32 and main at 0014ca6b differ in effect in the backend packing (0.29+), AMX (0.29+) and DCP (0.27+)
-steps only, and in how the tensors are stored: attributes or, 0.26+, vLLM's ``replace_parameter``): the attributes
-the adapter reads and writes, ``process_weights_after_loading`` (the backend impl's own packing first, AMX's early
-return, DCP query replication's gathered ``W_UK_T_dcp_qrep``, the rebuild from kv_b_proj, unquantized or FP8
-block-scaled), and the decode forward's K-up / V-up calls (``forward_impl`` MQA branch and ``_v_up_proj``)."""
+steps, in how the tensors are stored (attributes or, 0.26+, vLLM's ``replace_parameter``) and, 0.16-0.17, in keeping
+no ``_vllm_config`` on the layer: the attributes the adapter reads and writes, ``process_weights_after_loading`` (the
+backend impl's own packing first, AMX's early return, DCP query replication's gathered ``W_UK_T_dcp_qrep``, the
+rebuild from kv_b_proj, unquantized or FP8 block-scaled), and the decode forward's K-up / V-up calls
+(``forward_impl`` MQA branch and ``_v_up_proj``)."""
 
 from __future__ import annotations
 
