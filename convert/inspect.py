@@ -49,7 +49,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .commands import console, plan_option
 from .convert import files_mode, is_hub
 from .humanize import counted, plural, size_text
-from .items import expert_file_bytes, expert_groups, plan_items
+from .items import expert_file_bytes, expert_groups, plan_items, tensor_count
 from .modelcard import compact_ranges
 from .plan import make_plan
 
@@ -112,7 +112,7 @@ def inspect_checkpoint(
 def _expert_plan(ckpt: Checkpoint, repack_experts: str) -> dict:
     """The expert overlay files ``--repack-experts`` would add (PlanError where convert would refuse it)."""
     files = [
-        {"name": i.file, "layer": i.layer, "tensors": 2 * len(i.weights), "bytes": expert_file_bytes(ckpt, i)}
+        {"name": i.file, "layer": i.layer, "tensors": tensor_count(i), "bytes": expert_file_bytes(ckpt, i)}
         for i in plan_items(ckpt, repack_experts)
         if i.kind == "experts"
     ]
