@@ -296,16 +296,16 @@ def check_space(
         return
     writes = space.Writes("this conversion")
     writes.add(out, "overlay files", sum(n for file, n in sizes.items() if file not in kept))
-    hub = is_hub(ckpt)
+    cache = ckpt.store.cache_folder() if is_hub(ckpt) else None  # a Hub source's originals: downloaded, then linked
     out_device = space.device(out)
     placed = stats.items() if options.files != "none" else ()
     for rel, (size, *_) in placed:
-        if hub and not ckpt.store.in_cache(rel):
-            writes.add(ckpt.store.cache_folder(), "downloads into the Hugging Face cache", size)
+        if cache and not ckpt.store.in_cache(rel):
+            writes.add(cache, "downloads into the Hugging Face cache", size)
         if not clearing and (out / rel).is_file() and (out / rel).stat().st_size == size:
             continue  # placed by the interrupted run this one resumes
-        source_device = space.device(ckpt.store.cache_folder() if hub else ckpt.root / rel)
-        if (options.files == "copy" and not hub) or source_device != out_device:
+        copied = options.files == "copy" and not cache
+        if copied or space.device(cache or ckpt.root / rel) != out_device:
             writes.add(out, "copies of the original files", size)
     writes.check(space.freed_bytes(clearing), out)
 
@@ -454,9 +454,9 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
         _run_items(ckpt, todo, settings, overlay, workers, on_done)
         if options.files != "none":
             copied = []
+            if progress is not None:
+                progress("original files", 0, len(originals), 0)
             for done, rel in enumerate(originals):
-                if progress is not None and done == 0:
-                    progress("original files", 0, len(originals), 0)
                 # A Hub source: hard-link the HF cache blob (copied across filesystems).
                 src_file = ckpt.store.download(rel.as_posix()) if hub else ckpt.root / rel
                 nbytes = 0
