@@ -47,6 +47,8 @@ def round_ptx(pairs: int) -> str:
 
 
 if not IMPORT_ERROR:
+    from triton.language.target_info import is_cuda
+
     from glm_pack.runtime.kernels._triton import bf16_as_fp32
 
     _round_ptx = triton.constexpr_function(round_ptx)
@@ -107,7 +109,7 @@ if not IMPORT_ERROR:
                                           dtype=xb.dtype, is_pure=True, pack=2 * PTX_PAIRS)  # fmt: skip
             return tl.reshape(r, (BLOCK_M, BLOCK_K))
         q = tl.abs(xb) * pow2(-e).to(xb.dtype)[:, :, None, None]
-        if INTERPRET:
+        if INTERPRET or not is_cuda():  # a select keeps NaN (NaN > 6 is false); AMD GPUs take no PTX
             a = tl.where(q > six, six, q)
         else:  # one packed min that keeps NaN (tl.minimum would go through fp32, a where through selects)
             a = tl.inline_asm_elementwise("{.reg .b32 c; mov.b32 c, 0x40C040C0; min.NaN.bf16x2 $0, $1, c;}", "=r,r",

@@ -12,10 +12,11 @@ Kernels, picked per call by :func:`default_config` (``BmmConfig.tiles_m``, ``pre
 
 * weights-stationary (``tiles_m > 0``): a program decodes its ``[BLOCK_N, K]`` weight tile once into bf16
   dot operands and sweeps ``tiles_m`` tiles of M against it (some decode and mid-size shapes);
-* tiled (``tiles_m == 0``): a program owns one ``[BLOCK_M, BLOCK_N]`` tile and walks K; on GPUs the weights
-  go through ``tl.dot_scaled`` (bf16 x e2m1 with E8M0 scales; Triton upcasts them to bf16 on Hopper).
-  Triton 3.6's interpreter has no ``dot_scaled``, so under ``TRITON_INTERPRET=1`` the same kernel decodes
-  the weights itself (``DOT_SCALED=False``); the GPU benchmark checks every kernel against the reference.
+* tiled (``tiles_m == 0``): a program owns one ``[BLOCK_M, BLOCK_N]`` tile and walks K; compiled for NVIDIA GPUs
+  and gfx950 the weights go through ``tl.dot_scaled`` (bf16 x e2m1 with E8M0 scales; Triton upcasts them to bf16,
+  on gfx950 with its ``v_cvt_scalef32_pk_bf16_fp4``); elsewhere (other AMD GPUs, where Triton 3.6 fails to lower
+  some of these tiles, and Triton 3.6's interpreter, which has no ``dot_scaled``) the same kernel decodes the
+  weights itself (:func:`_e2m1_dequant`); the GPU benchmark checks every kernel against the reference.
 * predecode (``BmmConfig.predecode``, large M): one small kernel decodes all weights into a transient bf16
   ``[B, N, K]`` buffer, then the tiled kernel reads it as a plain bf16 operand, so the weights are decoded
   once per call instead of once per M tile; with ``BmmConfig.tma`` a persistent kernel reads x, the decoded
@@ -65,10 +66,20 @@ ACT_QUANT_MODES = ("mxfp4", "none")
 _INTERPRETED = interpreted()  # read at import: Triton picks interpreter or compiler when a kernel is defined
 
 if not _TRITON_ERROR:
+    from triton.language.target_info import is_cuda, is_hip_cdna4
     from triton.tools.tensor_descriptor import TensorDescriptor  # host-side TMA descriptors (Triton 3.6 has them)
 
     from glm_pack.runtime.kernels._triton import dot_fp32, to_bf16
     from glm_pack.runtime.kernels.mxfp4_jit import mxfp4_even_round_trip, pow2
+
+    @triton.constexpr_function
+    def _dot_scaled_here():
+        """Whether the tiled kernel, compiled for the GPU of Triton's active driver, hands its weight codes to
+        ``tl.dot_scaled``: on NVIDIA GPUs (what the H200 tables measure) and gfx950 (which converts FP4 to bf16 in
+        one instruction). Triton 3.6 fails to lower it for gfx942 at 16-row tiles with K steps up to 64 deep
+        ("failed to translate module to LLVM IR"), and other AMD GPUs are untried, so they decode the codes
+        themselves."""
+        return is_cuda() or is_hip_cdna4()
 
     @triton.jit
     def _e2m1_dequant(codes, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -109,7 +120,6 @@ if not _TRITON_ERROR:
         K: tl.constexpr,
         ACT_MXFP4: tl.constexpr,
         W_BF16: tl.constexpr,
-        DOT_SCALED: tl.constexpr,
         INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -142,9 +152,10 @@ if not _TRITON_ERROR:
                 x = mxfp4_even_round_trip(x, BLOCK_M, BLOCK_K, INTERPRET)
             if W_BF16:
                 acc = dot_fp32(x, tl.trans(w), acc, INTERPRET)
-            elif DOT_SCALED:  # fast_math: no NaN select for scale byte 255 (NaN scales give inf/NaN instead)
+            elif not INTERPRET and _dot_scaled_here():
+                # fast_math: no NaN select for scale byte 255 (NaN scales give inf/NaN instead)
                 acc = tl.dot_scaled(x, None, "bf16", tl.trans(codes), scales, "e2m1", acc, fast_math=True)
-            else:  # the interpreter's branch (3.6 has no dot_scaled there): decode the weights here
+            else:  # the interpreter and AMD GPUs other than gfx950: decode the weights here
                 acc = dot_fp32(x, tl.trans(_e2m1_dequant(codes, scales, BLOCK_N, BLOCK_K)), acc, INTERPRET)
             x_ptrs += BLOCK_K * stride_xk
         y_ptrs = y_ptr + b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
@@ -625,7 +636,7 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
             kernel = KernelLaunch(_bmm_stationary_kernel, grid, dict(TILES_M=cfg.tiles_m, **consts))
         else:
             grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m), B)
-            consts.update(W_BF16=cfg.predecode, DOT_SCALED=not _INTERPRETED)
+            consts.update(W_BF16=cfg.predecode)
             kernel = KernelLaunch(_bmm_tiled_kernel, grid, consts)
 
         def main(x, w, w_scales, out):
