@@ -52,13 +52,13 @@ _TYPES = {torch.bfloat16: "bf16", torch.uint8: "u8", torch.float32: "fp32", torc
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch as the backend makes it: the kernel's name, its runtime parameters' Triton types (in the
-    kernel's order), its constexprs and compile options (warps, stages); what it serves (for the report)."""
+    kernel's order), its constexprs and compile options (warps, stages); the call it serves (for the report)."""
 
     kernel: str
     signature: tuple[tuple[str, str], ...]
     constexprs: tuple[tuple[str, object], ...]
     options: tuple[tuple[str, int], ...]
-    role: str = ""
+    case: str = ""
 
     def key(self) -> tuple:
         return self.kernel, self.signature, self.constexprs, self.options
@@ -68,7 +68,7 @@ KERNELS = {f.__name__: f for f in (tb._bmm_tiled_kernel, tb._bmm_stationary_kern
                                    tb._bmm_tma_kernel, sm._fwd, sm._combine)}  # fmt: skip
 
 
-def _launch(fn, args: tuple, kwargs: dict, role: str) -> Launch:
+def _record(fn, args: tuple, kwargs: dict, case: str) -> Launch:
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     names = fn.arg_names
     types = []
@@ -77,7 +77,7 @@ def _launch(fn, args: tuple, kwargs: dict, role: str) -> Launch:
             types.append((name, "*" + _TYPES[value.dtype]))
         else:
             types.append((name, "fp32" if isinstance(value, float) else "i32"))
-    return Launch(fn.__name__, tuple(types), tuple(sorted(kwargs.items())), tuple(sorted(options.items())), role)
+    return Launch(fn.__name__, tuple(types), tuple(sorted(kwargs.items())), tuple(sorted(options.items())), case)
 
 
 @dataclass
@@ -99,10 +99,10 @@ def amd_dispatch(compute_units: int) -> Iterator[Recording]:
             self.fn, self.constexprs = fn, dict(constexprs or {})
 
         def __getitem__(self, grid):  # kernel[grid](*args, **constexprs)
-            return lambda *args, **kwargs: recording.launches.append(_launch(self.fn, args, kwargs, recording.case))
+            return lambda *args, **kwargs: recording.launches.append(_record(self.fn, args, kwargs, recording.case))
 
         def __call__(self, *args):  # KernelLaunch(kernel, grid, constexprs)(*args)
-            recording.launches.append(_launch(self.fn, args, dict(self.constexprs), recording.case))
+            recording.launches.append(_record(self.fn, args, dict(self.constexprs), recording.case))
 
     with (
         mock.patch.object(torch.version, "hip", "7.0"),
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             consts = " ".join(f"{k}={v}" for k, v in launch.constexprs if k != "INTERPRET")
             opts = dict(launch.options)
             opts = f"{opts.get('num_warps', 4)}, {opts.get('num_stages', '-')}"
-            head = f"| {launch.kernel} | {consts} | {opts} | {launch.role} |"
+            head = f"| {launch.kernel} | {consts} | {opts} | {launch.case} |"
             if not facts["ok"]:
                 failed += 1
                 print(f"{head} | | | | | | | FAILED: {facts['error']} |")

@@ -16,6 +16,33 @@ if not torch.cuda.is_available():
 from glm_pack.convert.convert import ConvertOptions, convert
 from glm_pack.convert.synth import synthesize
 
+AMD_PATHS = bool(os.environ.get("GLM_PACK_TEST_AMD_PATHS"))  # set by test_amd_compile.py's GPU test
+
+
+def _compile_with_amd_paths() -> None:
+    """Make the kernels compile, on whatever GPU runs them, with the code of an AMD GPU other than gfx950: no inline
+    PTX in the activation rounding, weights decoded in the tiled kernel instead of ``tl.dot_scaled``. Before any
+    kernel compiles: the predicates are read when a kernel is compiled."""
+    import triton
+
+    from glm_pack.runtime.kernels import mxfp4_jit, triton_bmm
+
+    @triton.constexpr_function
+    def compiling_for_nvidia_with_fp4_dot():
+        return False
+
+    mxfp4_jit.is_cuda = compiling_for_nvidia_with_fp4_dot
+    triton_bmm._dot_scaled_here = compiling_for_nvidia_with_fp4_dot
+
+
+if AMD_PATHS:
+    _compile_with_amd_paths()
+
+
+def pytest_report_header():
+    if AMD_PATHS:
+        return "glm-pack kernels compiled with their AMD code paths (GLM_PACK_TEST_AMD_PATHS)"
+
 
 @pytest.fixture(scope="session")
 def packed_dirs(tmp_path_factory):

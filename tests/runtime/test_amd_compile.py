@@ -1,0 +1,168 @@
+"""The Triton backend's kernels compiled for AMD GPUs on this machine (gfx950: MI350 / MI355, gfx942: MI300), as the
+backend launches them there: ``benchmarks/check_amd_compile.py`` records the launches from the backend's own dispatch
+(torch answering as a ROCm build) and compiles each with Triton's AMD backend. No AMD GPU runs anything here; on an
+NVIDIA GPU, the kernels compiled with the AMD code paths (no inline PTX, weights decoded in the kernel) are checked
+against the reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.runtime.kernel_modules import kernel_module
+
+ROOT = Path(__file__).resolve().parents[2]
+_ok, _why = kernel_module("triton_bmm").available()
+pytestmark = pytest.mark.skipif(not _ok, reason=f"triton unavailable: {_why}")
+
+# One call of each kind the backend makes on an AMD GPU (check_amd_compile records what it launches for them):
+# 16-row tiles with 64-deep K steps (the tiles Triton 3.6 cannot give tl.dot_scaled for gfx942), a large tile, V-up
+# on predecoded weights (a decode kernel, then the GEMM on bf16 weights), an untuned shape (the weights-stationary
+# kernel), attention split over the top-k axis (and combined) with rope and LSE, and 64-head attention blocks.
+CASES = [
+    ("gemm", 64, 1, 512, 192, "mxfp4"),
+    ("gemm", 16, 1, 512, 192, "none"),
+    ("gemm", 64, 256, 512, 256, "mxfp4"),
+    ("gemm", 16, 1024, 256, 512, "mxfp4"),
+    ("gemm", 1, 16, 64, 64, "mxfp4"),
+    ("attention", 64, 16, 64, True),
+    ("attention", 8192, 64, 0, False),
+]
+
+_RECORD_AND_COMPILE = textwrap.dedent(
+    r"""
+    import dataclasses, json, sys
+    sys.path.insert(0, "benchmarks")
+    import check_amd_compile as cac
+
+    cases, archs = json.loads(sys.argv[1]), sys.argv[2].split(",")
+    for arch in archs:
+        with cac.amd_dispatch(cac.GPUS[arch][0]) as recording:
+            for kind, *args in cases:
+                recording.case = json.dumps([kind, *args])
+                if kind == "gemm":
+                    cac.gemm_launches(*args)
+                else:
+                    cac.attention_launches(*args)
+        for launch in recording.launches:
+            facts = cac.compile_for(launch, cac.GPUTarget("hip", arch, 64))
+            print(json.dumps({"arch": arch, "kernel": launch.kernel, "case": json.loads(launch.case),
+                              "constexprs": dict(launch.constexprs), "options": dict(launch.options),
+                              "lds_finding": cac.lds_finding(launch, facts, cac.GPUS[arch][1]) if facts["ok"] else "",
+                              "facts": facts}))
+    """
+)
+
+
+def _compiler_env(**extra: str) -> dict:
+    """The environment of a process that compiles the kernels: no ``TRITON_INTERPRET`` (the kernels must be defined
+    for the compiler), the repository importable."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    return env | extra
+
+
+@pytest.fixture(scope="module")
+def amd_launches() -> list[dict]:
+    """Each launch the backend makes for :data:`CASES` on gfx950 and gfx942, with its compile facts."""
+    proc = subprocess.run([sys.executable, "-c", _RECORD_AND_COMPILE, json.dumps(CASES), "gfx950,gfx942"],
+                          cwd=ROOT, env=_compiler_env(), capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+PORTABLE = {"_bmm_tiled_kernel", "_bmm_stationary_kernel", "_decode_kernel", "_fwd", "_combine"}
+
+
+def test_the_backend_launches_only_its_portable_kernels_on_amd(amd_launches):
+    """No Gluon (sm_90 only) or tensor-descriptor launch: every kind of portable kernel appears, once per launch."""
+    for arch in ("gfx950", "gfx942"):
+        kernels = [launch["kernel"] for launch in amd_launches if launch["arch"] == arch]
+        assert set(kernels) == PORTABLE, kernels
+    predecoded = [launch for launch in amd_launches if launch["case"] == ["gemm", 16, 1024, 256, 512, "mxfp4"]]
+    assert [launch["kernel"] for launch in predecoded] == ["_decode_kernel", "_bmm_tiled_kernel"] * 2
+    assert all(launch["constexprs"]["W_BF16"] for launch in predecoded if launch["kernel"] == "_bmm_tiled_kernel")
+
+
+@pytest.mark.parametrize("arch", ["gfx950", "gfx942"])
+def test_every_launch_compiles_and_links_for_the_gpu(amd_launches, arch):
+    """Each launch lowers, assembles and links (a code object), and every GEMM and attention kernel runs its dots on
+    the matrix cores (MFMA)."""
+    launches = [launch for launch in amd_launches if launch["arch"] == arch]
+    failed = [(launch["kernel"], launch["case"], launch["facts"]["error"]) for launch in launches
+              if not launch["facts"]["ok"]]  # fmt: skip
+    assert not failed
+    for launch in launches:
+        assert launch["facts"]["hsaco"] > 0
+        assert (launch["facts"]["mfma"] > 0) == (launch["kernel"] not in ("_decode_kernel", "_combine")), launch
+
+
+def test_fp4_weights_reach_the_dot_as_each_gpu_converts_them(amd_launches):
+    """gfx950 hands the weight codes to ``tl.dot_scaled``, which converts them with its FP4 instruction
+    (``v_cvt_scalef32_pk_bf16_fp4``); gfx942 has none and decodes them in the kernel, also for the 16-row, 64-deep
+    tiles whose ``dot_scaled`` Triton 3.6 cannot lower there. Kernels on bf16 weights convert nothing."""
+    from_codes = [launch for launch in amd_launches if launch["kernel"] == "_bmm_tiled_kernel"
+                  and not launch["constexprs"]["W_BF16"]]  # fmt: skip
+    assert {launch["arch"] for launch in from_codes} == {"gfx950", "gfx942"}
+    assert any(launch["constexprs"]["BLOCK_M"] == 16 and launch["constexprs"]["BLOCK_K"] == 64 for launch in from_codes)
+    for launch in from_codes:
+        assert (launch["facts"]["fp4_cvt"] > 0) == (launch["arch"] == "gfx950"), launch
+    for launch in amd_launches:
+        if launch["kernel"] != "_bmm_tiled_kernel" or launch["constexprs"]["W_BF16"]:
+            assert launch["facts"]["fp4_cvt"] == 0, launch
+
+
+def test_launches_fit_the_gpus_lds_or_fall_back(amd_launches):
+    """Every GEMM launch and every compact attention launch fits the GPU's LDS; attention's default launch may exceed
+    it (the backend then falls back to the compact one, on Triton's ``OutOfResources`` at launch): gfx950's 160 KiB
+    does not hold the 5-stage 16-head blocks."""
+    over = [launch for launch in amd_launches if launch["lds_finding"]]
+    assert all(launch["lds_finding"].startswith("over the GPU's LDS") for launch in over), over
+    assert all(launch["kernel"] == "_fwd" and launch["options"]["num_stages"] == 5 for launch in over), over
+    assert {launch["arch"] for launch in over} == {"gfx950"}
+
+
+def test_the_compile_target_picks_the_rounding_code():
+    """The activation rounding uses an inline PTX min where the kernels are compiled for an NVIDIA GPU, a select
+    elsewhere: the same launch compiles for sm_90 with the PTX in it and for gfx950 without (before, gfx950's
+    assembler met the PTX and failed)."""
+    script = textwrap.dedent(
+        r"""
+        import json, sys
+        sys.path.insert(0, "benchmarks")
+        import check_amd_compile as cac
+        with cac.amd_dispatch(256) as recording:
+            cac.gemm_launches(4, 1, 512, 192, "mxfp4")
+        (launch,) = recording.launches
+        nvidia = cac.compile_for(launch, cac.GPUTarget("cuda", 90, 32))
+        amd = cac.compile_for(launch, cac.GPUTarget("hip", "gfx950", 64))
+        print(json.dumps({"nvidia_min": nvidia["ptx"].count("min.NaN.bf16x2"), "amd_ok": amd["ok"]}))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_compiler_env(), capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["nvidia_min"] > 0 and got["amd_ok"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None, reason="needs an NVIDIA GPU")
+def test_amd_code_paths_match_the_reference_on_an_nvidia_gpu(tmp_path):
+    """The GEMM and rounding tests, in a process whose kernels compile as for gfx942 (no inline PTX, weights decoded
+    in the kernel: ``GLM_PACK_TEST_AMD_PATHS``, tests/runtime/conftest.py), on this GPU. The one test left out pins
+    ``dot_scaled``'s reading of scale byte 0, which these paths do not call."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "tests/runtime/test_triton_bmm.py",
+         "tests/runtime/test_mxfp4_jit.py", "-k", "not scale_byte_0"],
+        cwd=ROOT, env=_compiler_env(GLM_PACK_TEST_AMD_PATHS="1", TRITON_CACHE_DIR=str(tmp_path / "triton")),
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    assert " passed" in proc.stdout.splitlines()[-1] and "with their AMD code paths" in proc.stdout
