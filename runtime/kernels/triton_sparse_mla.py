@@ -322,14 +322,23 @@ def sparse_mla(
     if not (_is_pow2_at_least_16(cfg.block_h) and _is_pow2_at_least_16(cfg.block_n) and cfg.num_splits >= 1):
         raise BackendError(f"triton sparse MLA: bad config {cfg}")
     qr = q_latent if q_rope is None else q_rope  # an unused pointer when rope-free
+    kernel = (dev, cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.num_splits > 1, L, R, return_lse)
+    if config is None and kernel in _UNFIT:
+        cfg = compact_config(T, H, kv_indices.numel(), dev)
     try:
         _launch(q_latent, qr, R, rows, kv_indptr, kv_indices, softmax_scale, out, lse, cfg)
-    except triton.runtime.errors.OutOfResources as exc:  # e.g. less shared memory than an H100/H200
+    except triton.runtime.errors.OutOfResources as exc:  # less shared memory than an H200 (A100, gfx950's 160 KiB)
         if config is not None:
             raise BackendError(f"triton sparse MLA: config {cfg} does not fit this GPU: {exc}") from exc
+        _UNFIT.add(kernel)
         small = compact_config(T, H, kv_indices.numel(), dev)
         _launch(q_latent, qr, R, rows, kv_indptr, kv_indices, softmax_scale, out, lse, small)
     return out, lse
+
+
+# Default launches (device, shape, split or not, L, R, LSE or not) whose kernel needed more shared memory than the GPU
+# has: later calls go straight to the compact launch instead of failing to load the same kernel again.
+_UNFIT: set[tuple] = set()
 
 
 def _launch(q_latent, qr, R, rows, kv_indptr, kv_indices, softmax_scale, out, lse, cfg: SparseMlaConfig) -> None:

@@ -162,7 +162,9 @@ def test_default_config_splits_only_when_tokens_are_few():
 
 
 def test_falls_back_to_compact_tiles_when_shared_memory_is_short(monkeypatch):
-    """A GPU with less shared memory than an H200 rejects the default tiles at load time (OutOfResources)."""
+    """A GPU with less shared memory than an H200 rejects the default tiles at load time (OutOfResources); later
+    calls of that kernel go to the compact tiles at once (another kernel, here with rope, is tried again)."""
+    monkeypatch.setattr(tsm, "_UNFIT", set())
     launched = []
 
     def small_gpu_launch(*args):
@@ -178,6 +180,13 @@ def test_falls_back_to_compact_tiles_when_shared_memory_is_short(monkeypatch):
     out, lse = tsm.sparse_mla(*args, SCALE, return_lse=True, out=poisoned(2, 16))
     check(args, out, lse)
     assert [c.block_n for c in launched] == [64, 16]
+    out, lse = tsm.sparse_mla(*args, SCALE, return_lse=True, out=poisoned(2, 16))
+    check(args, out, lse)
+    assert [c.block_n for c in launched] == [64, 16, 16]
+    rope_free = make_case(2, 16, False, seed=14)
+    out, _ = tsm.sparse_mla(*rope_free, SCALE, out=poisoned(2, 16))
+    check(rope_free, out, None)
+    assert [c.block_n for c in launched] == [64, 16, 16, 64, 16]
     with pytest.raises(BackendError, match="does not fit"):
         tsm.sparse_mla(*args, SCALE, config=tsm.SparseMlaConfig(16, 32, 1))
 
