@@ -69,10 +69,10 @@ KERNELS = {f.__name__: f for f in (tb._bmm_tiled_kernel, tb._bmm_stationary_kern
 
 
 def _record(fn, args: tuple, kwargs: dict, case: str) -> Launch:
+    """The launch of ``fn`` with these arguments: tensors as pointers of their dtype, floats as fp32, ints as i32."""
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-    names = fn.arg_names
     types = []
-    for name, value in zip(names, args, strict=False):
+    for name, value in zip(fn.arg_names, args, strict=False):
         if isinstance(value, torch.Tensor):
             types.append((name, "*" + _TYPES[value.dtype]))
         else:
@@ -116,9 +116,10 @@ def amd_dispatch(compute_units: int) -> Iterator[Recording]:
 
 
 def gemm_launches(heads: int, tokens: int, N: int, K: int, act_quant: str) -> None:
-    """Record the launches of one K-up / V-up call on the runtime's layouts: x the strided ``[T, H, K+]`` view
-    transposed to ``[H, T, K]``, y a transposed ``[T, H, N]`` buffer."""
-    q = torch.empty(tokens, heads, K + 64, dtype=torch.bfloat16, device="meta")
+    """Record the launches of one K-up / V-up call on the runtime's layouts: x ``[H, T, K]``, the transposed view of
+    ``[T, H, row]`` rows (q's 256 for K-up, whose K 192 is a slice of them; the attention output's 512 for V-up), y a
+    transposed ``[T, H, N]`` buffer."""
+    q = torch.empty(tokens, heads, max(K, 256), dtype=torch.bfloat16, device="meta")
     x = q[..., :K].transpose(0, 1)
     codes = torch.empty(heads, N, K // 2, dtype=torch.uint8, device="meta")
     scales = torch.empty(heads, N, K // 32, dtype=torch.uint8, device="meta")
@@ -169,9 +170,9 @@ class _Target:
 
 
 def compile_for(launch: Launch, target: GPUTarget) -> dict:
-    """Compile ``launch`` for ``target``; its facts: ``ok``, and either ``error`` or the kernel's VGPRs, AGPRs,
-    scratch bytes a lane, occupancy (waves a SIMD), LDS bytes, MFMA and FP4-conversion instruction counts (AMDGCN),
-    or ``ptx`` (NVIDIA)."""
+    """Compile ``launch`` for ``target`` (its ints as plain i32: a real launch also specializes 1 and multiples of 16);
+    its facts: ``ok``, and either ``error`` or the kernel's VGPRs, AGPRs, scratch bytes a lane, occupancy (waves a
+    SIMD), LDS bytes, MFMA and FP4-conversion instruction counts (AMDGCN), or ``ptx`` (NVIDIA)."""
     fn = KERNELS[launch.kernel]
     constexprs = dict(launch.constexprs)
     signature = dict(launch.signature) | dict.fromkeys(constexprs, "constexpr")
