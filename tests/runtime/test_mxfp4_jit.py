@@ -158,3 +158,19 @@ def test_ptx_round_trip_is_bit_exact(run):
     round_in_kernel(lambda x, y, grid: _ptx_round_trip_kernel[grid](x, y, BLOCK_M=64, BLOCK_K=64, LAYOUT=layout,
                                                                     num_warps=4),
                     64, 64)  # fmt: skip
+
+
+def test_grid_rounding_is_exact_when_bf16_arithmetic_is_emulated_in_fp32():
+    """The compiled portable path rounds a = |x| / 2**e (bf16, at most 6) to the E2M1 grid with ``(a + M) - M``, M = 96
+    times a's exponent step, in bf16 arithmetic. AMD GPUs run bf16 adds as fp32 adds rounded to bf16 (as torch does on
+    this CPU), so each add rounds twice in principle: for every bf16 a in [0, 6], subnormals included, the result is
+    still the reference's round trip of a block whose scale is 1 (amax 6)."""
+    a = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    a = a[a.float() <= 6]
+    one, ninety_six = (torch.tensor(v, dtype=torch.bfloat16) for v in (1.0, 96.0))
+    step = (torch.where(a > one, a, one).view(torch.int16) & 0x7F80).view(torch.bfloat16)  # a's exponent, 1 at least
+    magic = step * ninety_six
+    rounded = (a + magic) - magic
+    blocks = torch.zeros(a.numel(), 32, dtype=torch.bfloat16)
+    blocks[:, 0], blocks[:, 1] = a, 6.0
+    assert torch.equal(rounded, round_trip_reference(blocks)[:, 0])
