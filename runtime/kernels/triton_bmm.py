@@ -37,7 +37,7 @@ Triton picks interpreter or compiler when a kernel is defined, i.e. when this mo
 Numerical corner cases of the compiled path (none occurs for finite checkpoints and activations in the bf16
 range a model produces): ``dot_scaled``'s upcast reads weight scale byte 0 (2**-127) as 0 (the even rule
 gives byte 0 only to blocks whose amax is below 2**-124, all-zero ones included, where both give 0) and, with
-``fast_math``, byte 255 (NaN) as +inf;
+``fast_math``, byte 255 (NaN) as +inf (on gfx950 too: Triton's LLVM IR there builds the fp32 scale as ``byte << 23``);
 the activation round trip runs in packed bf16, whose subnormal handling may differ from the fp32
 reference for blocks with amax < 2**-125 or >= 1.75 * 2**127."""
 
