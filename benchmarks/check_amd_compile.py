@@ -2,19 +2,21 @@
 
 No AMD GPU is needed (nor used): the launches are recorded from the backend's own dispatch (``triton_bmm._prepare``
 and ``triton_sparse_mla._launch`` on meta tensors, with torch answering as a ROCm build and the multiprocessor count
-of the GPU named), then each distinct kernel is compiled by Triton's AMD backend for that GPU (``triton.compile``
-with a ``hip`` target; Triton's active driver answers with the same target, since the kernels choose their code by
-it: no inline PTX, ``tl.dot_scaled`` only on gfx950). This checks that the kernels lower and link for the GPU and what
-they take there (registers, scratch spills, LDS against the GPU's, the MFMA instructions); nothing here ran on an AMD
-GPU, so it says nothing about their speed or their results there.
+of the GPU named), then each distinct launch is compiled by Triton's AMD backend for that GPU: Triton's JIT
+``warmup`` with the launch's own arguments (meta tensors of its shapes and strides, its integers), so the kernel is
+specialized as a launch specializes it, while Triton's active driver answers with that GPU as its target (the
+kernels choose their code by it: no inline PTX, ``tl.dot_scaled`` only on gfx950). This checks that the kernels
+lower and link for the GPU and what they take there (registers, scratch spills, LDS against the GPU's, the MFMA
+instructions); nothing here ran on an AMD GPU, so it says nothing about their speed or their results there.
 
     python benchmarks/check_amd_compile.py [--arch gfx950,gfx942] [--jobs 2]
 
 Run without ``TRITON_INTERPRET`` (the kernels must be defined for the compiler). Shapes: GLM's K-up (N 512, K 192 and
 256) and V-up (N 256, K 512) at 4-64 heads and 1-8192 tokens, activations rounded to MXFP4 or not; sparse MLA
 (latent 512, rope 64 or none, natural-log LSE or not) at 1-8192 tokens and 16-64 heads. One line per distinct
-launch; exit status 1 when one fails to compile or does not fit the GPU's LDS (the attention's default launch may
-exceed it where its compact launch, which the backend falls back to on ``OutOfResources``, fits).
+launch; exit status 1 when one fails to compile or does not fit the GPU's LDS (a default launch may exceed it where
+the launch the backend falls back to on ``OutOfResources``, one stage for the GEMM, the compact attention launch,
+fits).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from unittest import mock
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from glm_pack.runtime.kernels import _triton as kt
 from glm_pack.runtime.kernels import triton_bmm as tb
@@ -46,22 +47,38 @@ GEMM_TOKENS = (1, 16, 32, 64, 128, 256, 1024, 8192)
 ATTENTION_HEADS = (16, 32, 64)
 ATTENTION_TOKENS = (1, 8, 64, 256, 8192)
 TOPK = 2048  # selected rows per token (GLM-5's index top-k)
-_TYPES = {torch.bfloat16: "bf16", torch.uint8: "u8", torch.float32: "fp32", torch.int32: "i32"}
 
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch as the backend makes it: the kernel's name, its runtime parameters' Triton types (in the
-    kernel's order), its constexprs and compile options (warps, stages); the call it serves (for the report)."""
+    """One kernel launch as the backend makes it: the kernel's name, its runtime arguments in order (a tensor as
+    ``(dtype name, shape, strides)``, numbers as they are), its constexprs and compile options (warps, stages); the
+    call it serves (for the report)."""
 
     kernel: str
-    signature: tuple[tuple[str, str], ...]
+    args: tuple
     constexprs: tuple[tuple[str, object], ...]
     options: tuple[tuple[str, int], ...]
     case: str = ""
 
     def key(self) -> tuple:
-        return self.kernel, self.signature, self.constexprs, self.options
+        """What tells one compiled kernel from another, as Triton specializes a launch: each tensor's dtype (its
+        base, 16-byte aligned, is not recorded), each integer's being 1 (unless the parameter opts out) and a
+        multiple of 16, the constexprs and options."""
+        spec = []
+        for param, arg in zip(KERNELS[self.kernel].params, self.args, strict=False):
+            if isinstance(arg, tuple):
+                spec.append(arg[0])
+            elif isinstance(arg, int) and not isinstance(arg, bool):
+                spec.append((arg == 1 and not param.do_not_specialize, arg % 16 == 0, abs(arg) < 2**31))
+            else:
+                spec.append(type(arg).__name__)
+        return self.kernel, tuple(spec), self.constexprs, self.options
+
+    def arguments(self) -> list:
+        """The arguments, tensors as meta tensors of their dtype, shape and strides."""
+        return [torch.empty_strided(a[1], a[2], dtype=getattr(torch, a[0]), device="meta") if isinstance(a, tuple)
+                else a for a in self.args]  # fmt: skip
 
 
 KERNELS = {f.__name__: f for f in (tb._bmm_tiled_kernel, tb._bmm_stationary_kernel, tb._decode_kernel,
@@ -69,15 +86,11 @@ KERNELS = {f.__name__: f for f in (tb._bmm_tiled_kernel, tb._bmm_stationary_kern
 
 
 def _record(fn, args: tuple, kwargs: dict, case: str) -> Launch:
-    """The launch of ``fn`` with these arguments: tensors as pointers of their dtype, floats as fp32, ints as i32."""
+    """The launch of ``fn`` with these arguments and keyword arguments (constexprs, warps, stages)."""
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-    types = []
-    for name, value in zip(fn.arg_names, args, strict=False):
-        if isinstance(value, torch.Tensor):
-            types.append((name, "*" + _TYPES[value.dtype]))
-        else:
-            types.append((name, "fp32" if isinstance(value, float) else "i32"))
-    return Launch(fn.__name__, tuple(types), tuple(sorted(kwargs.items())), tuple(sorted(options.items())), case)
+    described = tuple((str(a.dtype).removeprefix("torch."), tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor)
+                      else a for a in args)  # fmt: skip
+    return Launch(fn.__name__, described, tuple(sorted(kwargs.items())), tuple(sorted(options.items())), case)
 
 
 @dataclass
@@ -116,15 +129,17 @@ def amd_dispatch(compute_units: int) -> Iterator[Recording]:
 
 
 def gemm_launches(heads: int, tokens: int, N: int, K: int, act_quant: str) -> None:
-    """Record the launches of one K-up / V-up call on the runtime's layouts: x ``[H, T, K]``, the transposed view of
-    ``[T, H, row]`` rows (q's 256 for K-up, whose K 192 is a slice of them; the attention output's 512 for V-up), y a
-    transposed ``[T, H, N]`` buffer."""
+    """Record the launches of one K-up / V-up call on the runtime's layouts (x ``[H, T, K]``, the transposed view of
+    ``[T, H, row]`` rows: q's 256 for K-up, whose K 192 is a slice of them, the attention output's 512 for V-up; y a
+    transposed ``[T, H, N]`` buffer) with its default config, then with the one-stage config the backend falls back
+    to where the default does not fit the GPU."""
     q = torch.empty(tokens, heads, max(K, 256), dtype=torch.bfloat16, device="meta")
     x = q[..., :K].transpose(0, 1)
     codes = torch.empty(heads, N, K // 2, dtype=torch.uint8, device="meta")
     scales = torch.empty(heads, N, K // 32, dtype=torch.uint8, device="meta")
     out = torch.empty(tokens, heads, N, dtype=torch.bfloat16, device="meta").transpose(0, 1)
-    tb._prepare(x, codes, scales, act_quant, out, None)(x, codes, scales, out)
+    for cfg in (None, tb.unpipelined(tb.default_config(heads, tokens, N, K))):
+        tb._prepare(x, codes, scales, act_quant, out, cfg)(x, codes, scales, out)
 
 
 def attention_launches(tokens: int, heads: int, rope: int, lse: bool) -> None:
@@ -160,7 +175,8 @@ def glm_launches(arch: str) -> list[Launch]:
 
 
 class _Target:
-    """Triton's active driver as the kernels see it while compiling: only its target is asked."""
+    """Triton's active driver as its JIT asks it while compiling for ``target``: the target, a device (named after the
+    target, so each target has its own compiled kernels) and a stream (unused: nothing is launched)."""
 
     def __init__(self, target: GPUTarget):
         self.target = target
@@ -168,20 +184,23 @@ class _Target:
     def get_current_target(self) -> GPUTarget:
         return self.target
 
+    def get_current_device(self) -> str:
+        return f"{self.target.backend}:{self.target.arch}"
+
+    def get_current_stream(self, device) -> int:
+        return 0
+
 
 def compile_for(launch: Launch, target: GPUTarget) -> dict:
-    """Compile ``launch`` for ``target`` (its ints as plain i32: a real launch also specializes 1 and multiples of 16);
-    its facts: ``ok``, and either ``error`` or the kernel's VGPRs, AGPRs, scratch bytes a lane, occupancy (waves a
-    SIMD), LDS bytes, MFMA and FP4-conversion instruction counts (AMDGCN), or ``ptx`` (NVIDIA)."""
-    fn = KERNELS[launch.kernel]
-    constexprs = dict(launch.constexprs)
-    signature = dict(launch.signature) | dict.fromkeys(constexprs, "constexpr")
-    src = ASTSource(fn=fn, signature={n: signature[n] for n in fn.arg_names}, constexprs=constexprs)
+    """Compile ``launch`` for ``target`` through Triton's JIT, specialized on its arguments as a launch is; its facts:
+    ``ok``, and either ``error`` or the kernel's VGPRs, AGPRs, scratch bytes a lane, occupancy (waves a SIMD), LDS
+    bytes, MFMA and FP4-conversion instruction counts (AMDGCN), or ``ptx`` (NVIDIA)."""
     driver = triton.runtime.driver
     previous = driver._active  # reset_active() would look for a GPU
     driver.set_active(_Target(target))
     try:
-        kernel = triton.compile(src, target=target, options=dict(launch.options))
+        kernel = KERNELS[launch.kernel].warmup(*launch.arguments(), grid=(1,), **dict(launch.constexprs),
+                                               **dict(launch.options))  # fmt: skip
     except Exception as exc:  # any compiler failure is the finding
         return {"ok": False, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][-300:]}"}
     finally:
@@ -213,10 +232,13 @@ def _compact(launch: Launch) -> bool:
 
 
 def lds_finding(launch: Launch, facts: dict, lds: int) -> str:
-    """An empty string when the launch's LDS fits the GPU's ``lds`` bytes; else what happens: an attention launch of
-    the default shape falls back to the compact one (checked on its own line), anything else cannot launch."""
+    """An empty string when the launch's LDS fits the GPU's ``lds`` bytes; else what happens: a GEMM launch of more
+    than one stage falls back to one stage, an attention launch of the default shape to the compact one (each fallback
+    checked on its own line); anything else cannot launch."""
     if facts["lds"] <= lds:
         return ""
+    if launch.kernel.startswith("_bmm") and dict(launch.options).get("num_stages", 1) > 1:
+        return "over the GPU's LDS: the backend falls back to one stage"
     if launch.kernel == "_fwd" and not _compact(launch):
         return "over the GPU's LDS: the backend falls back to the compact launch"
     return f"cannot launch: needs {facts['lds']} B of LDS, the GPU has {lds}"

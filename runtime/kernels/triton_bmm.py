@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -466,6 +466,14 @@ def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
     return BmmConfig(64, 128, bk, 4, 3, 0)
 
 
+def unpipelined(cfg: BmmConfig) -> BmmConfig:
+    """What a default config falls back to where its kernel needs more shared memory than the GPU has (Triton refuses
+    to load it: ``OutOfResources`` at its first launch; e.g. V-up's 128 x 256 tiles on predecoded weights need 80-96
+    KiB on AMD's gfx942, which has 64): the same tiles in the portable kernels, in one stage (32 KiB at most for GLM's
+    tiles)."""
+    return replace(cfg, num_stages=1, tma=False, wgmma="", ws=False, round_warps=gluon_bmm.ROUND_WARPS)
+
+
 XREG_MIN_ROWS = 16384  # B * M above which K-up 256 takes xreg: 64 heads from 257 tokens, 16 from 1025 (H200 tie)
 
 
@@ -690,7 +698,9 @@ def bmm_a16wfp4(
     ``[B, M, N]`` view. ``config`` overrides :func:`default_config`.
 
     The first call with a signature (:func:`_signature`) validates it and prepares its launches; later calls
-    with the same signature only launch (a few tens of microseconds of host time instead of 100-200).
+    with the same signature only launch (a few tens of microseconds of host time instead of 100-200). Where the
+    default config's kernel does not fit the GPU's shared memory, the call and later ones with its signature take
+    :func:`unpipelined`; a ``config`` that does not fit raises :class:`BackendError`.
     """
     ok, why = available()
     if not ok:
@@ -708,5 +718,14 @@ def bmm_a16wfp4(
             if len(_PREPARED) >= _MAX_PREPARED:
                 _PREPARED.clear()
             _PREPARED[sig] = launch
-    launch(x, w_codes, w_scales, out)
+    try:
+        launch(x, w_codes, w_scales, out)
+    except triton.runtime.errors.OutOfResources as exc:  # raised before anything of ``out`` is written
+        if config is not None:
+            raise BackendError(f"triton bmm_a16wfp4: config {config} does not fit this GPU: {exc}") from exc
+        B, M, K = x.shape
+        launch = _prepare(x, w_codes, w_scales, act_quant, out, unpipelined(default_config(B, M, w_codes.shape[1], K)))
+        if sig is not None:
+            _PREPARED[sig] = launch
+        launch(x, w_codes, w_scales, out)
     return out

@@ -118,6 +118,53 @@ def test_tma_config_falls_back_for_an_out_descriptors_cannot_address(monkeypatch
     assert_close_to_reference(out, x, codes, scales, "mxfp4")
 
 
+def _refused(*tensors):
+    """A launch the GPU refuses at load time: its kernel needs more shared memory than the GPU has."""
+    raise tb.triton.runtime.errors.OutOfResources(98_304, 65_536, "shared memory")
+
+
+def test_a_default_config_that_does_not_fit_the_gpu_falls_back_to_one_stage(monkeypatch):
+    """The default config's kernel refused (OutOfResources at its first launch) is replaced by the same tiles
+    unpipelined, for this call and, without preparing again, the next with its signature; a config the caller
+    chose that does not fit is an error naming it."""
+    B, M, N, K = 2, 37, 80, 192
+    codes, scales = weights(B, N, K, seed=21)
+    x = activations(M, B, K, seed=22, row=256)
+    prepared, real_prepare = [], tb._prepare
+
+    def small_gpu(x, w_codes, w_scales, act_quant, out, config):
+        prepared.append(config)
+        return _refused if config is None else real_prepare(x, w_codes, w_scales, act_quant, out, config)
+
+    monkeypatch.setattr(tb, "_prepare", small_gpu)
+    for _ in range(2):
+        buf, out = poisoned_out(M, B, N)
+        tb.bmm_a16wfp4(x, codes, scales, out=out)
+        assert_close_to_reference(out, x, codes, scales, "mxfp4")
+    assert prepared == [None, tb.unpipelined(tb.default_config(B, M, N, K))]
+    monkeypatch.setattr(tb, "_prepare", lambda *args: _refused)
+    chosen = tb.BmmConfig(32, 64, 64, 4, 1, 0)
+    with pytest.raises(BackendError, match=r"config BmmConfig\(block_m=32.* does not fit this GPU"):
+        tb.bmm_a16wfp4(x, codes, scales, config=chosen)
+
+
+def test_every_default_config_unpipelined_is_a_portable_config(monkeypatch):
+    """What each tuned or large-M default falls back to is accepted as a config and runs a portable kernel: same
+    tiles, one stage, no Gluon, TMA or rounding warps."""
+    monkeypatch.setattr(tb, "_INTERPRETED", False)  # the interpreter has one small config for every shape
+    defaults = {(N, K, cfg) for (N, K, _, _), cfg in tb._TUNED.items()}
+    defaults |= {(N, K, tb._large_m(K, rows)) for N, K in ((512, 192), (512, 256), (256, 512)) for rows in (512, 10**6)}
+    for N, K, cfg in defaults:
+        small = tb.unpipelined(cfg)
+        assert (small.block_m, small.block_n, small.block_k, small.num_warps) == (
+            cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps)  # fmt: skip
+        assert (small.num_stages, small.wgmma, small.tma, small.ws) == (1, "", False, False)
+        x = torch.empty(2, 3, K, dtype=torch.bfloat16, device="meta")
+        codes = torch.empty(2, N, K // 2, dtype=torch.uint8, device="meta")
+        scales = torch.empty(2, N, K // 32, dtype=torch.uint8, device="meta")
+        tb._prepare(x, codes, scales, "mxfp4", torch.empty(2, 3, N, dtype=torch.bfloat16, device="meta"), small)
+
+
 def identity_weights(B, K):
     """MXFP4 identity ``[B, K, K]``: code 2 (1.0) on the diagonal, scale 127, so ``y = act(x)`` exactly."""
     codes = torch.zeros(B, K, K // 2, dtype=torch.uint8)
