@@ -148,6 +148,20 @@ def test_a_default_config_that_does_not_fit_the_gpu_falls_back_to_one_stage(monk
         tb.bmm_a16wfp4(x, codes, scales, config=chosen)
 
 
+@gpu_only
+def test_a_config_the_gpu_refuses_for_shared_memory_is_a_backend_error():
+    """Triton's own refusal on a real GPU (no stand-in): six stages of 128 x 256 tiles on predecoded weights need
+    about 288 KiB of shared memory, more than any GPU has; the output is left as it was."""
+    B, M, N, K = 1, 256, 256, 512
+    codes, scales = weights(B, N, K, seed=23)
+    x = activations(M, B, K, seed=24)
+    buf, out = poisoned_out(M, B, N)
+    huge = tb.BmmConfig(128, 256, 64, 8, 6, 0, predecode=True)
+    with pytest.raises(BackendError, match="does not fit this GPU"):
+        tb.bmm_a16wfp4(x, codes, scales, out=out, config=huge)
+    assert torch.isnan(buf).all()
+
+
 def test_every_default_config_unpipelined_is_a_portable_config(monkeypatch):
     """What each tuned or large-M default falls back to is accepted as a config and runs a portable kernel: same
     tiles, one stage, no Gluon, TMA or rounding warps."""
