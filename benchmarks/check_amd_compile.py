@@ -81,8 +81,9 @@ class Launch:
                 else a for a in self.args]  # fmt: skip
 
 
-KERNELS = {f.__name__: f for f in (tb._bmm_tiled_kernel, tb._bmm_stationary_kernel, tb._decode_kernel,
-                                   tb._bmm_tma_kernel, sm._fwd, sm._combine)}  # fmt: skip
+# The kernels the backend can launch on an AMD GPU (not the TMA or Gluon ones), by name: launches cross processes.
+KERNELS = {f.__name__: f for f in (tb._bmm_tiled_kernel, tb._bmm_stationary_kernel, tb._decode_kernel, sm._fwd,
+                                   sm._combine)}  # fmt: skip
 
 
 def _record(fn, args: tuple, kwargs: dict, case: str) -> Launch:

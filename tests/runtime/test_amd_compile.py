@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -36,29 +35,33 @@ CASES = [
     ("attention", 8192, 64, 0, False),
 ]
 
-_RECORD_AND_COMPILE = textwrap.dedent(
-    r"""
-    import dataclasses, json, sys
-    sys.path.insert(0, "benchmarks")
-    import check_amd_compile as cac
+_RECORD_AND_COMPILE = """
+cases, archs = json.loads(sys.argv[1]), sys.argv[2].split(",")
+for arch in archs:
+    with cac.amd_dispatch(cac.GPUS[arch][0]) as recording:
+        for kind, *args in cases:
+            recording.case = json.dumps([kind, *args])
+            if kind == "gemm":
+                cac.gemm_launches(*args)
+            else:
+                cac.attention_launches(*args)
+    for launch in recording.launches:
+        facts = cac.compile_for(launch, cac.GPUTarget("hip", arch, 64))
+        print(json.dumps({"arch": arch, "kernel": launch.kernel, "case": json.loads(launch.case),
+                          "constexprs": dict(launch.constexprs), "options": dict(launch.options),
+                          "lds_finding": cac.lds_finding(launch, facts, cac.GPUS[arch][1]) if facts["ok"] else "",
+                          "facts": facts}))
+"""
 
-    cases, archs = json.loads(sys.argv[1]), sys.argv[2].split(",")
-    for arch in archs:
-        with cac.amd_dispatch(cac.GPUS[arch][0]) as recording:
-            for kind, *args in cases:
-                recording.case = json.dumps([kind, *args])
-                if kind == "gemm":
-                    cac.gemm_launches(*args)
-                else:
-                    cac.attention_launches(*args)
-        for launch in recording.launches:
-            facts = cac.compile_for(launch, cac.GPUTarget("hip", arch, 64))
-            print(json.dumps({"arch": arch, "kernel": launch.kernel, "case": json.loads(launch.case),
-                              "constexprs": dict(launch.constexprs), "options": dict(launch.options),
-                              "lds_finding": cac.lds_finding(launch, facts, cac.GPUS[arch][1]) if facts["ok"] else "",
-                              "facts": facts}))
-    """
-)
+
+_ROUNDING_ON_BOTH_TARGETS = """
+with cac.amd_dispatch(256) as recording:
+    cac.gemm_launches(4, 1, 512, 192, "mxfp4")
+launch = recording.launches[0]  # the default config's (the fallback's follows)
+nvidia = cac.compile_for(launch, cac.GPUTarget("cuda", 90, 32))
+amd = cac.compile_for(launch, cac.GPUTarget("hip", "gfx950", 64))
+print(json.dumps({"nvidia_min": nvidia["ptx"].count("min.NaN.bf16x2"), "amd_ok": amd["ok"]}))
+"""
 
 
 def _compiler_env(**extra: str) -> dict:
@@ -69,13 +72,20 @@ def _compiler_env(**extra: str) -> dict:
     return env | extra
 
 
+def _compile_in_a_process(script: str, *args: str) -> list[dict]:
+    """Run ``script`` (with ``json``, ``sys`` and ``benchmarks/check_amd_compile.py`` as ``cac`` imported, ``args`` in
+    ``sys.argv``) in a process of :func:`_compiler_env`; the JSON objects it prints, a line each."""
+    preamble = "import json, sys\nsys.path.insert(0, 'benchmarks')\nimport check_amd_compile as cac\n"
+    proc = subprocess.run([sys.executable, "-c", preamble + script, *args], cwd=ROOT, env=_compiler_env(),
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
 @pytest.fixture(scope="module")
 def amd_launches() -> list[dict]:
     """Each launch the backend makes for :data:`CASES` on gfx950 and gfx942, with its compile facts."""
-    proc = subprocess.run([sys.executable, "-c", _RECORD_AND_COMPILE, json.dumps(CASES), "gfx950,gfx942"],
-                          cwd=ROOT, env=_compiler_env(), capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return _compile_in_a_process(_RECORD_AND_COMPILE, json.dumps(CASES), "gfx950,gfx942")
 
 
 PORTABLE = {"_bmm_tiled_kernel", "_bmm_stationary_kernel", "_decode_kernel", "_fwd", "_combine"}
@@ -138,23 +148,7 @@ def test_the_compile_target_picks_the_rounding_code():
     """The activation rounding uses an inline PTX min where the kernels are compiled for an NVIDIA GPU, a select
     elsewhere: the same launch compiles for sm_90 with the PTX in it and for gfx950 without (before, gfx950's
     assembler met the PTX and failed)."""
-    script = textwrap.dedent(
-        r"""
-        import json, sys
-        sys.path.insert(0, "benchmarks")
-        import check_amd_compile as cac
-        with cac.amd_dispatch(256) as recording:
-            cac.gemm_launches(4, 1, 512, 192, "mxfp4")
-        launch = recording.launches[0]  # the default config's (the fallback's follows)
-        nvidia = cac.compile_for(launch, cac.GPUTarget("cuda", 90, 32))
-        amd = cac.compile_for(launch, cac.GPUTarget("hip", "gfx950", 64))
-        print(json.dumps({"nvidia_min": nvidia["ptx"].count("min.NaN.bf16x2"), "amd_ok": amd["ok"]}))
-        """
-    )
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_compiler_env(), capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.splitlines()[-1])
+    (got,) = _compile_in_a_process(_ROUNDING_ON_BOTH_TARGETS)
     assert got["nvidia_min"] > 0 and got["amd_ok"]
 
 
