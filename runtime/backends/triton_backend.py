@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import torch
+
 from glm_pack.packing.errors import BackendError
 
 from .base import Backend, gpu_reason
 
+MIN_CUDA_CAPABILITY = (8, 0)  # Triton's supported NVIDIA GPUs (its README); below, no bf16 MMA and no bf16x2 PTX
+
 
 def triton_status(device) -> tuple[bool, str]:
-    """(usable, reason): Triton importable and recent enough for the kernels, and the device a GPU torch sees."""
+    """(usable, reason): Triton importable and recent enough for the kernels, and the device a GPU torch sees, on
+    NVIDIA of compute capability :data:`MIN_CUDA_CAPABILITY` or later."""
     if why := gpu_reason(device):
         return False, f"triton backend {why}"
     from glm_pack.runtime.kernels._triton import IMPORT_ERROR
 
     if IMPORT_ERROR:
         return False, f"triton backend unavailable: {IMPORT_ERROR}"
+    capability = torch.cuda.get_device_capability(device)
+    if torch.version.hip is None and capability < MIN_CUDA_CAPABILITY:
+        need = ".".join(map(str, MIN_CUDA_CAPABILITY))
+        return False, (f"triton backend needs an NVIDIA GPU of compute capability {need} or later (Triton's floor), "
+                       f"{device} is {capability[0]}.{capability[1]}")  # fmt: skip
     return True, "ok"
 
 

@@ -97,6 +97,15 @@ def availability(kernels_interpreted: bool) -> tuple[bool, str]:
 
 
 @functools.cache
+def nvidia_without_wgmma(device: torch.device) -> bool:
+    """``device`` is an NVIDIA GPU other than sm_90 (Hopper): no wgmma, so none of the Gluon kernels, and the tiles
+    tuned on an H200 spill registers there (False for CPU tensors, the interpreter's)."""
+    if device.type == "cpu" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] != 9
+
+
+@functools.cache
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of a GPU; :data:`INTERPRETER_SMS` for CPU tensors (the interpreter)."""
     if device.type != "cuda":

@@ -56,6 +56,7 @@ from glm_pack.runtime.kernels._triton import (
     KernelLaunch,
     availability,
     interpreted,
+    nvidia_without_wgmma,
     sm_count,
     tl,
     tma_strides_ok,
@@ -466,6 +467,35 @@ def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
     return BmmConfig(64, 128, bk, 4, 3, 0)
 
 
+ACCUMULATORS_PER_THREAD = 64  # fp32: a portable tile's at most, on NVIDIA GPUs without the Gluon kernels
+PORTABLE_BLOCK_K = 64  # deepest K step of a portable tile there
+
+
+def register_fit(cfg: BmmConfig) -> BmmConfig:
+    """What a default config runs as on NVIDIA GPUs without the Gluon kernels (all but sm_90: A100, L40S, B200,
+    RTX 50, ...): the portable tiled kernel, with a tile whose kernel does not spill registers there. At most 8 warps
+    and :data:`ACCUMULATORS_PER_THREAD` accumulators a thread (the tile's longer side halved until it holds that),
+    K steps at most :data:`PORTABLE_BLOCK_K` deep, three stages, no TMA kernel (it spills on sm_120). The H200's
+    tiles compiled there spill: up to 5.7 KB of stack a thread on sm_80 (BENCHMARKS.md, "compiled for other GPUs");
+    these do not on sm_80, sm_86, sm_89, sm_100 or sm_120 (``benchmarks/check_compile.py``). Not timed there."""
+    warps = min(cfg.num_warps, 8)
+    bm, bn = cfg.block_m, cfg.block_n
+    while bm * bn > ACCUMULATORS_PER_THREAD * 32 * warps:
+        if bn >= bm:
+            bn //= 2
+        else:
+            bm //= 2
+    return replace(cfg, block_m=bm, block_n=bn, block_k=min(cfg.block_k, PORTABLE_BLOCK_K), num_warps=warps,
+                   num_stages=3, tma=False, wgmma="", ws=False, round_warps=gluon_bmm.ROUND_WARPS)  # fmt: skip
+
+
+def config_for(B: int, M: int, N: int, K: int, device: torch.device) -> BmmConfig:
+    """The config a call without one runs on ``device``: :func:`default_config`, through :func:`register_fit` on an
+    NVIDIA GPU without the Gluon kernels."""
+    cfg = default_config(B, M, N, K)
+    return register_fit(cfg) if nvidia_without_wgmma(device) else cfg
+
+
 def unpipelined(cfg: BmmConfig) -> BmmConfig:
     """What a default config falls back to where its kernel needs more shared memory than the GPU has (Triton refuses
     to load it: ``OutOfResources`` at its first launch; e.g. V-up's 128 x 256 tiles on predecoded weights need 80-96
@@ -591,7 +621,7 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
     N = w_codes.shape[1]
     if B == 0 or M == 0 or N == 0:
         return lambda *tensors: None
-    cfg = config or default_config(B, M, N, K)
+    cfg = config or config_for(B, M, N, K, x.device)
     if K % cfg.block_k or cfg.block_k % 32 or cfg.block_k & (cfg.block_k - 1):
         raise BackendError(f"triton bmm_a16wfp4: block_k={cfg.block_k} must be a power of two >= 32 dividing K={K}")
     if any(v < 16 or v & (v - 1) for v in (cfg.block_m, cfg.block_n)) or cfg.tiles_m < 0:
@@ -724,7 +754,8 @@ def bmm_a16wfp4(
         if config is not None:
             raise BackendError(f"triton bmm_a16wfp4: config {config} does not fit this GPU: {exc}") from exc
         B, M, K = x.shape
-        launch = _prepare(x, w_codes, w_scales, act_quant, out, unpipelined(default_config(B, M, w_codes.shape[1], K)))
+        fallback = unpipelined(config_for(B, M, w_codes.shape[1], K, x.device))
+        launch = _prepare(x, w_codes, w_scales, act_quant, out, fallback)
         if sig is not None:
             _PREPARED[sig] = launch
         launch(x, w_codes, w_scales, out)

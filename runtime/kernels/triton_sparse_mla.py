@@ -23,7 +23,7 @@ import torch
 
 from glm_pack.packing.errors import BackendError
 from glm_pack.runtime.kernels._triton import IMPORT_ERROR as _TRITON_ERROR
-from glm_pack.runtime.kernels._triton import availability, interpreted, sm_count, tl, triton
+from glm_pack.runtime.kernels._triton import availability, interpreted, nvidia_without_wgmma, sm_count, tl, triton
 from glm_pack.runtime.reference import cache_rows
 
 _LOG2E = 1.4426950408889634
@@ -199,11 +199,12 @@ def _with_splits(T, H, n_indices, device, block_h, block_n, num_warps, num_stage
 def default_config(T: int, H: int, n_indices: int, device: torch.device) -> SparseMlaConfig:
     """Launch shape for ``T`` tokens, ``H`` heads and ``n_indices`` selected rows in all, from host values
     only (no sync, so CUDA-graph capture works). Tuned on an H200 (BENCHMARKS.md): 64-head blocks (wgmma,
-    one program per SM, ~220 KB shared memory) when heads and tokens are many; otherwise 16-head blocks
-    (mma.sync), two programs per SM, or one deeper-pipelined program per SM while one wave of programs
-    needs splitting (a quarter to one wave of tokens x head blocks)."""
+    one program per SM, ~220 KB shared memory) when heads and tokens are many, except on NVIDIA GPUs without wgmma
+    (their kernel spills registers there, :func:`~glm_pack.runtime.kernels._triton.nvidia_without_wgmma`);
+    otherwise 16-head blocks (mma.sync), two programs per SM, or one deeper-pipelined program per SM while one wave
+    of programs needs splitting (a quarter to one wave of tokens x head blocks)."""
     sms = sm_count(device)
-    if H > 16 and T * H > 256:
+    if H > 16 and T * H > 256 and not nvidia_without_wgmma(device):
         return _with_splits(T, H, n_indices, device, 64, 64, 8, 3, per_sm=1)
     if sms // 4 <= T * -(-H // 16) < sms:
         return _with_splits(T, H, n_indices, device, 16, 64, 8, 5, per_sm=1)

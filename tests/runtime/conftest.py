@@ -35,13 +35,34 @@ def _compile_with_amd_paths() -> None:
     triton_bmm._dot_scaled_here = compiling_for_nvidia_with_fp4_dot
 
 
+NO_WGMMA = bool(os.environ.get("GLM_PACK_TEST_NO_WGMMA"))  # set by test_compile_targets.py's GPU test
+
+
+def _dispatch_as_without_wgmma() -> None:
+    """Make the backend dispatch, on whatever NVIDIA GPU runs the tests, as on an sm_80 GPU (A100; no wgmma, no TMA):
+    :func:`triton_bmm.register_fit` tiles in the portable kernels, neither Gluon nor TMA kernels, 16-head attention
+    blocks. The kernels still compile for the GPU that runs them."""
+    from glm_pack.runtime.kernels import gluon_bmm, triton_bmm, triton_sparse_mla
+
+    def without_wgmma(device) -> bool:
+        return device.type == "cuda"
+
+    triton_bmm.nvidia_without_wgmma = triton_sparse_mla.nvidia_without_wgmma = without_wgmma
+    gluon_bmm._device_reason = lambda device: "dispatched as on an NVIDIA GPU without wgmma (GLM_PACK_TEST_NO_WGMMA)"
+    triton_bmm._has_tma = lambda device: False
+
+
 if AMD_PATHS:
     _compile_with_amd_paths()
+if NO_WGMMA:
+    _dispatch_as_without_wgmma()
 
 
 def pytest_report_header():
     if AMD_PATHS:
         return "glm-pack kernels compiled with their AMD code paths (GLM_PACK_TEST_AMD_PATHS)"
+    if NO_WGMMA:
+        return "glm-pack kernels dispatched as on an NVIDIA GPU without wgmma (GLM_PACK_TEST_NO_WGMMA)"
 
 
 @pytest.fixture(scope="session")

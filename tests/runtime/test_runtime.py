@@ -275,6 +275,27 @@ def test_select_backend_says_torch_sees_no_gpu_for_a_cuda_device():
     assert select_backend("auto", torch.device("cuda"), {}).name == "torch"
 
 
+@pytest.mark.parametrize("capability, usable", [((7, 0), False), ((7, 5), False), ((8, 0), True), ((12, 0), True)])
+def test_the_triton_backend_needs_an_nvidia_gpu_of_compute_capability_8(monkeypatch, capability, usable):
+    """Triton supports NVIDIA GPUs from compute capability 8.0 (its README); below (V100 7.0, T4 7.5) there is no bf16
+    MMA and ptxas refuses the activation rounding's bf16x2 PTX. There the Triton backend is unavailable, saying which
+    GPU and what it needs, and auto takes torch; from 8.0 on it is usable."""
+    from glm_pack.runtime.backends import select_backend
+    from glm_pack.runtime.backends.triton_backend import triton_status
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", None)
+    ok, why = triton_status(torch.device("cuda"))
+    assert (ok, why == "ok") == (usable, usable)
+    if not usable:
+        assert why == (f"triton backend needs an NVIDIA GPU of compute capability 8.0 or later (Triton's floor), cuda "
+                       f"is {capability[0]}.{capability[1]}")  # fmt: skip
+        with pytest.raises(BackendError, match="compute capability 8.0 or later"):
+            select_backend("triton", torch.device("cuda"), {})
+        assert select_backend("auto", torch.device("cuda"), {}).name == "torch"
+
+
 _OLD_TRITON_CHILD = """
 import torch
 torch.cuda.is_available = lambda: True  # as on a GPU machine: only the Triton release decides

@@ -141,7 +141,7 @@ def test_a_default_config_that_does_not_fit_the_gpu_falls_back_to_one_stage(monk
         buf, out = poisoned_out(M, B, N)
         tb.bmm_a16wfp4(x, codes, scales, out=out)
         assert_close_to_reference(out, x, codes, scales, "mxfp4")
-    assert prepared == [None, tb.unpipelined(tb.default_config(B, M, N, K))]
+    assert prepared == [None, tb.unpipelined(tb.config_for(B, M, N, K, x.device))]
     monkeypatch.setattr(tb, "_prepare", lambda *args: _refused)
     chosen = tb.BmmConfig(32, 64, 64, 4, 1, 0)
     with pytest.raises(BackendError, match=r"config BmmConfig\(block_m=32.* does not fit this GPU"):
@@ -166,9 +166,7 @@ def test_every_default_config_unpipelined_is_a_portable_config(monkeypatch):
     """What each tuned or large-M default falls back to is accepted as a config and runs a portable kernel: same
     tiles, one stage, no Gluon, TMA or rounding warps."""
     monkeypatch.setattr(tb, "_INTERPRETED", False)  # the interpreter has one small config for every shape
-    defaults = {(N, K, cfg) for (N, K, _, _), cfg in tb._TUNED.items()}
-    defaults |= {(N, K, tb._large_m(K, rows)) for N, K in ((512, 192), (512, 256), (256, 512)) for rows in (512, 10**6)}
-    for N, K, cfg in defaults:
+    for N, K, cfg in _glm_defaults():
         small = tb.unpipelined(cfg)
         assert (small.block_m, small.block_n, small.block_k, small.num_warps) == (
             cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps)  # fmt: skip
@@ -520,6 +518,61 @@ def test_heads_classes_and_few_heads_rows_as_eight_heads(monkeypatch):
     wide = tb.default_config(8, 16, 2048, 128)
     assert tb.default_config(8, 16, 1984, 128) == tb.default_config(4, 16, 1984, 128) != wide
     assert entry(256, 512, "few", 16) != entry(256, 512, "narrow", 16)
+
+
+def _glm_defaults() -> set:
+    """(N, K, config) of every tuned default and the large-M rule's, at GLM's K-up / V-up shapes (compiled-GPU
+    defaults: call with ``_INTERPRETED`` off)."""
+    defaults = {(N, K, cfg) for (N, K, _, _), cfg in tb._TUNED.items()}
+    return defaults | {(N, K, tb._large_m(K, rows)) for N, K in ((512, 192), (512, 256), (256, 512))
+                       for rows in (512, 10**6)}  # fmt: skip
+
+
+def test_register_fit_keeps_each_default_within_the_register_budget(monkeypatch):
+    """On NVIDIA GPUs without wgmma every default becomes a portable tile of at most 64 fp32 accumulators a thread, 8
+    warps and 64-deep K steps, pipelined in three stages, neither Gluon nor TMA, the kernel choice (predecoded
+    weights, weights-stationary) kept; a config ``_prepare`` accepts. By hand: the 128 x 256 prefill tile (whose
+    3-stage kernel spills 3,280 bytes of stack a thread on sm_80) gives 128 x 128; the 16-warp swap tile 64 x 256
+    with 8 warps; the 64 x 256 ``xreg`` tile of 4 warps 64 x 128; V-up's 512-deep decode tile 64-deep steps."""
+    monkeypatch.setattr(tb, "_INTERPRETED", False)
+    for N, K, cfg in _glm_defaults():
+        fit = tb.register_fit(cfg)
+        assert fit.block_m * fit.block_n <= tb.ACCUMULATORS_PER_THREAD * 32 * fit.num_warps, cfg
+        assert fit.num_warps <= 8 and fit.block_k <= 64 and K % fit.block_k == 0, cfg
+        assert 16 <= fit.block_m <= cfg.block_m and 16 <= fit.block_n <= cfg.block_n, cfg
+        assert (fit.num_stages, fit.wgmma, fit.tma, fit.ws) == (3, "", False, False), cfg
+        assert (fit.predecode, fit.tiles_m) == (cfg.predecode, cfg.tiles_m), cfg
+        x = torch.empty(2, 3, K, dtype=torch.bfloat16, device="meta")
+        codes = torch.empty(2, N, K // 2, dtype=torch.uint8, device="meta")
+        scales = torch.empty(2, N, K // 32, dtype=torch.uint8, device="meta")
+        tb._prepare(x, codes, scales, "mxfp4", torch.empty(2, 3, N, dtype=torch.bfloat16, device="meta"), fit)
+    C = tb.BmmConfig
+    assert tb.register_fit(C(128, 256, 64, 8, 3, 0, wgmma="decode", ws=True)) == C(128, 128, 64, 8, 3, 0)
+    assert tb.register_fit(C(128, 256, 64, 8, 3, 0, predecode=True, tma=True, wgmma="streaming", ws=True)) == C(
+        128, 128, 64, 8, 3, 0, predecode=True)  # fmt: skip
+    assert tb.register_fit(C(64, 256, 128, 16, 1, 0, wgmma="swap")) == C(64, 256, 64, 8, 3, 0)
+    assert tb.register_fit(C(64, 256, 128, 4, 3, 0, wgmma="xreg")) == C(64, 128, 64, 4, 3, 0)
+    assert tb.register_fit(C(16, 64, 512, 4, 1, 0)) == C(16, 64, 64, 4, 3, 0)
+
+
+@pytest.mark.parametrize("hip, capability, fits", [(None, (9, 0), False), (None, (8, 0), True), (None, (8, 9), True),
+                                                   (None, (10, 0), True), (None, (12, 0), True),
+                                                   ("7.0", (9, 5), False)])  # fmt: skip
+def test_calls_without_a_config_fit_registers_on_nvidia_gpus_without_wgmma(monkeypatch, hip, capability, fits):
+    """A call without a config takes :func:`register_fit` of the default on an NVIDIA GPU other than sm_90 (A100,
+    L40S, B200, RTX 50), the default itself on the H200 (sm_90) and on AMD GPUs; the CPU interpreter keeps its own."""
+    monkeypatch.setattr(tb, "_INTERPRETED", False)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    tb.nvidia_without_wgmma.cache_clear()
+    try:
+        for B, M, N, K in ((64, 256, 512, 256), (16, 1, 256, 512), (16, 8192, 256, 512)):
+            default = tb.default_config(B, M, N, K)
+            got = tb.config_for(B, M, N, K, torch.device("meta"))
+            assert got == (tb.register_fit(default) if fits else default)
+        assert tb.config_for(64, 256, 512, 256, torch.device("cpu")) == tb.default_config(64, 256, 512, 256)
+    finally:
+        tb.nvidia_without_wgmma.cache_clear()
 
 
 def assert_default_matches_reference(B: int, M: int, N: int, K: int) -> None:

@@ -250,3 +250,19 @@ as far as one wave of programs (a partly filled head block counting as one)."""
     few = tsm.default_config(2, 16, 2 * 640, cpu)
     assert few.block_n == 64 and few.num_splits == 10
     assert tsm.default_config(40, 8, 40 * 2048, cpu).num_splits == 3  # 40 programs of 8 heads in one wave of 132
+
+
+@pytest.mark.parametrize("hip, capability, wide", [(None, (9, 0), True), (None, (8, 0), False), (None, (10, 0), False),
+                                                   (None, (12, 0), False), ("7.0", (9, 5), True)])  # fmt: skip
+def test_64_head_blocks_only_where_the_gpu_has_wgmma_or_is_amd(monkeypatch, hip, capability, wide):
+    """The 64-head blocks, tuned for the H200's wgmma, spill registers on NVIDIA GPUs without it (40-104 bytes a
+    thread on sm_80 / sm_86 / sm_89 / sm_120, compiled here: benchmarks/check_compile.py): there many heads and tokens
+    take the 16-head launches. AMD GPUs keep them (no spill compiled for gfx950 or gfx942)."""
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    tsm.nvidia_without_wgmma.cache_clear()
+    try:
+        cfg = tsm.default_config(64, 64, 64 * 2048, torch.device("meta"))  # 4096 token-heads: the 64-head blocks' case
+    finally:
+        tsm.nvidia_without_wgmma.cache_clear()
+    assert (cfg.block_h, cfg.num_warps) == ((64, 8) if wide else (16, 4))
