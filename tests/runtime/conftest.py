@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -40,10 +41,26 @@ NO_WGMMA = bool(os.environ.get("GLM_PACK_TEST_NO_WGMMA"))  # set by test_compile
 
 def _dispatch_as_without_wgmma() -> None:
     """Make the backend dispatch, on whatever NVIDIA GPU runs the tests, as on an sm_80 GPU (A100; no wgmma, no TMA):
-    torch reports compute capability 8.0, so the defaults take :func:`triton_bmm.register_fit` tiles in the portable
-    kernels, neither Gluon nor TMA kernels run, and attention takes its 16-head blocks. Triton still compiles the
-    kernels for the GPU that runs them (it asks the driver, not torch)."""
-    torch.cuda.get_device_capability = lambda device=None: (8, 0)
+    the defaults take :func:`triton_bmm.register_fit` tiles in the portable kernels, neither Gluon nor TMA kernels
+    run, and attention takes its 16-head blocks. The kernels still compile for the GPU that runs them (so torch's
+    compute capability is left alone: Triton's driver asks it for the compile target)."""
+    from glm_pack.runtime.kernels import gluon_bmm, triton_bmm, triton_sparse_mla
+
+    @functools.cache
+    def without_wgmma(device) -> bool:
+        return device.type == "cuda"
+
+    @functools.cache
+    def no_tma(device) -> bool:
+        return False
+
+    @functools.cache
+    def no_gluon(device) -> str:
+        return "dispatched as on an NVIDIA GPU without wgmma (GLM_PACK_TEST_NO_WGMMA)"
+
+    triton_bmm.nvidia_without_wgmma = triton_sparse_mla.nvidia_without_wgmma = without_wgmma
+    triton_bmm._has_tma = no_tma
+    gluon_bmm._device_reason = no_gluon
 
 
 if AMD_PATHS:
