@@ -476,8 +476,9 @@ def register_fit(cfg: BmmConfig) -> BmmConfig:
     RTX 50, ...): the portable tiled kernel, with a tile whose kernel does not spill registers there. At most 8 warps
     and :data:`ACCUMULATORS_PER_THREAD` accumulators a thread (the tile's longer side halved until it holds that),
     K steps at most :data:`PORTABLE_BLOCK_K` deep, three stages, no TMA kernel (it spills on sm_120). The H200's
-    tiles compiled there spill: up to 5.7 KB of stack a thread on sm_80 (BENCHMARKS.md, "compiled for other GPUs");
-    these do not on sm_80, sm_86, sm_89, sm_100 or sm_120 (``benchmarks/check_compile.py``). Not timed there."""
+    tiles compiled there spill: up to 5.7 KB of stack a thread on sm_80 (BENCHMARKS.md, "compiled for GPUs this
+    project does not have"); these do not on sm_80, sm_86, sm_89, sm_100 or sm_120 (``benchmarks/check_compile.py``).
+    Not timed there."""
     warps = min(cfg.num_warps, 8)
     bm, bn = cfg.block_m, cfg.block_n
     while bm * bn > ACCUMULATORS_PER_THREAD * 32 * warps:

@@ -160,7 +160,7 @@ def test_launches_fit_the_gpus_shared_memory_or_fall_back(launches):
 def test_no_launch_spills_registers_on_an_nvidia_gpu(launches):
     """On NVIDIA GPUs without wgmma the GEMM runs :func:`triton_bmm.register_fit` tiles and attention its 16-head
     launches, whose kernels keep every value in registers (the H200's tiles spilled there: K-up 256 at 64 heads and
-    256 tokens, 128 x 256 in 3 stages, 3,280 bytes of stack a thread on sm_80; 64-head attention 40-104 bytes)."""
+    256 tokens, 128 x 256 in 3 stages, 3,280 bytes of stack a thread on sm_80; 64-head attention 8-104 bytes)."""
     nvidia = [launch for launch in launches if launch["arch"] in NVIDIA]
     assert {launch["arch"] for launch in nvidia} == set(NVIDIA)
     spilled = [(launch["arch"], launch["kernel"], launch["case"], launch["facts"]["spill"]) for launch in nvidia
