@@ -196,15 +196,21 @@ def _with_splits(T, H, n_indices, device, block_h, block_n, num_warps, num_stage
     return SparseMlaConfig(block_h, block_n, num_splits, num_warps=num_warps, num_stages=num_stages)
 
 
+def _wgmma_blocks(device: torch.device) -> bool:
+    """Whether 64-head blocks serve on ``device``: an sm_90 GPU (wgmma) or the interpreter's CPU. Compiled for other
+    GPUs their kernel spills: 8-104 bytes a thread on NVIDIA's sm_80-sm_120, 1.0-1.5 KB a lane on AMD's gfx950 and
+    gfx942 (BENCHMARKS.md, "compiled for GPUs this project does not have")."""
+    return torch.version.hip is None and not nvidia_without_wgmma(device)
+
+
 def default_config(T: int, H: int, n_indices: int, device: torch.device) -> SparseMlaConfig:
     """Launch shape for ``T`` tokens, ``H`` heads and ``n_indices`` selected rows in all, from host values
     only (no sync, so CUDA-graph capture works). Tuned on an H200 (BENCHMARKS.md): 64-head blocks (wgmma,
-    one program per SM, ~220 KB shared memory) when heads and tokens are many, except on NVIDIA GPUs without wgmma
-    (their kernel spills registers there, :func:`~glm_pack.runtime.kernels._triton.nvidia_without_wgmma`);
+    one program per SM, ~220 KB shared memory) when heads and tokens are many, on sm_90 only (:func:`_wgmma_blocks`);
     otherwise 16-head blocks (mma.sync), two programs per SM, or one deeper-pipelined program per SM while one wave
     of programs needs splitting (a quarter to one wave of tokens x head blocks)."""
     sms = sm_count(device)
-    if H > 16 and T * H > 256 and not nvidia_without_wgmma(device):
+    if H > 16 and T * H > 256 and _wgmma_blocks(device):
         return _with_splits(T, H, n_indices, device, 64, 64, 8, 3, per_sm=1)
     if sms // 4 <= T * -(-H // 16) < sms:
         return _with_splits(T, H, n_indices, device, 16, 64, 8, 5, per_sm=1)

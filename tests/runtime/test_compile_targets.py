@@ -147,8 +147,8 @@ def test_launches_fit_the_gpus_shared_memory_or_fall_back(launches):
     """A default launch may exceed the GPU's shared memory (LDS): Triton refuses it at its first launch
     (``OutOfResources``) and the backend falls back, the GEMM to one stage, attention to its compact launch; those
     always fit. gfx950's 160 KiB does not hold attention's 5-stage 16-head blocks, gfx942's 64 KiB not V-up's 3-stage
-    tiles on predecoded weights (81,920 bytes), nor attention's 64-row blocks; sm_120's 99 KiB not the 5-stage
-    blocks either."""
+    tiles on predecoded weights (81,920 bytes), nor attention's blocks of 64 key rows with rope; sm_120's 99 KiB not
+    the 5-stage blocks either."""
     over = [(launch["arch"], launch["kernel"], launch["options"]["num_stages"], finding) for launch in launches
             for finding in launch["findings"] if "shared memory" in finding]  # fmt: skip
     assert all("falls back" in finding for *_, finding in over), over
@@ -167,6 +167,15 @@ def test_no_launch_spills_registers_on_an_nvidia_gpu(launches):
                if launch["facts"]["spill"]]  # fmt: skip
     assert not spilled
     assert all(launch["facts"]["registers"] <= 255 for launch in nvidia)
+
+
+def test_attention_takes_16_head_blocks_off_sm_90(launches):
+    """64 heads of 8192 tokens take 64-head blocks on the H200 (wgmma); compiled for these GPUs that kernel spilled
+    972-1,456 bytes a lane on gfx950 / gfx942 and 8-104 bytes a thread on NVIDIA's. Here every attention launch has
+    16-head blocks, and none spills on gfx950 (nor on NVIDIA, above)."""
+    attention = [launch for launch in launches if launch["kernel"] == "_fwd"]
+    assert {launch["constexprs"]["BLOCK_H"] for launch in attention} == {16}
+    assert not [launch for launch in attention if launch["arch"] == "gfx950" and launch["facts"]["spill"]]
 
 
 def test_the_compile_target_picks_the_rounding_code():
