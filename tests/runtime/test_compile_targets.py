@@ -186,32 +186,38 @@ def test_the_compile_target_picks_the_rounding_code():
     assert got["nvidia_min"] > 0 and got["amd_ok"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None, reason="needs an NVIDIA GPU")
+nvidia_gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
+                                     reason="needs an NVIDIA GPU")  # fmt: skip
+
+
+def _pytest_in_a_process(tmp_path, setting: str, header: str, *args: str) -> None:
+    """pytest with ``args``, in a process of :func:`_compiler_env` with the environment variable ``setting`` set (read
+    by tests/runtime/conftest.py) and a Triton cache of its own: it passes, its header saying ``header``."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=ROOT,
+        env=_compiler_env(**{setting: "1"}, TRITON_CACHE_DIR=str(tmp_path / "triton")),
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    assert " passed" in proc.stdout.splitlines()[-1] and header in proc.stdout
+
+
+@nvidia_gpu_only
 def test_amd_code_paths_match_the_reference_on_an_nvidia_gpu(tmp_path):
     """The GEMM and rounding tests, in a process whose kernels compile as for gfx942 (no inline PTX, weights decoded
     in the kernel: ``GLM_PACK_TEST_AMD_PATHS``, tests/runtime/conftest.py), on this GPU. The one test left out pins
     ``dot_scaled``'s reading of scale byte 0, which these paths do not call."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "tests/runtime/test_triton_bmm.py",
-         "tests/runtime/test_mxfp4_jit.py", "-k", "not scale_byte_0"],
-        cwd=ROOT, env=_compiler_env(GLM_PACK_TEST_AMD_PATHS="1", TRITON_CACHE_DIR=str(tmp_path / "triton")),
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-5000:]
-    assert " passed" in proc.stdout.splitlines()[-1] and "with their AMD code paths" in proc.stdout
+    _pytest_in_a_process(tmp_path, "GLM_PACK_TEST_AMD_PATHS", "with their AMD code paths",
+                         "tests/runtime/test_triton_bmm.py", "tests/runtime/test_mxfp4_jit.py",
+                         "-k", "not scale_byte_0")  # fmt: skip
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None, reason="needs an NVIDIA GPU")
+@nvidia_gpu_only
 def test_dispatch_without_wgmma_matches_the_reference_on_an_nvidia_gpu(tmp_path):
     """The GEMM and attention tests, in a process whose backend dispatches as on an NVIDIA GPU without wgmma
     (``GLM_PACK_TEST_NO_WGMMA``, tests/runtime/conftest.py): the defaults' :func:`triton_bmm.register_fit` tiles
     and the 16-head attention launches, run on this GPU against the reference. Left out: the tests of the dispatch
     itself, which set the GPU's compute capability they test."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "tests/runtime/test_triton_bmm.py",
-         "tests/runtime/test_triton_sparse_mla.py", "-k", "not fit_registers_on_nvidia and not 64_head_blocks"],
-        cwd=ROOT, env=_compiler_env(GLM_PACK_TEST_NO_WGMMA="1", TRITON_CACHE_DIR=str(tmp_path / "triton")),
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-5000:]
-    assert " passed" in proc.stdout.splitlines()[-1] and "dispatched as on an NVIDIA GPU without wgmma" in proc.stdout
+    _pytest_in_a_process(tmp_path, "GLM_PACK_TEST_NO_WGMMA", "dispatched as on an NVIDIA GPU without wgmma",
+                         "tests/runtime/test_triton_bmm.py", "tests/runtime/test_triton_sparse_mla.py",
+                         "-k", "not fit_registers_on_nvidia and not 64_head_blocks")  # fmt: skip
