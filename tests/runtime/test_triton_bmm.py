@@ -168,6 +168,14 @@ def test_a_config_the_gpu_refuses_for_shared_memory_is_a_backend_error():
     assert torch.isnan(buf).all()
 
 
+def _glm_defaults() -> set:
+    """(N, K, config) of every tuned default and the large-M rule's, at GLM's K-up / V-up shapes (compiled-GPU
+    defaults: call with ``_INTERPRETED`` off)."""
+    defaults = {(N, K, cfg) for (N, K, _, _), cfg in tb._TUNED.items()}
+    return defaults | {(N, K, tb._large_m(K, rows)) for N, K in ((512, 192), (512, 256), (256, 512))
+                       for rows in (512, 10**6)}  # fmt: skip
+
+
 def test_every_default_config_unpipelined_is_a_portable_config(monkeypatch):
     """What each tuned or large-M default falls back to is accepted as a config and runs a portable kernel: same
     tiles, one stage, no Gluon, TMA or rounding warps."""
@@ -525,14 +533,6 @@ def test_heads_classes_and_few_heads_rows_as_eight_heads(monkeypatch):
     wide = tb.default_config(8, 16, 2048, 128)
     assert tb.default_config(8, 16, 1984, 128) == tb.default_config(4, 16, 1984, 128) != wide
     assert entry(256, 512, "few", 16) != entry(256, 512, "narrow", 16)
-
-
-def _glm_defaults() -> set:
-    """(N, K, config) of every tuned default and the large-M rule's, at GLM's K-up / V-up shapes (compiled-GPU
-    defaults: call with ``_INTERPRETED`` off)."""
-    defaults = {(N, K, cfg) for (N, K, _, _), cfg in tb._TUNED.items()}
-    return defaults | {(N, K, tb._large_m(K, rows)) for N, K in ((512, 192), (512, 256), (256, 512))
-                       for rows in (512, 10**6)}  # fmt: skip
 
 
 def test_register_fit_keeps_each_default_within_the_register_budget(monkeypatch):
