@@ -468,17 +468,20 @@ def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
 
 
 ACCUMULATORS_PER_THREAD = 64  # fp32: a portable tile's at most, on NVIDIA GPUs without the Gluon kernels
-PORTABLE_BLOCK_K = 64  # deepest K step of a portable tile there
+PORTABLE_BLOCK_K = 64  # deepest K step of a portable tile there, but for tiles of 16 rows:
+SMALL_TILE_BLOCK_K = 256  # theirs (the H200's decode tiles take up to 512: V-up's spills 72-88 bytes there)
 
 
 def register_fit(cfg: BmmConfig) -> BmmConfig:
     """What a default config runs as on NVIDIA GPUs without the Gluon kernels (all but sm_90: A100, L40S, B200,
-    RTX 50, ...): the portable tiled kernel, with a tile whose kernel does not spill registers there. At most 8 warps
-    and :data:`ACCUMULATORS_PER_THREAD` accumulators a thread (the tile's longer side halved until it holds that),
-    K steps at most :data:`PORTABLE_BLOCK_K` deep, three stages, no TMA kernel (it spills on sm_120). The H200's
-    tiles compiled there spill: up to 5.7 KB of stack a thread on sm_80 (BENCHMARKS.md, "compiled for GPUs this
-    project does not have"); these do not on sm_80, sm_86, sm_89, sm_100 or sm_120 (``benchmarks/check_compile.py``).
-    Not timed there."""
+    RTX 50, ...): the portable tiled kernel, with a tile whose kernel does not spill registers there, as close to the
+    H200's as that allows. At most 8 warps and :data:`ACCUMULATORS_PER_THREAD` accumulators a thread (the tile's
+    longer side halved until it holds that); K steps at most :data:`PORTABLE_BLOCK_K` deep
+    (:data:`SMALL_TILE_BLOCK_K` for 16-row tiles); the config's stages where its K step stays, else three (and for
+    the Gluon kernels' configs, whose stages are their own); no TMA kernel (it spills on sm_120). The H200's tiles
+    compiled there spill: up to 5.7 KB of stack a thread on sm_80 (BENCHMARKS.md, "compiled for GPUs this project does
+    not have"); these do not on sm_80, sm_86, sm_89, sm_100 or sm_120 (``benchmarks/check_compile.py``). Not timed
+    there."""
     warps = min(cfg.num_warps, 8)
     bm, bn = cfg.block_m, cfg.block_n
     while bm * bn > ACCUMULATORS_PER_THREAD * 32 * warps:
@@ -486,8 +489,10 @@ def register_fit(cfg: BmmConfig) -> BmmConfig:
             bn //= 2
         else:
             bm //= 2
-    return replace(cfg, block_m=bm, block_n=bn, block_k=min(cfg.block_k, PORTABLE_BLOCK_K), num_warps=warps,
-                   num_stages=3, tma=False, wgmma="", ws=False, round_warps=gluon_bmm.ROUND_WARPS)  # fmt: skip
+    bk = min(cfg.block_k, SMALL_TILE_BLOCK_K if bm <= 16 else PORTABLE_BLOCK_K)
+    stages = cfg.num_stages if bk == cfg.block_k and not cfg.wgmma else 3
+    return replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, tma=False, wgmma="",
+                   ws=False, round_warps=gluon_bmm.ROUND_WARPS)  # fmt: skip
 
 
 def config_for(B: int, M: int, N: int, K: int, device: torch.device) -> BmmConfig:
