@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
@@ -46,21 +45,9 @@ def _dispatch_as_without_wgmma() -> None:
     compute capability is left alone: Triton's driver asks it for the compile target)."""
     from glm_pack.runtime.kernels import gluon_bmm, triton_bmm, triton_sparse_mla
 
-    @functools.cache
-    def without_wgmma(device) -> bool:
-        return device.type == "cuda"
-
-    @functools.cache
-    def no_tma(device) -> bool:
-        return False
-
-    @functools.cache
-    def no_gluon(device) -> str:
-        return "dispatched as on an NVIDIA GPU without wgmma (GLM_PACK_TEST_NO_WGMMA)"
-
-    triton_bmm.nvidia_without_wgmma = triton_sparse_mla.nvidia_without_wgmma = without_wgmma
-    triton_bmm._has_tma = no_tma
-    gluon_bmm._device_reason = no_gluon
+    triton_bmm.nvidia_without_wgmma = triton_sparse_mla.nvidia_without_wgmma = lambda device: device.type == "cuda"
+    triton_bmm._has_tma = lambda device: False
+    gluon_bmm._device_reason = lambda device: "dispatched as on an NVIDIA GPU without wgmma (GLM_PACK_TEST_NO_WGMMA)"
 
 
 if AMD_PATHS:
@@ -92,6 +79,21 @@ def packed_dirs(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture
+def gpu_as(monkeypatch):
+    """``gpu_as(hip, capability)``: torch answers as a ROCm build of that version (None: CUDA) with that compute
+    capability, for the kernels' dispatch; what it caches about the GPU is cleared then and after the test."""
+    from glm_pack.runtime.kernels._triton import nvidia_without_wgmma
+
+    def answer(hip, capability) -> None:
+        monkeypatch.setattr(torch.version, "hip", hip)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        nvidia_without_wgmma.cache_clear()
+
+    yield answer
+    nvidia_without_wgmma.cache_clear()
 
 
 @pytest.fixture(autouse=True)

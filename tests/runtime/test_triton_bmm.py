@@ -571,21 +571,16 @@ def test_register_fit_keeps_each_default_within_the_register_budget(monkeypatch)
 @pytest.mark.parametrize("hip, capability, fits", [(None, (9, 0), False), (None, (8, 0), True), (None, (8, 9), True),
                                                    (None, (10, 0), True), (None, (12, 0), True),
                                                    ("7.0", (9, 5), False)])  # fmt: skip
-def test_calls_without_a_config_fit_registers_on_nvidia_gpus_without_wgmma(monkeypatch, hip, capability, fits):
+def test_calls_without_a_config_fit_registers_on_nvidia_gpus_without_wgmma(monkeypatch, gpu_as, hip, capability, fits):
     """A call without a config takes :func:`register_fit` of the default on an NVIDIA GPU other than sm_90 (A100,
     L40S, B200, RTX 50), the default itself on the H200 (sm_90) and on AMD GPUs; the CPU interpreter keeps its own."""
     monkeypatch.setattr(tb, "_INTERPRETED", False)
-    monkeypatch.setattr(torch.version, "hip", hip)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    tb.nvidia_without_wgmma.cache_clear()
-    try:
-        for B, M, N, K in ((64, 256, 512, 256), (16, 1, 256, 512), (16, 8192, 256, 512)):
-            default = tb.default_config(B, M, N, K)
-            got = tb.config_for(B, M, N, K, torch.device("meta"))
-            assert got == (tb.register_fit(default) if fits else default)
-        assert tb.config_for(64, 256, 512, 256, torch.device("cpu")) == tb.default_config(64, 256, 512, 256)
-    finally:
-        tb.nvidia_without_wgmma.cache_clear()
+    gpu_as(hip, capability)
+    for B, M, N, K in ((64, 256, 512, 256), (16, 1, 256, 512), (16, 8192, 256, 512)):
+        default = tb.default_config(B, M, N, K)
+        got = tb.config_for(B, M, N, K, torch.device("meta"))
+        assert got == (tb.register_fit(default) if fits else default)
+    assert tb.config_for(64, 256, 512, 256, torch.device("cpu")) == tb.default_config(64, 256, 512, 256)
 
 
 def assert_default_matches_reference(B: int, M: int, N: int, K: int) -> None:
