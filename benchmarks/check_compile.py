@@ -17,9 +17,9 @@ kernels' speed or results there.
 Run without ``TRITON_INTERPRET`` (the kernels must be defined for the compiler). Shapes: GLM's K-up (N 512, K 192 and
 256) and V-up (N 256, K 512) at 4-64 heads and 1-8192 tokens, activations rounded to MXFP4 or not; sparse MLA
 (latent 512, rope 64 or none, natural-log LSE or not) at 1-8192 tokens and 16-64 heads. One line per distinct
-launch; exit status 1 when one fails to compile, spills on an NVIDIA GPU, or does not fit the GPU's shared memory (a
-default launch may exceed it where the launch the backend falls back to on ``OutOfResources``, one stage for the
-GEMM, the compact attention launch, fits).
+launch; exit status 1 when one fails to compile, does not fit the GPU's shared memory (a default launch may exceed it
+where the launch the backend falls back to on ``OutOfResources``, one stage for the GEMM, the compact attention
+launch, fits), or fits and spills registers.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 from unittest import mock
 
 import torch
@@ -144,14 +145,15 @@ class Recording:
 
 def _forget_the_gpu() -> None:
     """Clear what the backend caches about the GPU it runs on (per device, and meta tensors have one device)."""
-    for cached in (tb._has_tma, gluon_bmm._device_reason, kt.nvidia_without_wgmma):
+    for cached in (tb._has_tma, gluon_bmm._device_reason, kt.gpu_arch):
         cached.cache_clear()
 
 
 @contextmanager
 def dispatch_for(gpu: Gpu) -> Iterator[Recording]:
-    """Within it, the backend's dispatch answers as on ``gpu`` (torch a ROCm build for an AMD GPU, the compute
-    capability of an NVIDIA one; its multiprocessor count), and the launches it makes are recorded instead of run."""
+    """Within it, the backend's dispatch answers as on ``gpu`` (torch a ROCm build and the architecture name of an
+    AMD GPU, the compute capability of an NVIDIA one; its multiprocessor count), and the launches it makes are
+    recorded instead of run."""
     recording = Recording([])
 
     class Recorder:
@@ -166,11 +168,13 @@ def dispatch_for(gpu: Gpu) -> Iterator[Recording]:
 
     amd = gpu.target.backend == "hip"
     capability = (0, 0) if amd else divmod(gpu.target.arch, 10)
+    properties = SimpleNamespace(gcnArchName=f"{gpu.target.arch}:sramecc+:xnack-", multi_processor_count=gpu.units)
     _forget_the_gpu()
     try:
         with (
             mock.patch.object(torch.version, "hip", "7.0" if amd else None),
             mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: capability),
+            mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: properties),
             mock.patch.object(tb, "KernelLaunch", Recorder),
             mock.patch.object(sm, "_fwd", Recorder(sm._fwd)),
             mock.patch.object(sm, "_combine", Recorder(sm._combine)),
@@ -323,11 +327,13 @@ def shared_finding(launch: Launch, facts: dict, shared: int) -> str:
 
 def findings(launch: Launch, facts: dict, gpu: Gpu) -> list[str]:
     """What is wrong with a compiled launch on ``gpu``, or what the backend does about it: its shared memory
-    (:func:`shared_finding`), and on NVIDIA GPUs any spill."""
-    found = [shared_finding(launch, facts, gpu.shared)]
-    if gpu.target.backend == "cuda" and facts["spill"]:
-        found.append(f"spills: {facts['spill']} B of stack a thread")
-    return [f for f in found if f]
+    (:func:`shared_finding`), or, where that fits, a spill."""
+    if shared := shared_finding(launch, facts, gpu.shared):
+        return [shared]  # a launch that never runs there
+    if facts["spill"]:
+        where = "of stack a thread" if gpu.target.backend == "cuda" else "of scratch a lane"
+        return [f"spills: {facts['spill']} B {where}"]
+    return []
 
 
 def fatal(finding: str) -> bool:

@@ -13,10 +13,10 @@ MIN_CUDA_CAPABILITY = (8, 0)  # Triton's supported NVIDIA GPUs (its README); bel
 
 def triton_status(device) -> tuple[bool, str]:
     """(usable, reason): Triton importable and recent enough for the kernels, and the device a GPU torch sees, on
-    NVIDIA of compute capability :data:`MIN_CUDA_CAPABILITY` or later."""
+    NVIDIA of compute capability :data:`MIN_CUDA_CAPABILITY` or later that Triton's ptxas can compile for."""
     if why := gpu_reason(device):
         return False, f"triton backend {why}"
-    from glm_pack.runtime.kernels._triton import IMPORT_ERROR
+    from glm_pack.runtime.kernels._triton import IMPORT_ERROR, ptxas_reason
 
     if IMPORT_ERROR:
         return False, f"triton backend unavailable: {IMPORT_ERROR}"
@@ -25,6 +25,8 @@ def triton_status(device) -> tuple[bool, str]:
         need = ".".join(map(str, MIN_CUDA_CAPABILITY))
         return False, (f"triton backend needs an NVIDIA GPU of compute capability {need} or later (Triton's floor), "
                        f"{device} is {capability[0]}.{capability[1]}")  # fmt: skip
+    if torch.version.hip is None and (why := ptxas_reason(capability)):
+        return False, f"triton backend unavailable on {device}: {why}"
     return True, "ok"
 
 

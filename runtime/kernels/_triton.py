@@ -13,6 +13,7 @@ import functools
 import inspect
 import os
 import re
+import subprocess
 from collections.abc import Callable
 
 import torch
@@ -97,12 +98,50 @@ def availability(kernels_interpreted: bool) -> tuple[bool, str]:
 
 
 @functools.cache
-def nvidia_without_wgmma(device: torch.device) -> bool:
-    """``device`` is an NVIDIA GPU other than sm_90 (Hopper): no wgmma, so none of the Gluon kernels, and the tiles
-    tuned on an H200 spill registers there (False for CPU tensors, the interpreter's)."""
-    if device.type == "cpu" or torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(device)[0] != 9
+def gpu_arch(device: torch.device) -> str:
+    """The GPU ``device`` is, named as its compiler names it: ``sm_90`` for compute capability 9.0 (NVIDIA),
+    ROCm's architecture name less its feature flags (``gfx942``, ``gfx950``); ``cpu`` for CPU tensors (the
+    interpreter's)."""
+    if device.type == "cpu":
+        return "cpu"
+    if torch.version.hip is not None:
+        return torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def ptxas_reason(capability: tuple[int, int]) -> str:
+    """Why Triton cannot build kernels for an NVIDIA GPU of ``capability``; '' when it can, or when its ptxas does
+    not list the GPUs it knows. Triton compiles for ``sm_XY`` (``sm_XYa`` from 9.0) with the ptxas it picks for that
+    GPU: its own, or the one ``TRITON_PTXAS_PATH`` (``TRITON_PTXAS_BLACKWELL_PATH`` from sm_100) names. Triton
+    3.6's own (CUDA 12.9 from sm_100) does not know sm_110 (Jetson Thor): there the first kernel would fail in
+    ptxas."""
+    from triton.backends.nvidia import compiler
+
+    arch = capability[0] * 10 + capability[1]
+    target = compiler.sm_arch_from_capability(arch)
+    try:
+        ptxas = compiler.get_ptxas(arch)
+    except RuntimeError as exc:  # no ptxas Triton can run
+        return f"Triton cannot compile for {target}: {exc}"
+    known = _ptxas_targets(ptxas.path)
+    if known and target not in known:
+        knob = "TRITON_PTXAS_BLACKWELL_PATH" if arch >= 100 else "TRITON_PTXAS_PATH"
+        return (f"Triton's ptxas ({ptxas.path}, CUDA {ptxas.version}) cannot compile for {target}; {knob} can name "
+                f"a ptxas that can")  # fmt: skip
+    return ""
+
+
+@functools.cache
+def _ptxas_targets(path: str) -> frozenset[str]:
+    """The GPU names the ptxas at ``path`` accepts, as its ``--help`` lists them for ``--gpu-name``; empty when it
+    does not list them."""
+    try:
+        usage = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return frozenset()
+    listed = re.search(r"--gpu-name\b.*?Allowed values for this option:(.*?)Default value", usage, re.S)
+    return frozenset(re.findall(r"'([\w.]+)'", listed.group(1))) if listed else frozenset()
 
 
 @functools.cache

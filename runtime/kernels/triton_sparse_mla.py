@@ -23,7 +23,7 @@ import torch
 
 from glm_pack.packing.errors import BackendError
 from glm_pack.runtime.kernels._triton import IMPORT_ERROR as _TRITON_ERROR
-from glm_pack.runtime.kernels._triton import availability, interpreted, nvidia_without_wgmma, sm_count, tl, triton
+from glm_pack.runtime.kernels._triton import availability, gpu_arch, interpreted, sm_count, tl, triton
 from glm_pack.runtime.reference import cache_rows
 
 _LOG2E = 1.4426950408889634
@@ -200,7 +200,7 @@ def _wgmma_blocks(device: torch.device) -> bool:
     """Whether 64-head blocks serve on ``device``: an sm_90 GPU (wgmma) or the interpreter's CPU. Compiled for other
     GPUs their kernel spills: 8-104 bytes a thread on NVIDIA's sm_80-sm_120, 1.0-1.5 KB a lane on AMD's gfx950 and
     gfx942 (BENCHMARKS.md, "compiled for GPUs this project does not have")."""
-    return torch.version.hip is None and not nvidia_without_wgmma(device)
+    return gpu_arch(device) in ("cpu", "sm_90")
 
 
 def default_config(T: int, H: int, n_indices: int, device: torch.device) -> SparseMlaConfig:

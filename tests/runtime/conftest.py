@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ def _dispatch_as_without_wgmma() -> None:
     compute capability is left alone: Triton's driver asks it for the compile target)."""
     from glm_pack.runtime.kernels import gluon_bmm, triton_bmm, triton_sparse_mla
 
-    triton_bmm.nvidia_without_wgmma = triton_sparse_mla.nvidia_without_wgmma = lambda device: device.type == "cuda"
+    triton_bmm.gpu_arch = triton_sparse_mla.gpu_arch = lambda device: "sm_80" if device.type == "cuda" else "cpu"
     triton_bmm._has_tma = lambda device: False
     gluon_bmm._device_reason = lambda device: "dispatched as on an NVIDIA GPU without wgmma (GLM_PACK_TEST_NO_WGMMA)"
 
@@ -57,10 +58,10 @@ if NO_WGMMA:
 
 
 def pytest_report_header():
-    if AMD_PATHS:
-        return "glm-pack kernels compiled with their AMD code paths (GLM_PACK_TEST_AMD_PATHS)"
-    if NO_WGMMA:
-        return "glm-pack kernels dispatched as on an NVIDIA GPU without wgmma (GLM_PACK_TEST_NO_WGMMA)"
+    return [line for on, line in (
+        (AMD_PATHS, "glm-pack kernels compiled with their AMD code paths (GLM_PACK_TEST_AMD_PATHS)"),
+        (NO_WGMMA, "glm-pack kernels dispatched as on an NVIDIA GPU without wgmma (GLM_PACK_TEST_NO_WGMMA)"),
+    ) if on]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -83,17 +84,22 @@ def packed_dirs(tmp_path_factory):
 
 @pytest.fixture
 def gpu_as(monkeypatch):
-    """``gpu_as(hip, capability)``: torch answers as a ROCm build of that version (None: CUDA) with that compute
-    capability, for the kernels' dispatch; what it caches about the GPU is cleared then and after the test."""
-    from glm_pack.runtime.kernels._triton import nvidia_without_wgmma
+    """``gpu_as(arch)``: torch answers as on that GPU (``sm_80``, ``gfx942``, ...) for the kernels' dispatch: CUDA with
+    its compute capability, or a ROCm build with its architecture name (and HIP's capability, 9.4 for gfx942); what
+    the runtime caches about the GPU is cleared then and after the test."""
+    from glm_pack.runtime.kernels._triton import gpu_arch
 
-    def answer(hip, capability) -> None:
-        monkeypatch.setattr(torch.version, "hip", hip)
+    def answer(arch: str) -> None:
+        amd = arch.startswith("gfx")
+        capability = (int(arch[3:-2]), int(arch[-2])) if amd else divmod(int(arch[3:]), 10)
+        properties = SimpleNamespace(gcnArchName=f"{arch}:sramecc+:xnack-")
+        monkeypatch.setattr(torch.version, "hip", "7.0" if amd else None)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-        nvidia_without_wgmma.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: properties)
+        gpu_arch.cache_clear()
 
     yield answer
-    nvidia_without_wgmma.cache_clear()
+    gpu_arch.cache_clear()
 
 
 @pytest.fixture(autouse=True)

@@ -22,14 +22,16 @@ ROOT = Path(__file__).resolve().parents[2]
 _ok, _why = kernel_module("triton_bmm").available()
 pytestmark = pytest.mark.skipif(not _ok, reason=f"triton unavailable: {_why}")
 
-# One call of each kind the backend makes on an AMD GPU (check_amd_compile records what it launches for them):
-# 16-row tiles with 64-deep K steps (the tiles Triton 3.6 cannot give tl.dot_scaled for gfx942), a large tile, V-up
-# on predecoded weights (a decode kernel, then the GEMM on bf16 weights), an untuned shape (the weights-stationary
-# kernel), attention split over the top-k axis (and combined) with rope and LSE, and 64-head attention blocks.
+# One call of each kind the backend makes (check_compile records what it launches for them): 16-row tiles with 64-deep
+# K steps (the tiles Triton 3.6 cannot give tl.dot_scaled for gfx942), a large tile, the H200's 256-deep 32 x 128 tile
+# (it spilled 308 bytes a lane on gfx942), V-up on predecoded weights (a decode kernel, then the GEMM on bf16
+# weights), an untuned shape (the weights-stationary kernel), attention split over the top-k axis (and combined) with
+# rope and LSE, and 64-head attention blocks.
 CASES = [
     ("gemm", 64, 1, 512, 192, "mxfp4"),
     ("gemm", 16, 1, 512, 192, "none"),
     ("gemm", 64, 256, 512, 256, "mxfp4"),
+    ("gemm", 16, 64, 512, 256, "none"),
     ("gemm", 16, 1024, 256, 512, "mxfp4"),
     ("gemm", 1, 16, 64, 64, "mxfp4"),
     ("attention", 64, 16, 64, True),
@@ -146,27 +148,29 @@ def test_fp4_weights_reach_the_dot_as_each_gpu_converts_them(launches):
 def test_launches_fit_the_gpus_shared_memory_or_fall_back(launches):
     """A default launch may exceed the GPU's shared memory (LDS): Triton refuses it at its first launch
     (``OutOfResources``) and the backend falls back, the GEMM to one stage, attention to its compact launch; those
-    always fit. gfx950's 160 KiB does not hold attention's 5-stage 16-head blocks, gfx942's 64 KiB not V-up's 3-stage
-    tiles on predecoded weights (81,920 bytes), nor attention's blocks of 64 key rows with rope; sm_120's 99 KiB not
-    the 5-stage blocks either."""
+    always fit. gfx950's 160 KiB does not hold attention's 5-stage 16-head blocks, gfx942's 64 KiB not attention's
+    blocks of 64 key rows with rope, sm_120's 99 KiB not the 5-stage blocks either. The GEMM's tiles fit everywhere
+    (gfx942's 3-stage H200 tiles on predecoded weights needed 81,920 bytes; its :func:`triton_bmm.register_fit` ones
+    fit)."""
     over = [(launch["arch"], launch["kernel"], launch["options"]["num_stages"], finding) for launch in launches
             for finding in launch["findings"] if "shared memory" in finding]  # fmt: skip
     assert all("falls back" in finding for *_, finding in over), over
     over_by = {tuple(where) for *where, _ in over}
-    assert {("gfx950", "_fwd", 5), ("gfx942", "_bmm_tiled_kernel", 3), ("sm_120", "_fwd", 5)} <= over_by
-    assert ("gfx950", "_bmm_tiled_kernel", 3) not in over_by and not {w for w in over_by if w[0] == "sm_100"}
+    assert {("gfx950", "_fwd", 5), ("gfx942", "_fwd", 2), ("sm_120", "_fwd", 5)} <= over_by
+    assert {kernel for _, kernel, _ in over_by} == {"_fwd"} and not {w for w in over_by if w[0] == "sm_100"}
 
 
-def test_no_launch_spills_registers_on_an_nvidia_gpu(launches):
-    """On NVIDIA GPUs without wgmma the GEMM runs :func:`triton_bmm.register_fit` tiles and attention its 16-head
-    launches, whose kernels keep every value in registers (the H200's tiles spilled there: K-up 256 at 64 heads and
-    256 tokens, 128 x 256 in 3 stages, 3,280 bytes of stack a thread on sm_80; 64-head attention 8-104 bytes)."""
-    nvidia = [launch for launch in launches if launch["arch"] in NVIDIA]
-    assert {launch["arch"] for launch in nvidia} == set(NVIDIA)
-    spilled = [(launch["arch"], launch["kernel"], launch["case"], launch["facts"]["spill"]) for launch in nvidia
-               if launch["facts"]["spill"]]  # fmt: skip
+def test_no_launch_that_runs_spills_registers(launches):
+    """Every launch that fits the GPU's shared memory keeps its values in registers: on NVIDIA GPUs without wgmma and
+    on gfx942 the GEMM runs :func:`triton_bmm.register_fit` tiles (the H200's spilled there: K-up 256 at 64 heads and
+    256 tokens, 128 x 256 in 3 stages, 3,280 bytes of stack a thread on sm_80; the 32 x 128 tile 256 deep 308 bytes a
+    lane on gfx942), and attention its 16-head launches (64-head blocks spilled 8-104 bytes a thread on NVIDIA GPUs).
+    A launch over the GPU's shared memory never runs there: the backend falls back."""
+    assert {launch["arch"] for launch in launches} == set(AMD + NVIDIA)
+    spilled = [(launch["arch"], launch["kernel"], launch["case"], launch["facts"]["spill"]) for launch in launches
+               if launch["facts"]["spill"] and not any("shared memory" in f for f in launch["findings"])]  # fmt: skip
     assert not spilled
-    assert all(launch["facts"]["registers"] <= 255 for launch in nvidia)
+    assert all(launch["facts"]["registers"] <= 255 for launch in launches if launch["arch"] in NVIDIA)
 
 
 def test_attention_takes_16_head_blocks_off_sm_90(launches):
@@ -190,26 +194,35 @@ nvidia_gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or torch.vers
                                      reason="needs an NVIDIA GPU")  # fmt: skip
 
 
-def _pytest_in_a_process(tmp_path, setting: str, header: str, *args: str) -> None:
-    """pytest with ``args``, in a process of :func:`_compiler_env` with the environment variable ``setting`` set (read
-    by tests/runtime/conftest.py) and a Triton cache of its own: it passes, its header saying ``header``."""
+def _pytest_in_a_process(tmp_path, settings: dict[str, str], *args: str) -> None:
+    """pytest with ``args``, in a process of :func:`_compiler_env` with the environment variables of ``settings`` set
+    (read by tests/runtime/conftest.py) and a Triton cache of its own: it passes, its header saying each setting's
+    text."""
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=ROOT,
-        env=_compiler_env(**{setting: "1"}, TRITON_CACHE_DIR=str(tmp_path / "triton")),
+        env=_compiler_env(**dict.fromkeys(settings, "1"), TRITON_CACHE_DIR=str(tmp_path / "triton")),
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-5000:]
-    assert " passed" in proc.stdout.splitlines()[-1] and header in proc.stdout
+    assert " passed" in proc.stdout.splitlines()[-1]
+    assert all(header in proc.stdout for header in settings.values())
+
+
+AMD_PATHS = {"GLM_PACK_TEST_AMD_PATHS": "with their AMD code paths"}
+NO_WGMMA = {"GLM_PACK_TEST_NO_WGMMA": "dispatched as on an NVIDIA GPU without wgmma"}
+DISPATCH_TESTS = "fit_registers_where or 64_head_blocks"  # they set the GPU they test: not under NO_WGMMA
 
 
 @nvidia_gpu_only
-def test_amd_code_paths_match_the_reference_on_an_nvidia_gpu(tmp_path):
+def test_gfx942_code_paths_match_the_reference_on_an_nvidia_gpu(tmp_path):
     """The GEMM and rounding tests, in a process whose kernels compile as for gfx942 (no inline PTX, weights decoded
-    in the kernel: ``GLM_PACK_TEST_AMD_PATHS``, tests/runtime/conftest.py), on this GPU. The one test left out pins
-    ``dot_scaled``'s reading of scale byte 0, which these paths do not call."""
-    _pytest_in_a_process(tmp_path, "GLM_PACK_TEST_AMD_PATHS", "with their AMD code paths",
-                         "tests/runtime/test_triton_bmm.py", "tests/runtime/test_mxfp4_jit.py",
-                         "-k", "not scale_byte_0")  # fmt: skip
+    in the kernel: ``GLM_PACK_TEST_AMD_PATHS``, tests/runtime/conftest.py) and are dispatched as there (the
+    defaults' :func:`triton_bmm.register_fit` tiles, no Gluon or TMA kernel: ``GLM_PACK_TEST_NO_WGMMA``), on this
+    GPU. Left out: the test pinning ``dot_scaled``'s reading of scale byte 0, which these paths do not call, and the
+    dispatch tests."""
+    _pytest_in_a_process(tmp_path, AMD_PATHS | NO_WGMMA, "tests/runtime/test_triton_bmm.py",
+                         "tests/runtime/test_mxfp4_jit.py", "-k",
+                         f"not scale_byte_0 and not ({DISPATCH_TESTS})")  # fmt: skip
 
 
 @nvidia_gpu_only
@@ -217,7 +230,6 @@ def test_dispatch_without_wgmma_matches_the_reference_on_an_nvidia_gpu(tmp_path)
     """The GEMM and attention tests, in a process whose backend dispatches as on an NVIDIA GPU without wgmma
     (``GLM_PACK_TEST_NO_WGMMA``, tests/runtime/conftest.py): the defaults' :func:`triton_bmm.register_fit` tiles
     and the 16-head attention launches, run on this GPU against the reference. Left out: the tests of the dispatch
-    itself, which set the GPU's compute capability they test."""
-    _pytest_in_a_process(tmp_path, "GLM_PACK_TEST_NO_WGMMA", "dispatched as on an NVIDIA GPU without wgmma",
-                         "tests/runtime/test_triton_bmm.py", "tests/runtime/test_triton_sparse_mla.py",
-                         "-k", "not fit_registers_on_nvidia and not 64_head_blocks")  # fmt: skip
+    itself, which set the GPU they test."""
+    _pytest_in_a_process(tmp_path, NO_WGMMA, "tests/runtime/test_triton_bmm.py",
+                         "tests/runtime/test_triton_sparse_mla.py", "-k", f"not ({DISPATCH_TESTS})")  # fmt: skip

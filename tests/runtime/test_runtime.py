@@ -296,6 +296,49 @@ def test_the_triton_backend_needs_an_nvidia_gpu_of_compute_capability_8(monkeypa
         assert select_backend("auto", torch.device("cuda"), {}).name == "torch"
 
 
+def _fake_ptxas(folder: Path, gpus: str) -> Path:
+    """An executable answering as a CUDA 13.0 ptxas whose ``--help`` lists ``gpus`` (quoted names, comma-separated;
+    no list at all when empty) as ``--gpu-name``'s allowed values."""
+    listed = f"        Allowed values for this option:  {gpus}.\n        Default value:  'sm_75'.\n" if gpus else ""
+    path = folder / "ptxas"
+    path.write_text("#!/bin/sh\n"
+                    'if [ "$1" = --version ]; then echo "Cuda compilation tools, release 13.0, V13.0.48"; exit 0; fi\n'
+                    f"cat <<'EOF'\n--gpu-name <gpu name>  (-arch)\n        Specify name of NVIDIA GPU.\n{listed}"
+                    "--help  (-h)\nEOF\n")  # fmt: skip
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("ptxas_lists, usable", [(None, False), ("'sm_100a','sm_110a'", True),
+                                                 ("'sm_100a','sm_120a'", False), ("", True)])  # fmt: skip
+def test_the_triton_backend_needs_a_ptxas_that_knows_the_gpu(monkeypatch, tmp_path, ptxas_lists, usable):
+    """Triton's own ptxas (3.6: CUDA 12.9 from sm_100) does not know sm_110 (Jetson Thor, compute capability 11.0), so
+    the first kernel would fail in ptxas there. The backend is unavailable, naming that ptxas and the variable that
+    picks another, and auto takes torch. A ptxas named by ``TRITON_PTXAS_BLACKWELL_PATH`` that lists sm_110a lifts
+    the refusal (one that lists other GPUs does not); one that lists no GPUs cannot tell, and is not refused."""
+    from glm_pack.runtime.backends import select_backend
+    from glm_pack.runtime.backends.triton_backend import triton_status
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (11, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    if ptxas_lists is None:  # Triton's own
+        monkeypatch.delenv("TRITON_PTXAS_BLACKWELL_PATH", raising=False)
+        ptxas, version = "ptxas-blackwell", "12.9"
+    else:
+        ptxas, version = str(_fake_ptxas(tmp_path, ptxas_lists)), "13.0"
+        monkeypatch.setenv("TRITON_PTXAS_BLACKWELL_PATH", ptxas)
+    ok, why = triton_status(torch.device("cuda"))
+    assert (ok, why == "ok") == (usable, usable)
+    if not usable:
+        assert why.startswith("triton backend unavailable on cuda: Triton's ptxas (") and ptxas in why
+        assert why.endswith(f", CUDA {version}) cannot compile for sm_110a; TRITON_PTXAS_BLACKWELL_PATH can name a "
+                            "ptxas that can")  # fmt: skip
+        with pytest.raises(BackendError, match="cannot compile for sm_110a"):
+            select_backend("triton", torch.device("cuda"), {})
+        assert select_backend("auto", torch.device("cuda"), {}).name == "torch"
+
+
 _OLD_TRITON_CHILD = """
 import torch
 torch.cuda.is_available = lambda: True  # as on a GPU machine: only the Triton release decides

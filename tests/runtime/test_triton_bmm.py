@@ -568,14 +568,14 @@ def test_register_fit_keeps_each_default_within_the_register_budget(monkeypatch)
     assert tb.register_fit(C(16, 64, 256, 4, 2, 0)) == C(16, 64, 256, 4, 2, 0)
 
 
-@pytest.mark.parametrize("hip, capability, fits", [(None, (9, 0), False), (None, (8, 0), True), (None, (8, 9), True),
-                                                   (None, (10, 0), True), (None, (12, 0), True),
-                                                   ("7.0", (9, 5), False)])  # fmt: skip
-def test_calls_without_a_config_fit_registers_on_nvidia_gpus_without_wgmma(monkeypatch, gpu_as, hip, capability, fits):
-    """A call without a config takes :func:`register_fit` of the default on an NVIDIA GPU other than sm_90 (A100,
-    L40S, B200, RTX 50), the default itself on the H200 (sm_90) and on AMD GPUs; the CPU interpreter keeps its own."""
+@pytest.mark.parametrize("arch, fits", [("sm_90", False), ("sm_80", True), ("sm_89", True), ("sm_100", True),
+                                        ("sm_120", True), ("gfx950", False), ("gfx942", True)])  # fmt: skip
+def test_calls_without_a_config_fit_registers_where_the_h200_tiles_spill(monkeypatch, gpu_as, arch, fits):
+    """A call without a config takes :func:`register_fit` of the default where the H200's tiles spill registers: on
+    NVIDIA GPUs other than sm_90 (A100, L40S, B200, RTX 50) and on AMD's gfx942; the default itself on the H200
+    (sm_90) and gfx950. The CPU interpreter keeps its own."""
     monkeypatch.setattr(tb, "_INTERPRETED", False)
-    gpu_as(hip, capability)
+    gpu_as(arch)
     for B, M, N, K in ((64, 256, 512, 256), (16, 1, 256, 512), (16, 8192, 256, 512)):
         default = tb.default_config(B, M, N, K)
         got = tb.config_for(B, M, N, K, torch.device("meta"))

@@ -252,12 +252,12 @@ as far as one wave of programs (a partly filled head block counting as one)."""
     assert tsm.default_config(40, 8, 40 * 2048, cpu).num_splits == 3  # 40 programs of 8 heads in one wave of 132
 
 
-@pytest.mark.parametrize("hip, capability, wide", [(None, (9, 0), True), (None, (8, 0), False), (None, (10, 0), False),
-                                                   (None, (12, 0), False), ("7.0", (9, 5), False)])  # fmt: skip
-def test_64_head_blocks_only_where_the_gpu_has_wgmma(gpu_as, hip, capability, wide):
+@pytest.mark.parametrize("arch, wide", [("sm_90", True), ("sm_80", False), ("sm_100", False), ("sm_120", False),
+                                        ("gfx950", False), ("gfx942", False)])  # fmt: skip
+def test_64_head_blocks_only_where_the_gpu_has_wgmma(gpu_as, arch, wide):
     """The 64-head blocks, tuned for the H200's wgmma, spill registers on other GPUs (8-104 bytes a thread on NVIDIA's
     sm_80, sm_86, sm_89, sm_100 and sm_120, 1.0-1.5 KB a lane on AMD's gfx950 and gfx942, compiled here:
     benchmarks/check_compile.py): there many heads and tokens take the 16-head launches."""
-    gpu_as(hip, capability)
+    gpu_as(arch)
     cfg = tsm.default_config(64, 64, 64 * 2048, torch.device("meta"))  # 4096 token-heads: the 64-head blocks' case
     assert (cfg.block_h, cfg.num_warps) == ((64, 8) if wide else (16, 4))
