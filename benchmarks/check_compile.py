@@ -35,7 +35,6 @@ from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from types import SimpleNamespace
 from unittest import mock
 
 import torch
@@ -145,15 +144,14 @@ class Recording:
 
 def _forget_the_gpu() -> None:
     """Clear what the backend caches about the GPU it runs on (per device, and meta tensors have one device)."""
-    for cached in (tb._has_tma, gluon_bmm._device_reason, kt.gpu_arch):
+    for cached in (tb._has_tma, gluon_bmm._device_reason, kt.tuned_here):
         cached.cache_clear()
 
 
 @contextmanager
 def dispatch_for(gpu: Gpu) -> Iterator[Recording]:
-    """Within it, the backend's dispatch answers as on ``gpu`` (torch a ROCm build and the architecture name of an
-    AMD GPU, the compute capability of an NVIDIA one; its multiprocessor count), and the launches it makes are
-    recorded instead of run."""
+    """Within it, the backend's dispatch answers as on ``gpu`` (torch a ROCm build for an AMD GPU, the compute
+    capability of an NVIDIA one; its multiprocessor count), and the launches it makes are recorded instead of run."""
     recording = Recording([])
 
     class Recorder:
@@ -168,13 +166,11 @@ def dispatch_for(gpu: Gpu) -> Iterator[Recording]:
 
     amd = gpu.target.backend == "hip"
     capability = (0, 0) if amd else divmod(gpu.target.arch, 10)
-    properties = SimpleNamespace(gcnArchName=f"{gpu.target.arch}:sramecc+:xnack-", multi_processor_count=gpu.units)
     _forget_the_gpu()
     try:
         with (
             mock.patch.object(torch.version, "hip", "7.0" if amd else None),
             mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: capability),
-            mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: properties),
             mock.patch.object(tb, "KernelLaunch", Recorder),
             mock.patch.object(sm, "_fwd", Recorder(sm._fwd)),
             mock.patch.object(sm, "_combine", Recorder(sm._combine)),

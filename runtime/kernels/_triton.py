@@ -98,16 +98,14 @@ def availability(kernels_interpreted: bool) -> tuple[bool, str]:
 
 
 @functools.cache
-def gpu_arch(device: torch.device) -> str:
-    """The GPU ``device`` is, named as its compiler names it: ``sm_90`` for compute capability 9.0 (NVIDIA),
-    ROCm's architecture name less its feature flags (``gfx942``, ``gfx950``); ``cpu`` for CPU tensors (the
-    interpreter's)."""
+def tuned_here(device: torch.device) -> bool:
+    """Whether the kernels' tiles and launch shapes, tuned on an H200, serve ``device`` as they are: an sm_90 GPU
+    (Hopper: wgmma, so the Gluon kernels), or CPU tensors (the interpreter, whose tests assume them). Compiled for
+    other GPUs they spill registers (NVIDIA's sm_80-sm_120, AMD's gfx942) or run a launch whose code Triton 3.6
+    gets wrong on the H200 with AMD's rounding (BENCHMARKS.md, "compiled for GPUs this project does not have")."""
     if device.type == "cpu":
-        return "cpu"
-    if torch.version.hip is not None:
-        return torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
+        return True
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def ptxas_reason(capability: tuple[int, int]) -> str:

@@ -55,12 +55,12 @@ from glm_pack.runtime.kernels._triton import IMPORT_ERROR as _TRITON_ERROR
 from glm_pack.runtime.kernels._triton import (
     KernelLaunch,
     availability,
-    gpu_arch,
     interpreted,
     sm_count,
     tl,
     tma_strides_ok,
     triton,
+    tuned_here,
 )
 
 ACT_QUANT_MODES = ("mxfp4", "none")
@@ -467,24 +467,24 @@ def default_config(B: int, M: int, N: int, K: int) -> BmmConfig:
     return BmmConfig(64, 128, bk, 4, 3, 0)
 
 
-H200_TILES_FIT = ("cpu", "sm_90", "gfx950")  # the GPUs (:func:`gpu_arch`) where calls take the defaults as they are
-ACCUMULATORS_PER_THREAD = 64  # fp32: a portable tile's at most, on the other GPUs
+ACCUMULATORS_PER_THREAD = 64  # fp32: a portable tile's at most, on GPUs other than the H200's sm_90
 PORTABLE_BLOCK_K = 64  # deepest K step of a portable tile there, but for tiles of 16 rows:
 SMALL_TILE_BLOCK_K = 256  # theirs (the H200's decode tiles take up to 512: V-up's spills 72-88 bytes there)
 
 
 def register_fit(cfg: BmmConfig) -> BmmConfig:
-    """What a default config runs as on GPUs where the H200's tiles spill registers: NVIDIA GPUs but sm_90, which
-    have no Gluon kernels (A100, L40S, B200, RTX 50, ...), and AMD GPUs but gfx950, whose tiled kernel decodes the
-    weight codes itself (MI300's gfx942). The portable tiled kernel, with a tile whose kernel does not spill registers
-    there, as close to the H200's as that allows: at most 8 warps and :data:`ACCUMULATORS_PER_THREAD` accumulators a
-    thread, counting 32 threads a warp (the tile's longer side halved until it holds that; AMD's 64-lane waves hold
-    half as many a lane); K steps at most :data:`PORTABLE_BLOCK_K` deep (:data:`SMALL_TILE_BLOCK_K` for 16-row
-    tiles); the config's stages where its K step stays, else three (and for the Gluon kernels' configs, whose stages
-    are their own); no TMA kernel (it spills on sm_120). The H200's tiles compiled there spill: up to 5.7 KB of stack
-    a thread on sm_80, 308 bytes a lane on gfx942 (BENCHMARKS.md, "compiled for GPUs this project does not have");
-    these do not on sm_80, sm_86, sm_89, sm_100, sm_120 or gfx942 (``benchmarks/check_compile.py``). Not timed
-    there."""
+    """What a config runs as on GPUs the H200's tuning does not serve (:func:`tuned_here`: NVIDIA GPUs but sm_90,
+    AMD GPUs): the portable tiled kernel, with a tile whose kernel does not spill registers there, as close to the
+    H200's as that allows. At most 8 warps and :data:`ACCUMULATORS_PER_THREAD` accumulators a thread, counting 32
+    threads a warp (the tile's longer side halved until it holds that; AMD's 64-lane waves hold half as many a lane);
+    K steps at most :data:`PORTABLE_BLOCK_K` deep (:data:`SMALL_TILE_BLOCK_K` for 16-row tiles); the config's stages
+    where its K step stays, else three (and for the Gluon kernels' configs, whose stages are their own); no TMA
+    kernel (it spills on sm_120). The H200's tiles compiled there spill: up to 5.7 KB of stack a thread on sm_80, 308
+    bytes a lane on gfx942. On gfx950 they do not, but on the H200 Triton 3.6's code for the 128 x 256 tiles on
+    decoded weights (8 warps, 3 stages: V-up from 1025 tokens) with AMD's rounding gives wrong results that vary
+    from call to call, and whether gfx950's does cannot be checked here (BENCHMARKS.md, "compiled for GPUs this
+    project does not have"). These tiles do not spill on sm_80, sm_86, sm_89, sm_100, sm_120, gfx942 or gfx950
+    (``benchmarks/check_compile.py``). Not timed there."""
     warps = min(cfg.num_warps, 8)
     bm, bn = cfg.block_m, cfg.block_n
     while bm * bn > ACCUMULATORS_PER_THREAD * 32 * warps:
@@ -499,10 +499,10 @@ def register_fit(cfg: BmmConfig) -> BmmConfig:
 
 
 def config_for(B: int, M: int, N: int, K: int, device: torch.device) -> BmmConfig:
-    """The config a call without one runs on ``device``: :func:`default_config`, through :func:`register_fit` but on
-    the GPUs of :data:`H200_TILES_FIT`."""
+    """The config a call without one runs on ``device``: :func:`default_config`, through :func:`register_fit` where
+    the H200's tuning does not serve (:func:`tuned_here`)."""
     cfg = default_config(B, M, N, K)
-    return cfg if gpu_arch(device) in H200_TILES_FIT else register_fit(cfg)
+    return cfg if tuned_here(device) else register_fit(cfg)
 
 
 def unpipelined(cfg: BmmConfig) -> BmmConfig:
@@ -675,6 +675,8 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
     elif cfg.tma and _tma_usable(x, out):
         main = _prepare_tma(x, w, out, act, cfg)
     else:
+        if (cfg.wgmma or cfg.tma) and not tuned_here(x.device):  # a config for kernels this GPU lacks (Gluon, TMA)
+            cfg = register_fit(cfg)
         ints = (M, N, *x.stride(), *w.stride(), *w_scales.stride(), *out.stride())
         consts = dict(K=K, ACT_MXFP4=act, INTERPRET=_INTERPRETED, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip

@@ -23,7 +23,7 @@ import torch
 
 from glm_pack.packing.errors import BackendError
 from glm_pack.runtime.kernels._triton import IMPORT_ERROR as _TRITON_ERROR
-from glm_pack.runtime.kernels._triton import availability, gpu_arch, interpreted, sm_count, tl, triton
+from glm_pack.runtime.kernels._triton import availability, interpreted, sm_count, tl, triton, tuned_here
 from glm_pack.runtime.reference import cache_rows
 
 _LOG2E = 1.4426950408889634
@@ -196,21 +196,15 @@ def _with_splits(T, H, n_indices, device, block_h, block_n, num_warps, num_stage
     return SparseMlaConfig(block_h, block_n, num_splits, num_warps=num_warps, num_stages=num_stages)
 
 
-def _wgmma_blocks(device: torch.device) -> bool:
-    """Whether 64-head blocks serve on ``device``: an sm_90 GPU (wgmma) or the interpreter's CPU. Compiled for other
-    GPUs their kernel spills: 8-104 bytes a thread on NVIDIA's sm_80-sm_120, 1.0-1.5 KB a lane on AMD's gfx950 and
-    gfx942 (BENCHMARKS.md, "compiled for GPUs this project does not have")."""
-    return gpu_arch(device) in ("cpu", "sm_90")
-
-
 def default_config(T: int, H: int, n_indices: int, device: torch.device) -> SparseMlaConfig:
     """Launch shape for ``T`` tokens, ``H`` heads and ``n_indices`` selected rows in all, from host values
     only (no sync, so CUDA-graph capture works). Tuned on an H200 (BENCHMARKS.md): 64-head blocks (wgmma,
-    one program per SM, ~220 KB shared memory) when heads and tokens are many, on sm_90 only (:func:`_wgmma_blocks`);
+    one program per SM, ~220 KB shared memory) when heads and tokens are many, on sm_90 only (:func:`tuned_here`:
+    elsewhere their kernel spills, 8-104 bytes a thread on NVIDIA's sm_80-sm_120, 1.0-1.5 KB a lane on AMD's);
     otherwise 16-head blocks (mma.sync), two programs per SM, or one deeper-pipelined program per SM while one wave
     of programs needs splitting (a quarter to one wave of tokens x head blocks)."""
     sms = sm_count(device)
-    if H > 16 and T * H > 256 and _wgmma_blocks(device):
+    if H > 16 and T * H > 256 and tuned_here(device):
         return _with_splits(T, H, n_indices, device, 64, 64, 8, 3, per_sm=1)
     if sms // 4 <= T * -(-H // 16) < sms:
         return _with_splits(T, H, n_indices, device, 16, 64, 8, 5, per_sm=1)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -46,7 +45,7 @@ def _dispatch_as_without_wgmma() -> None:
     compute capability is left alone: Triton's driver asks it for the compile target)."""
     from glm_pack.runtime.kernels import gluon_bmm, triton_bmm, triton_sparse_mla
 
-    triton_bmm.gpu_arch = triton_sparse_mla.gpu_arch = lambda device: "sm_80" if device.type == "cuda" else "cpu"
+    triton_bmm.tuned_here = triton_sparse_mla.tuned_here = lambda device: device.type != "cuda"
     triton_bmm._has_tma = lambda device: False
     gluon_bmm._device_reason = lambda device: "dispatched as on an NVIDIA GPU without wgmma (GLM_PACK_TEST_NO_WGMMA)"
 
@@ -85,21 +84,24 @@ def packed_dirs(tmp_path_factory):
 @pytest.fixture
 def gpu_as(monkeypatch):
     """``gpu_as(arch)``: torch answers as on that GPU (``sm_80``, ``gfx942``, ...) for the kernels' dispatch: CUDA with
-    its compute capability, or a ROCm build with its architecture name (and HIP's capability, 9.4 for gfx942); what
-    the runtime caches about the GPU is cleared then and after the test."""
-    from glm_pack.runtime.kernels._triton import gpu_arch
+    its compute capability, or a ROCm build (with HIP's capability, 9.4 for gfx942); what the runtime caches about
+    the GPU is cleared then and after the test."""
+    from glm_pack.runtime.kernels import gluon_bmm, triton_bmm
+    from glm_pack.runtime.kernels._triton import tuned_here
+
+    def forget() -> None:
+        for cached in (tuned_here, triton_bmm._has_tma, gluon_bmm._device_reason):
+            cached.cache_clear()
 
     def answer(arch: str) -> None:
         amd = arch.startswith("gfx")
         capability = (int(arch[3:-2]), int(arch[-2])) if amd else divmod(int(arch[3:]), 10)
-        properties = SimpleNamespace(gcnArchName=f"{arch}:sramecc+:xnack-")
         monkeypatch.setattr(torch.version, "hip", "7.0" if amd else None)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: properties)
-        gpu_arch.cache_clear()
+        forget()
 
     yield answer
-    gpu_arch.cache_clear()
+    forget()
 
 
 @pytest.fixture(autouse=True)

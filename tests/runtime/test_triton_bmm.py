@@ -568,12 +568,15 @@ def test_register_fit_keeps_each_default_within_the_register_budget(monkeypatch)
     assert tb.register_fit(C(16, 64, 256, 4, 2, 0)) == C(16, 64, 256, 4, 2, 0)
 
 
-@pytest.mark.parametrize("arch, fits", [("sm_90", False), ("sm_80", True), ("sm_89", True), ("sm_100", True),
-                                        ("sm_120", True), ("gfx950", False), ("gfx942", True)])  # fmt: skip
-def test_calls_without_a_config_fit_registers_where_the_h200_tiles_spill(monkeypatch, gpu_as, arch, fits):
-    """A call without a config takes :func:`register_fit` of the default where the H200's tiles spill registers: on
-    NVIDIA GPUs other than sm_90 (A100, L40S, B200, RTX 50) and on AMD's gfx942; the default itself on the H200
-    (sm_90) and gfx950. The CPU interpreter keeps its own."""
+OFF_SM_90 = [("sm_90", False), ("sm_80", True), ("sm_89", True), ("sm_100", True), ("sm_120", True), ("gfx950", True),
+             ("gfx942", True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("arch, fits", OFF_SM_90)
+def test_dispatch_fits_registers_off_sm_90(monkeypatch, gpu_as, arch, fits):
+    """A call without a config takes :func:`register_fit` of the default on every GPU but the H200's sm_90: NVIDIA's
+    A100, L40S, B200, RTX 50 and AMD's gfx950 and gfx942; the default itself on sm_90. The CPU interpreter keeps its
+    own."""
     monkeypatch.setattr(tb, "_INTERPRETED", False)
     gpu_as(arch)
     for B, M, N, K in ((64, 256, 512, 256), (16, 1, 256, 512), (16, 8192, 256, 512)):
@@ -581,6 +584,38 @@ def test_calls_without_a_config_fit_registers_where_the_h200_tiles_spill(monkeyp
         got = tb.config_for(B, M, N, K, torch.device("meta"))
         assert got == (tb.register_fit(default) if fits else default)
     assert tb.config_for(64, 256, 512, 256, torch.device("cpu")) == tb.default_config(64, 256, 512, 256)
+
+
+@pytest.mark.parametrize("arch, fits", OFF_SM_90)
+def test_dispatch_of_configs_for_kernels_the_gpu_lacks(monkeypatch, gpu_as, arch, fits):
+    """A caller's config for a Gluon or TMA kernel where neither can run (meta tensors here: no Gluon; TMA on NVIDIA
+    GPUs from sm_90, which take the TMA kernel) runs the tiled kernel: with its own tiles on sm_90, with
+    :func:`register_fit`'s elsewhere (its 128 x 256 tiles spill on NVIDIA GPUs without wgmma, and on the H200 Triton
+    3.6 compiles them wrong with AMD's rounding). A plain tiled config runs as given everywhere."""
+    monkeypatch.setattr(tb, "_INTERPRETED", False)
+    gpu_as(arch)
+    launched = []
+    monkeypatch.setattr(tb, "KernelLaunch", lambda kernel, grid, consts: launched.append((kernel, consts)) or None)
+    B, M, N, K = 16, 300, 512, 192
+    x = torch.empty(B, M, K, dtype=torch.bfloat16, device="meta")
+    codes = torch.empty(B, N, K // 2, dtype=torch.uint8, device="meta")
+    scales = torch.empty(B, N, K // 32, dtype=torch.uint8, device="meta")
+    out = torch.empty(B, M, N, dtype=torch.bfloat16, device="meta")
+    C = tb.BmmConfig
+    gluon = C(128, 256, 64, 8, 3, 0, predecode=True, tma=True, wgmma="streaming", ws=True)
+    plain = C(128, 256, 64, 8, 3, 0, predecode=True)
+    for cfg in (gluon, C(128, 256, 64, 8, 3, 0, predecode=True, tma=True), plain):
+        launched.clear()
+        tb._prepare(x, codes, scales, "mxfp4", out, cfg)
+        (kernel, consts), *rest = [launch for launch in launched if launch[0] is not tb._decode_kernel]
+        if cfg.tma and arch.startswith("sm_") and int(arch[3:]) >= 90:
+            assert kernel is tb._bmm_tma_kernel and not rest
+            continue
+        ran = tb.register_fit(cfg) if fits and cfg is not plain else cfg
+        assert kernel is tb._bmm_tiled_kernel and not rest
+        assert (consts["BLOCK_M"], consts["BLOCK_N"], consts["BLOCK_K"]) == (ran.block_m, ran.block_n, ran.block_k)
+        assert (consts["num_warps"], consts["num_stages"], consts["W_BF16"]) == (ran.num_warps, ran.num_stages, True)
+    assert tb.register_fit(plain) != plain
 
 
 def assert_default_matches_reference(B: int, M: int, N: int, K: int) -> None:

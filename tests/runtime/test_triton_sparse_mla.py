@@ -254,7 +254,7 @@ as far as one wave of programs (a partly filled head block counting as one)."""
 
 @pytest.mark.parametrize("arch, wide", [("sm_90", True), ("sm_80", False), ("sm_100", False), ("sm_120", False),
                                         ("gfx950", False), ("gfx942", False)])  # fmt: skip
-def test_64_head_blocks_only_where_the_gpu_has_wgmma(gpu_as, arch, wide):
+def test_dispatch_of_64_head_blocks_only_where_the_gpu_has_wgmma(gpu_as, arch, wide):
     """The 64-head blocks, tuned for the H200's wgmma, spill registers on other GPUs (8-104 bytes a thread on NVIDIA's
     sm_80, sm_86, sm_89, sm_100 and sm_120, 1.0-1.5 KB a lane on AMD's gfx950 and gfx942, compiled here:
     benchmarks/check_compile.py): there many heads and tokens take the 16-head launches."""
