@@ -111,9 +111,9 @@ def tuned_here(device: torch.device) -> bool:
 def ptxas_reason(capability: tuple[int, int]) -> str:
     """Why Triton cannot build kernels for an NVIDIA GPU of ``capability``; '' when it can, or when its ptxas does
     not list the GPUs it knows. Triton compiles for ``sm_XY`` (``sm_XYa`` from 9.0) with the ptxas it picks for that
-    GPU: its own, or the one ``TRITON_PTXAS_PATH`` (``TRITON_PTXAS_BLACKWELL_PATH`` from sm_100) names. Triton
-    3.6's own (CUDA 12.9 from sm_100) does not know sm_110 (Jetson Thor): there the first kernel would fail in
-    ptxas."""
+    GPU: its own, or the one ``TRITON_PTXAS_PATH`` (``TRITON_PTXAS_BLACKWELL_PATH`` from sm_100) names. The one
+    PyPI's Triton 3.6.0 ships for sm_100 on (CUDA 12.9's) does not know sm_110 (Jetson Thor): there the first kernel
+    would fail in ptxas."""
     from triton.backends.nvidia import compiler
 
     arch = capability[0] * 10 + capability[1]

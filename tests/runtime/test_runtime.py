@@ -298,9 +298,10 @@ def test_the_triton_backend_needs_an_nvidia_gpu_of_compute_capability_8(monkeypa
 
 def _fake_ptxas(folder: Path, gpus: str) -> Path:
     """An executable answering as a CUDA 13.0 ptxas whose ``--help`` lists ``gpus`` (quoted names, comma-separated;
-    no list at all when empty) as ``--gpu-name``'s allowed values."""
+    no list at all when empty) as ``--gpu-name``'s allowed values. Named by what it lists: what a ptxas knows is
+    cached by its path, and pytest may give a later test the folder of one that passed."""
     listed = f"        Allowed values for this option:  {gpus}.\n        Default value:  'sm_75'.\n" if gpus else ""
-    path = folder / "ptxas"
+    path = folder / ("ptxas-" + (gpus.replace("'", "").replace(",", "-") or "unlisted"))
     path.write_text("#!/bin/sh\n"
                     'if [ "$1" = --version ]; then echo "Cuda compilation tools, release 13.0, V13.0.48"; exit 0; fi\n'
                     f"cat <<'EOF'\n--gpu-name <gpu name>  (-arch)\n        Specify name of NVIDIA GPU.\n{listed}"
@@ -312,10 +313,11 @@ def _fake_ptxas(folder: Path, gpus: str) -> Path:
 @pytest.mark.parametrize("ptxas_lists, usable", [(None, False), ("'sm_100a','sm_110a'", True),
                                                  ("'sm_100a','sm_120a'", False), ("", True)])  # fmt: skip
 def test_the_triton_backend_needs_a_ptxas_that_knows_the_gpu(monkeypatch, tmp_path, ptxas_lists, usable):
-    """Triton's own ptxas (3.6: CUDA 12.9 from sm_100) does not know sm_110 (Jetson Thor, compute capability 11.0), so
-    the first kernel would fail in ptxas there. The backend is unavailable, naming that ptxas and the variable that
-    picks another, and auto takes torch. A ptxas named by ``TRITON_PTXAS_BLACKWELL_PATH`` that lists sm_110a lifts
-    the refusal (one that lists other GPUs does not); one that lists no GPUs cannot tell, and is not refused."""
+    """The ptxas PyPI's Triton 3.6.0 ships (CUDA 12.9's, from sm_100) does not know sm_110 (Jetson Thor, compute
+    capability 11.0), so the first kernel would fail in ptxas there. The backend is unavailable, naming that ptxas
+    and the variable that picks another, and auto takes torch. A ptxas named by ``TRITON_PTXAS_BLACKWELL_PATH`` that
+    lists sm_110a lifts the refusal (one that lists other GPUs does not); one that lists no GPUs cannot tell, and is
+    not refused."""
     from glm_pack.runtime.backends import select_backend
     from glm_pack.runtime.backends.triton_backend import triton_status
 
@@ -323,8 +325,12 @@ def test_the_triton_backend_needs_a_ptxas_that_knows_the_gpu(monkeypatch, tmp_pa
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (11, 0))
     monkeypatch.setattr(torch.version, "hip", None)
     if ptxas_lists is None:  # Triton's own
+        from triton.backends.nvidia.compiler import get_ptxas
+
         monkeypatch.delenv("TRITON_PTXAS_BLACKWELL_PATH", raising=False)
         ptxas, version = "ptxas-blackwell", "12.9"
+        if get_ptxas(110).version != version:
+            pytest.skip(f"this Triton ships CUDA {get_ptxas(110).version}'s ptxas, not 12.9's (PyPI's Triton 3.6.0)")
     else:
         ptxas, version = str(_fake_ptxas(tmp_path, ptxas_lists)), "13.0"
         monkeypatch.setenv("TRITON_PTXAS_BLACKWELL_PATH", ptxas)
