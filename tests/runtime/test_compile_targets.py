@@ -161,11 +161,11 @@ def test_launches_fit_the_gpus_shared_memory_or_fall_back(launches):
 
 
 def test_no_launch_that_runs_spills_registers(launches):
-    """Every launch that fits the GPU's shared memory keeps its values in registers: on NVIDIA GPUs without wgmma and
-    on gfx942 the GEMM runs :func:`triton_bmm.register_fit` tiles (the H200's spilled there: K-up 256 at 64 heads and
-    256 tokens, 128 x 256 in 3 stages, 3,280 bytes of stack a thread on sm_80; the 32 x 128 tile 256 deep 308 bytes a
-    lane on gfx942), and attention its 16-head launches (64-head blocks spilled 8-104 bytes a thread on NVIDIA GPUs).
-    A launch over the GPU's shared memory never runs there: the backend falls back."""
+    """Every launch that fits the GPU's shared memory keeps its values in registers: off sm_90 the GEMM runs
+    :func:`triton_bmm.register_fit` tiles (the H200's spilled: K-up 256 at 64 heads and 256 tokens, 128 x 256 in 3
+    stages, 3,280 bytes of stack a thread on sm_80; the 32 x 128 tile 256 deep 308 bytes a lane on gfx942), and
+    attention its 16-head launches (64-head blocks spilled 8-104 bytes a thread on NVIDIA GPUs, 1.0-1.5 KB a lane on
+    AMD's). A launch over the GPU's shared memory never runs there: the backend falls back."""
     assert {launch["arch"] for launch in launches} == set(AMD + NVIDIA)
     spilled = [(launch["arch"], launch["kernel"], launch["case"], launch["facts"]["spill"]) for launch in launches
                if launch["facts"]["spill"] and not any("shared memory" in f for f in launch["findings"])]  # fmt: skip
