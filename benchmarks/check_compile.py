@@ -1,8 +1,8 @@
 """Compile the Triton backend's portable kernels for GPUs this machine lacks, as the backend launches them there.
 
-The GPUs: AMD's gfx950 (MI350 / MI355) and gfx942 (MI300), and NVIDIA GPUs other than sm_90 (the H200, sm_90, runs
-the kernels for real; sm_80 A100, sm_86 A40, sm_89 L40S, sm_100 B200, sm_120 RTX 5090), none of which is needed or
-used. The launches are recorded from the backend's own dispatch (``triton_bmm._prepare`` and
+The GPUs: AMD's gfx950 (MI350 / MI355), gfx942 (MI300) and gfx90a (MI200), and NVIDIA GPUs other than sm_90 (the
+H200, sm_90, runs the kernels for real; sm_80 A100, sm_86 A40, sm_89 L40S, sm_100 B200, sm_120 RTX 5090), none of
+which is needed or used. The launches are recorded from the backend's own dispatch (``triton_bmm._prepare`` and
 ``triton_sparse_mla._launch`` on meta tensors, with torch answering as a ROCm build or with the NVIDIA GPU's compute
 capability, and the GPU's multiprocessor count), then each distinct launch is compiled by Triton for that GPU:
 Triton's JIT ``warmup`` with the launch's own arguments (meta tensors of its shapes and strides, its integers), so the
@@ -12,7 +12,7 @@ checks that the kernels lower, assemble and link for the GPU and what they take 
 memory against the GPU's, the matrix instructions); nothing here ran on those GPUs, so it says nothing about the
 kernels' speed or results there.
 
-    python benchmarks/check_compile.py [--arch gfx950,gfx942,sm_80,sm_86,sm_89,sm_100,sm_120] [--jobs 2]
+    python benchmarks/check_compile.py [--arch gfx950,gfx942,gfx90a,sm_80,sm_86,sm_89,sm_100,sm_120] [--jobs 2]
 
 Run without ``TRITON_INTERPRET`` (the kernels must be defined for the compiler). Shapes: GLM's K-up (N 512, K 192 and
 256) and V-up (N 256, K 512) at 4-64 heads and 1-8192 tokens, activations rounded to MXFP4 or not; sparse MLA
@@ -59,11 +59,12 @@ class Gpu:
     example: str
 
 
-# AMD: CDNA3 / CDNA4 ISA guides (MI300X, MI355X); NVIDIA: the CUDA programming guide's per-capability limits (shared
-# memory a block may opt into) and each product's multiprocessor count.
+# AMD: CDNA2 / CDNA3 / CDNA4 ISA guides (MI250X, MI300X, MI355X); NVIDIA: the CUDA programming guide's per-capability
+# limits (shared memory a block may opt into) and each product's multiprocessor count.
 GPUS = {
     "gfx950": Gpu(GPUTarget("hip", "gfx950", 64), 256, 160 * 1024, "MI355X"),
     "gfx942": Gpu(GPUTarget("hip", "gfx942", 64), 304, 64 * 1024, "MI300X"),
+    "gfx90a": Gpu(GPUTarget("hip", "gfx90a", 64), 110, 64 * 1024, "MI250X, one of its two dies"),
     "sm_80": Gpu(GPUTarget("cuda", 80, 32), 108, 163 * 1024, "A100"),
     "sm_86": Gpu(GPUTarget("cuda", 86, 32), 84, 99 * 1024, "A40"),
     "sm_89": Gpu(GPUTarget("cuda", 89, 32), 142, 99 * 1024, "L40S"),

@@ -1,9 +1,9 @@
 """The Triton backend's kernels compiled on this machine for GPUs it does not have, as the backend launches them
-there: AMD's gfx950 (MI350 / MI355) and gfx942 (MI300), NVIDIA's sm_80 (A100), sm_100 (B200) and sm_120 (RTX 5090).
-``benchmarks/check_compile.py`` records the launches from the backend's own dispatch (torch answering as a ROCm build
-or with the NVIDIA GPU's compute capability) and compiles each with Triton for that GPU. No such GPU runs anything
-here; on an NVIDIA GPU, the kernels compiled with the AMD code paths, and the launches dispatched as on an NVIDIA GPU
-without wgmma, are checked against the reference."""
+there: AMD's gfx950 (MI350 / MI355), gfx942 (MI300) and gfx90a (MI200), NVIDIA's sm_80 (A100), sm_100 (B200) and
+sm_120 (RTX 5090). ``benchmarks/check_compile.py`` records the launches from the backend's own dispatch (torch
+answering as a ROCm build or with the NVIDIA GPU's compute capability) and compiles each with Triton for that GPU. No
+such GPU runs anything here; on an NVIDIA GPU, the kernels compiled with gfx942's code paths and dispatch, and the
+launches dispatched as on an NVIDIA GPU without wgmma, are checked against the reference."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def _compile_in_a_process(script: str, *args: str) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-AMD = ("gfx950", "gfx942")
+AMD = ("gfx950", "gfx942", "gfx90a")  # MI355X, MI300X, MI250X
 NVIDIA = ("sm_80", "sm_100", "sm_120")  # A100, B200, RTX 5090 (99 KiB of shared memory, as sm_86 / sm_89)
 
 
@@ -131,8 +131,8 @@ def test_every_launch_compiles_and_links_for_the_gpu(launches, arch):
 
 def test_fp4_weights_reach_the_dot_as_each_gpu_converts_them(launches):
     """gfx950 hands the weight codes to ``tl.dot_scaled``, which converts them with its FP4 instruction
-    (``v_cvt_scalef32_pk_bf16_fp4``); gfx942 has none and decodes them in the kernel, also for the 16-row, 64-deep
-    tiles whose ``dot_scaled`` Triton 3.6 cannot lower there. Kernels on bf16 weights convert nothing."""
+    (``v_cvt_scalef32_pk_bf16_fp4``); gfx942 and gfx90a have none and decode them in the kernel, also for the 16-row,
+    64-deep tiles whose ``dot_scaled`` Triton 3.6 cannot lower for gfx942. Kernels on bf16 weights convert nothing."""
     amd = [launch for launch in launches if launch["arch"] in AMD]
     from_codes = [launch for launch in amd if launch["kernel"] == "_bmm_tiled_kernel"
                   and not launch["constexprs"]["W_BF16"]]  # fmt: skip
