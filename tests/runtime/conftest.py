@@ -16,23 +16,28 @@ if not torch.cuda.is_available():
 from glm_pack.convert.convert import ConvertOptions, convert
 from glm_pack.convert.synth import synthesize
 
-AMD_PATHS = bool(os.environ.get("GLM_PACK_TEST_AMD_PATHS"))  # set by test_amd_compile.py's GPU test
+AMD_PATHS = os.environ.get("GLM_PACK_TEST_AMD_PATHS", "")  # gfx942 or gfx950: set by test_compile_targets.py
 
 
-def _compile_with_amd_paths() -> None:
-    """Make the kernels compile, on whatever GPU runs them, with the code of an AMD GPU other than gfx950: no inline
-    PTX in the activation rounding, weights decoded in the tiled kernel instead of ``tl.dot_scaled``. Before any
-    kernel compiles: the predicates are read when a kernel is compiled."""
+def _compile_with_amd_paths(arch: str) -> None:
+    """Make the kernels compile, on whatever GPU runs them, with the code they have on AMD's ``arch``: no inline PTX
+    in the activation rounding; on gfx942 (and every AMD GPU but gfx950) the weights decoded in the tiled kernel
+    instead of given to ``tl.dot_scaled``. Before any kernel compiles: the predicates are read when a kernel is
+    compiled."""
     import triton
 
     from glm_pack.runtime.kernels import mxfp4_jit, triton_bmm
 
+    if arch not in ("gfx942", "gfx950"):
+        raise pytest.UsageError(f"GLM_PACK_TEST_AMD_PATHS={arch!r}: gfx942 or gfx950")
+
     @triton.constexpr_function
-    def compiling_for_nvidia_with_fp4_dot():
+    def compiling_for_nvidia():
         return False
 
-    mxfp4_jit.is_cuda = compiling_for_nvidia_with_fp4_dot
-    triton_bmm._dot_scaled_here = compiling_for_nvidia_with_fp4_dot
+    mxfp4_jit.is_cuda = compiling_for_nvidia
+    if arch == "gfx942":
+        triton_bmm._dot_scaled_here = compiling_for_nvidia
 
 
 NO_WGMMA = bool(os.environ.get("GLM_PACK_TEST_NO_WGMMA"))  # set by test_compile_targets.py's GPU test
@@ -51,14 +56,14 @@ def _dispatch_as_without_wgmma() -> None:
 
 
 if AMD_PATHS:
-    _compile_with_amd_paths()
+    _compile_with_amd_paths(AMD_PATHS)
 if NO_WGMMA:
     _dispatch_as_without_wgmma()
 
 
 def pytest_report_header():
     return [line for on, line in (
-        (AMD_PATHS, "glm-pack kernels compiled with their AMD code paths (GLM_PACK_TEST_AMD_PATHS)"),
+        (AMD_PATHS, f"glm-pack kernels compiled with {AMD_PATHS}'s code paths (GLM_PACK_TEST_AMD_PATHS)"),
         (NO_WGMMA, "glm-pack kernels dispatched as on an NVIDIA GPU without wgmma (GLM_PACK_TEST_NO_WGMMA)"),
     ) if on]  # fmt: skip
 

@@ -194,35 +194,36 @@ nvidia_gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or torch.vers
                                      reason="needs an NVIDIA GPU")  # fmt: skip
 
 
-def _pytest_in_a_process(tmp_path, settings: dict[str, str], *args: str) -> None:
-    """pytest with ``args``, in a process of :func:`_compiler_env` with the environment variables of ``settings`` set
-    (read by tests/runtime/conftest.py) and a Triton cache of its own: it passes, its header saying each setting's
-    text."""
+def _pytest_in_a_process(tmp_path, env: dict[str, str], headers: tuple[str, ...], *args: str) -> None:
+    """pytest with ``args``, in a process of :func:`_compiler_env` with ``env`` (read by tests/runtime/conftest.py)
+    and a Triton cache of its own: it passes, its header saying each of ``headers``."""
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=ROOT,
-        env=_compiler_env(**dict.fromkeys(settings, "1"), TRITON_CACHE_DIR=str(tmp_path / "triton")),
-        capture_output=True, text=True, timeout=900,
+        env=_compiler_env(**env, TRITON_CACHE_DIR=str(tmp_path / "triton")), capture_output=True, text=True,
+        timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-5000:]
     assert " passed" in proc.stdout.splitlines()[-1]
-    assert all(header in proc.stdout for header in settings.values())
+    assert all(header in proc.stdout for header in headers)
 
 
-AMD_PATHS = {"GLM_PACK_TEST_AMD_PATHS": "with their AMD code paths"}
-NO_WGMMA = {"GLM_PACK_TEST_NO_WGMMA": "dispatched as on an NVIDIA GPU without wgmma"}
+NO_WGMMA = {"GLM_PACK_TEST_NO_WGMMA": "1"}
+NO_WGMMA_HEADER = "dispatched as on an NVIDIA GPU without wgmma"
 DISPATCH_TESTS = "test_dispatch_"  # they set the GPU they test: not under NO_WGMMA
 
 
 @nvidia_gpu_only
-def test_gfx942_code_paths_match_the_reference_on_an_nvidia_gpu(tmp_path):
-    """The GEMM and rounding tests, in a process whose kernels compile as for gfx942 (no inline PTX, weights decoded
-    in the kernel: ``GLM_PACK_TEST_AMD_PATHS``, tests/runtime/conftest.py) and are dispatched as there (the
-    defaults' :func:`triton_bmm.register_fit` tiles, no Gluon or TMA kernel: ``GLM_PACK_TEST_NO_WGMMA``), on this
-    GPU. Left out: the test pinning ``dot_scaled``'s reading of scale byte 0, which these paths do not call, and the
-    dispatch tests."""
-    _pytest_in_a_process(tmp_path, AMD_PATHS | NO_WGMMA, "tests/runtime/test_triton_bmm.py",
-                         "tests/runtime/test_mxfp4_jit.py", "-k",
-                         f"not scale_byte_0 and not ({DISPATCH_TESTS})")  # fmt: skip
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_amd_code_paths_match_the_reference_on_an_nvidia_gpu(tmp_path, arch):
+    """The GEMM and rounding tests, in a process whose kernels compile as for ``arch`` (no inline PTX; on gfx942 the
+    weights decoded in the kernel, on gfx950 given to ``tl.dot_scaled``: ``GLM_PACK_TEST_AMD_PATHS``,
+    tests/runtime/conftest.py) and are dispatched as there (the defaults' :func:`triton_bmm.register_fit` tiles, no
+    Gluon or TMA kernel: ``GLM_PACK_TEST_NO_WGMMA``), on this GPU. Left out: the dispatch tests, and for gfx942 the
+    test pinning ``dot_scaled``'s reading of scale byte 0, which its paths do not call."""
+    left_out = f"not ({DISPATCH_TESTS})" + (" and not scale_byte_0" if arch == "gfx942" else "")
+    _pytest_in_a_process(tmp_path, {"GLM_PACK_TEST_AMD_PATHS": arch, **NO_WGMMA},
+                         (f"with {arch}'s code paths", NO_WGMMA_HEADER), "tests/runtime/test_triton_bmm.py",
+                         "tests/runtime/test_mxfp4_jit.py", "-k", left_out)  # fmt: skip
 
 
 @nvidia_gpu_only
@@ -231,5 +232,5 @@ def test_dispatch_without_wgmma_matches_the_reference_on_an_nvidia_gpu(tmp_path)
     (``GLM_PACK_TEST_NO_WGMMA``, tests/runtime/conftest.py): the defaults' :func:`triton_bmm.register_fit` tiles
     and the 16-head attention launches, run on this GPU against the reference. Left out: the tests of the dispatch
     itself, which set the GPU they test."""
-    _pytest_in_a_process(tmp_path, NO_WGMMA, "tests/runtime/test_triton_bmm.py",
+    _pytest_in_a_process(tmp_path, NO_WGMMA, (NO_WGMMA_HEADER,), "tests/runtime/test_triton_bmm.py",
                          "tests/runtime/test_triton_sparse_mla.py", "-k", f"not ({DISPATCH_TESTS})")  # fmt: skip
