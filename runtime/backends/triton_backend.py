@@ -20,12 +20,14 @@ def triton_status(device) -> tuple[bool, str]:
 
     if IMPORT_ERROR:
         return False, f"triton backend unavailable: {IMPORT_ERROR}"
+    if torch.version.hip is not None:
+        return True, "ok"
     capability = torch.cuda.get_device_capability(device)
-    if torch.version.hip is None and capability < MIN_CUDA_CAPABILITY:
+    if capability < MIN_CUDA_CAPABILITY:
         need = ".".join(map(str, MIN_CUDA_CAPABILITY))
         return False, (f"triton backend needs an NVIDIA GPU of compute capability {need} or later (Triton's floor), "
                        f"{device} is {capability[0]}.{capability[1]}")  # fmt: skip
-    if torch.version.hip is None and (why := ptxas_reason(capability)):
+    if why := ptxas_reason(capability):
         return False, f"triton backend unavailable on {device}: {why}"
     return True, "ok"
 
