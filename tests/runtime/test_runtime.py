@@ -276,7 +276,7 @@ def test_select_backend_says_torch_sees_no_gpu_for_a_cuda_device():
 
 
 @pytest.mark.parametrize("capability, usable", [((7, 0), False), ((7, 5), False), ((8, 0), True), ((12, 0), True)])
-def test_the_triton_backend_needs_an_nvidia_gpu_of_compute_capability_8(monkeypatch, capability, usable):
+def test_the_triton_backend_needs_an_nvidia_gpu_of_compute_capability_8(monkeypatch, gpu_as, capability, usable):
     """Triton supports NVIDIA GPUs from compute capability 8.0 (its README); below (V100 7.0, T4 7.5) there is no bf16
     MMA and ptxas refuses the activation rounding's bf16x2 PTX. There the Triton backend is unavailable, saying which
     GPU and what it needs, and auto takes torch; from 8.0 on it is usable."""
@@ -284,8 +284,7 @@ def test_the_triton_backend_needs_an_nvidia_gpu_of_compute_capability_8(monkeypa
     from glm_pack.runtime.backends.triton_backend import triton_status
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(torch.version, "hip", None)
+    gpu_as(f"sm_{capability[0]}{capability[1]}")
     ok, why = triton_status(torch.device("cuda"))
     assert (ok, why == "ok") == (usable, usable)
     if not usable:
@@ -312,7 +311,7 @@ def _fake_ptxas(folder: Path, gpus: str) -> Path:
 
 @pytest.mark.parametrize("ptxas_lists, usable", [(None, False), ("'sm_100a','sm_110a'", True),
                                                  ("'sm_100a','sm_120a'", False), ("", True)])  # fmt: skip
-def test_the_triton_backend_needs_a_ptxas_that_knows_the_gpu(monkeypatch, tmp_path, ptxas_lists, usable):
+def test_the_triton_backend_needs_a_ptxas_that_knows_the_gpu(monkeypatch, gpu_as, tmp_path, ptxas_lists, usable):
     """The ptxas PyPI's Triton 3.6.0 ships (CUDA 12.9's, from sm_100) does not know sm_110 (Jetson Thor, compute
     capability 11.0), so the first kernel would fail in ptxas there. The backend is unavailable, naming that ptxas
     and the variable that picks another, and auto takes torch. A ptxas named by ``TRITON_PTXAS_BLACKWELL_PATH`` that
@@ -322,8 +321,7 @@ def test_the_triton_backend_needs_a_ptxas_that_knows_the_gpu(monkeypatch, tmp_pa
     from glm_pack.runtime.backends.triton_backend import triton_status
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (11, 0))
-    monkeypatch.setattr(torch.version, "hip", None)
+    gpu_as("sm_110")
     if ptxas_lists is None:  # Triton's own
         from triton.backends.nvidia.compiler import get_ptxas
 

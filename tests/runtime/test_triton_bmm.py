@@ -536,7 +536,7 @@ def test_heads_classes_and_few_heads_rows_as_eight_heads(monkeypatch):
 
 
 def test_register_fit_keeps_each_default_within_the_register_budget(monkeypatch):
-    """On NVIDIA GPUs without wgmma every default becomes a portable tile of at most 64 fp32 accumulators a thread, 8
+    """Off sm_90 every default becomes a portable tile of at most 64 fp32 accumulators a thread, 8
     warps and 64-deep K steps (256 for 16-row tiles), neither Gluon nor TMA, the kernel choice (predecoded weights,
     weights-stationary) kept, a tuned portable config that fits kept whole; a config ``_prepare`` accepts. By hand:
     the 128 x 256 prefill tile (whose 3-stage kernel spills 3,280 bytes of stack a thread on sm_80) gives 128 x 128
