@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import re
 import subprocess
 import sys
@@ -252,8 +251,8 @@ def _count(pattern: str, asm: str) -> int:
 
 def _cubin_resources(cubin: bytes) -> dict:
     """Registers a thread and stack bytes a thread (spills; these kernels have no local arrays) of a cubin, as CUDA's
-    ``cuobjdump -res-usage`` (the one Triton ships) reports them."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    ``cuobjdump -res-usage`` (the one Triton uses: its own, or ``TRITON_CUOBJDUMP_PATH``'s) reports them."""
+    tool = triton.knobs.nvidia.cuobjdump.path
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
