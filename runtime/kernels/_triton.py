@@ -18,6 +18,9 @@ from collections.abc import Callable
 
 import torch
 
+from glm_pack.packing.errors import BackendError
+from glm_pack.runtime.kernels.ptx_check import wgmma_a_hazard
+
 # The Triton release the kernels are written and tested for (interpreter; compiled on an H200). Under 3.5 the Hopper
 # Gluon kernels do not compile for sm_90 (an older warp_specialize signature; a failed lowering) and its interpreter's
 # TMA descriptors refuse strides the predecode kernel passes; before 3.5 mxfp4_jit fails at import (no
@@ -27,18 +30,18 @@ MIN_TRITON = (3, 6)
 try:
     import triton
     import triton.language as tl
-    from triton.compiler import CompiledKernel
+    from triton.runtime import JITFunction
 
     IMPORT_ERROR = ""
 except Exception as exc:  # any import failure means "unavailable"
-    triton = tl = CompiledKernel = None
+    triton = tl = JITFunction = None
     IMPORT_ERROR = f"triton cannot be imported: {exc}"
 else:
     _version = re.match(r"(\d+)\.(\d+)", triton.__version__)
     if _version is None or tuple(map(int, _version.groups())) < MIN_TRITON:
         need = ".".join(map(str, MIN_TRITON))
         IMPORT_ERROR = f"triton {triton.__version__} is installed; glm-pack's kernels need Triton {need} or later"
-        triton = tl = CompiledKernel = None
+        triton = tl = JITFunction = None
 
 
 if not IMPORT_ERROR:
@@ -210,17 +213,34 @@ def c_launcher(compiled, grid: tuple[int, int, int], driver=None) -> Callable | 
     return launch_direct
 
 
+class UnsafeKernel(BackendError):
+    """A compiled kernel's code has a hazard Triton is known to emit (:func:`unsafe_code`): it is not launched."""
+
+
+_HAZARDS: dict[str, str] = {}  # compiled kernel's hash -> its hazard, "" for none
+
+
+def unsafe_code(compiled) -> str:
+    """What makes a compiled kernel's code unsafe to run, or "": on NVIDIA GPUs, a wgmma A-operand register written
+    while its MMA may be in flight (:func:`ptx_check.wgmma_a_hazard`). Once per compiled kernel."""
+    if compiled.hash not in _HAZARDS:
+        _HAZARDS[compiled.hash] = wgmma_a_hazard(compiled.asm["ptx"]) if "ptx" in compiled.asm else ""
+    return _HAZARDS[compiled.hash]
+
+
 class KernelLaunch:
     """``kernel[grid](*args, **constexprs)`` with grid, constexprs and options fixed, for arguments whose
     specialization the caller holds fixed (it keeps one instance per key covering what Triton specializes a
     compiled kernel on: each int's width and whether it is 1 or a multiple of 16, each pointer's dtype and
     16-byte alignment, each descriptor's block type and layout).
 
-    The first call goes through the JIT (argument binding, specialization, compiling or finding the kernel);
-    later calls go straight to the compiled kernel's C launcher (:func:`c_launcher`) or, where that is not
-    available, its Python launcher (``compiled[grid](*args)``), which skips the JIT's per-call work: tens of
-    microseconds of host time per launch. Where the JIT returns no compiled kernel (the interpreter), every
-    call goes through it."""
+    The first call compiles the kernel or finds it compiled (the JIT's ``warmup``: argument binding,
+    specialization) and loads it (Triton's ``OutOfResources`` where it does not fit the GPU), raises
+    :class:`UnsafeKernel` without launching it where :func:`unsafe_code` finds a hazard (every call then does), else
+    launches it. Every launch goes straight to the compiled kernel's C launcher
+    (:func:`c_launcher`) or, where that is not available, its Python launcher (``compiled[grid](*args)``), which
+    skips the JIT's per-call work: tens of microseconds of host time per launch. An interpreted kernel (not a
+    ``JITFunction``: the interpreter compiles nothing) goes through the JIT every call."""
 
     def __init__(self, kernel, grid: tuple[int, ...], constexprs: dict):
         self.kernel, self.constexprs = kernel, constexprs
@@ -229,11 +249,16 @@ class KernelLaunch:
         self._tail: tuple = ()
 
     def __call__(self, *args) -> None:
-        if self._runner is not None:
-            self._runner(*args, *self._tail)
-            return
-        compiled = self.kernel[self.grid](*args, **self.constexprs)
-        if isinstance(compiled, CompiledKernel):  # the launcher takes every parameter, constexprs included
-            params = self.kernel.params[len(args) :]
+        if self._runner is None:
+            if not isinstance(self.kernel, JITFunction):
+                self.kernel[self.grid](*args, **self.constexprs)
+                return
+            compiled = self.kernel.warmup(*args, grid=self.grid, **self.constexprs)
+            runner = c_launcher(compiled, self.grid) or compiled[self.grid]  # loads it: OutOfResources first
+            if hazard := unsafe_code(compiled):
+                raise UnsafeKernel(f"{compiled.name}: Triton {triton.__version__}'s code for this launch is unsafe "
+                                   f"on this GPU: {hazard} (triton-lang/triton#9433)")  # fmt: skip
+            params = self.kernel.params[len(args) :]  # the launcher takes every parameter, constexprs included
             self._tail = tuple(self.constexprs.get(p.name, p.default) for p in params)
-            self._runner = c_launcher(compiled, self.grid) or compiled[self.grid]
+            self._runner = runner
+        self._runner(*args, *self._tail)

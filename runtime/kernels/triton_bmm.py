@@ -54,6 +54,7 @@ from glm_pack.runtime.kernels import gluon_bmm
 from glm_pack.runtime.kernels._triton import IMPORT_ERROR as _TRITON_ERROR
 from glm_pack.runtime.kernels._triton import (
     KernelLaunch,
+    UnsafeKernel,
     availability,
     interpreted,
     sm_count,
@@ -508,8 +509,9 @@ def config_for(B: int, M: int, N: int, K: int, device: torch.device) -> BmmConfi
 def unpipelined(cfg: BmmConfig) -> BmmConfig:
     """What a default config falls back to where its kernel needs more shared memory than the GPU has (Triton refuses
     to load it: ``OutOfResources`` at its first launch; e.g. V-up's 128 x 256 tiles on predecoded weights need 80-96
-    KiB on AMD's gfx942, which has 64): the same tiles in the portable kernels, in one stage (32 KiB at most for GLM's
-    tiles)."""
+    KiB on AMD's gfx942, which has 64), or where Triton's code for it is unsafe (:class:`UnsafeKernel`; e.g. the
+    H200's 128 x 256 tiles in the tiled or TMA kernel, which run where Gluon cannot): the same tiles in the portable
+    kernels, in one stage (32 KiB at most for GLM's tiles; unpipelined, every MMA is waited for in its K step)."""
     return replace(cfg, num_stages=1, tma=False, wgmma="", ws=False, round_warps=gluon_bmm.ROUND_WARPS)
 
 
@@ -740,8 +742,9 @@ def bmm_a16wfp4(
 
     The first call with a signature (:func:`_signature`) validates it and prepares its launches; later calls
     with the same signature only launch (a few tens of microseconds of host time instead of 100-200). Where the
-    default config's kernel does not fit the GPU's shared memory, the call and later ones with its signature take
-    :func:`unpipelined`; a ``config`` that does not fit raises :class:`BackendError`.
+    default config's kernel does not fit the GPU's shared memory, or Triton's code for it is unsafe there
+    (:class:`UnsafeKernel`: a Hopper wgmma hazard), the call and later ones with its signature take
+    :func:`unpipelined`; a ``config`` that does either raises :class:`BackendError`.
     """
     ok, why = available()
     if not ok:
@@ -761,9 +764,10 @@ def bmm_a16wfp4(
             _PREPARED[sig] = launch
     try:
         launch(x, w_codes, w_scales, out)
-    except triton.runtime.errors.OutOfResources as exc:  # raised before anything of ``out`` is written
+    except (triton.runtime.errors.OutOfResources, UnsafeKernel) as exc:  # raised before anything of out is written
         if config is not None:
-            raise BackendError(f"triton bmm_a16wfp4: config {config} does not fit this GPU: {exc}") from exc
+            why = "is unsafe on this GPU" if isinstance(exc, UnsafeKernel) else "does not fit this GPU"
+            raise BackendError(f"triton bmm_a16wfp4: config {config} {why}: {exc}") from exc
         B, M, K = x.shape
         fallback = unpipelined(config_for(B, M, w_codes.shape[1], K, x.device))
         launch = _prepare(x, w_codes, w_scales, act_quant, out, fallback)

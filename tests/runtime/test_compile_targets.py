@@ -190,6 +190,43 @@ def test_the_compile_target_picks_the_rounding_code():
     assert got["nvidia_min"] > 0 and got["amd_ok"]
 
 
+_WGMMA_HAZARD_ON_SM_90 = """
+import dataclasses
+import torch
+from glm_pack.runtime.kernels import triton_bmm as tb
+from glm_pack.runtime.kernels.ptx_check import wgmma_a_hazard
+h200 = cc.Gpu(cc.GPUTarget("cuda", 90, 32), 132, 227 * 1024, "H200")
+tiled = tb.BmmConfig(128, 256, 64, 8, 3, 0, predecode=True)  # V-up's large-M tiles where Gluon cannot run
+H, T, N, K = 16, 1025, 256, 512
+x = torch.empty(T, H, K, dtype=torch.bfloat16, device="meta").transpose(0, 1)
+codes = torch.empty(H, N, K // 2, dtype=torch.uint8, device="meta")
+scales = torch.empty(H, N, K // 32, dtype=torch.uint8, device="meta")
+out = torch.empty(T, H, N, dtype=torch.bfloat16, device="meta").transpose(0, 1)
+for name, cfg in [("tiled", tiled), ("tma", dataclasses.replace(tiled, tma=True)),
+                  ("unpipelined", tb.unpipelined(tiled))]:
+    with cc.dispatch_for(h200) as recording:
+        tb._prepare(x, codes, scales, "mxfp4", out, cfg)(x, codes, scales, out)
+    (gemm,) = [launch for launch in recording.launches if launch.kernel != "_decode_kernel"]
+    ptx = cc.compile_for(gemm, h200.target)["ptx"]
+    print(json.dumps({"config": name, "kernel": gemm.kernel, "hazard": wgmma_a_hazard(ptx)}))
+"""
+
+
+@pytest.mark.skipif(not kernel_module("triton_bmm").triton.__version__.startswith("3.6."),
+                    reason="the hazard is Triton 3.6's (triton-lang/triton#9433)")  # fmt: skip
+def test_triton_3_6_code_for_pipelined_tiles_on_sm_90_has_the_wgmma_hazard_the_check_finds():
+    """The H200's 128 x 256 tiles on predecoded weights with the activation rounding, compiled for sm_90: in the
+    tiled and the TMA kernel (3 stages), the next K step's A fragments are loaded into registers that MMAs still in
+    flight read (the launch that gave call-varying wrong results on the H200 with AMD's rounding), so the runtime
+    refuses to launch them; unpipelined, as the backend falls back, every MMA is waited for."""
+    got = {g["config"]: g for g in _compile_in_a_process(_WGMMA_HAZARD_ON_SM_90)}
+    assert [got[c]["kernel"] for c in ("tiled", "tma", "unpipelined")] == [
+        "_bmm_tiled_kernel", "_bmm_tma_kernel", "_bmm_tiled_kernel"]  # fmt: skip
+    assert "the A operand of the wgmma.mma_async" in got["tiled"]["hazard"]
+    assert "the A operand of the wgmma.mma_async" in got["tma"]["hazard"]
+    assert got["unpipelined"]["hazard"] == ""
+
+
 nvidia_gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
                                      reason="needs an NVIDIA GPU")  # fmt: skip
 

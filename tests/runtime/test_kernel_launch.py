@@ -8,16 +8,20 @@ import inspect
 import pytest
 import torch
 
+from glm_pack.packing.errors import BackendError
 from glm_pack.runtime.kernels import _triton
+from glm_pack.runtime.kernels.ptx_check import wgmma_a_hazard
 
 pytestmark = pytest.mark.skipif(bool(_triton.IMPORT_ERROR), reason="triton unavailable")
 
 
 class _Compiled:
-    """A compiled kernel: ``[grid]`` gives its launcher, which records what it gets."""
+    """A compiled kernel: ``[grid]`` gives its launcher, which records what it gets; ``asm`` its PTX."""
 
-    def __init__(self):
-        self.launches = []
+    name = "kernel"
+
+    def __init__(self, ptx: str = "", hash: str = "h0"):
+        self.launches, self.asm, self.hash = [], {"ptx": ptx}, hash
 
     def __getitem__(self, grid):
         return lambda *args: self.launches.append((grid, args))
@@ -29,38 +33,74 @@ class _Param:
 
 
 class _Kernel:
-    """A JIT function: ``[grid](*args, **kwargs)`` records the call and returns ``result``."""
+    """A JIT function: ``warmup`` (compiling) and ``[grid](*args, **kwargs)`` (launching; the interpreter's way)
+    record the call; ``warmup`` returns ``compiled``."""
 
     params = [_Param("x"), _Param("n"), _Param("BLOCK"), _Param("FLAG", default=False)]
 
-    def __init__(self, result):
-        self.result, self.calls = result, []
+    def __init__(self, compiled):
+        self.compiled, self.warmups, self.calls = compiled, [], []
+
+    def warmup(self, *args, grid, **kwargs):
+        self.warmups.append((grid, args, kwargs))
+        return self.compiled
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs)) or self.result
+        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
 
 
-def test_first_call_compiles_later_calls_launch_directly(monkeypatch):
-    monkeypatch.setattr(_triton, "CompiledKernel", _Compiled)
+def test_first_call_compiles_then_every_call_launches_directly(monkeypatch):
+    monkeypatch.setattr(_triton, "JITFunction", _Kernel)
     compiled = _Compiled()
     kernel = _Kernel(compiled)
     launch = _triton.KernelLaunch(kernel, (7,), {"BLOCK": 64, "num_warps": 4})
     launch("x0", 5)
     launch("x1", 6)
-    launch("x2", 7)
-    assert kernel.calls == [((7, 1, 1), ("x0", 5), {"BLOCK": 64, "num_warps": 4})]
+    assert kernel.warmups == [((7, 1, 1), ("x0", 5), {"BLOCK": 64, "num_warps": 4})] and kernel.calls == []
     # constexprs after the runtime arguments, in parameter order, defaults filled in; options (num_warps) left out
-    assert compiled.launches == [((7, 1, 1), ("x1", 6, 64, False)), ((7, 1, 1), ("x2", 7, 64, False))]
+    assert compiled.launches == [((7, 1, 1), ("x0", 5, 64, False)), ((7, 1, 1), ("x1", 6, 64, False))]
 
 
-def test_without_a_compiled_kernel_every_call_goes_through_the_jit(monkeypatch):
-    """The interpreter's JIT returns no compiled kernel."""
-    monkeypatch.setattr(_triton, "CompiledKernel", _Compiled)
+def test_an_interpreted_kernel_goes_through_the_jit_every_call():
+    """The interpreter's kernels are no JITFunction, and it compiles nothing."""
     kernel = _Kernel(None)
     launch = _triton.KernelLaunch(kernel, (2, 3), {"BLOCK": 16})
     launch("a", 1)
     launch("b", 2)
-    assert [c[:2] for c in kernel.calls] == [((2, 3, 1), ("a", 1)), ((2, 3, 1), ("b", 2))]
+    assert [c[:2] for c in kernel.calls] == [((2, 3, 1), ("a", 1)), ((2, 3, 1), ("b", 2))] and kernel.warmups == []
+
+
+_UNSAFE_PTX = """
+\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f1, %f2}, {%r1, %r2, %r3, %r4}, %rd9, %p9, 1, 1, 1;
+\twgmma.commit_group.sync.aligned;
+\tld.shared.v4.b32 \t{%r1, %r2, %r3, %r4}, [%r20];
+"""
+
+
+def test_a_kernel_whose_code_is_unsafe_is_never_launched(monkeypatch):
+    """PTX writing a pending MMA's A registers: every call raises UnsafeKernel (a BackendError) naming the kernel,
+    the place and Triton's issue, and launches nothing; the PTX is checked once per compiled kernel."""
+    monkeypatch.setattr(_triton, "JITFunction", _Kernel)
+    monkeypatch.setattr(_triton, "_HAZARDS", {})
+    checked = []
+    monkeypatch.setattr(_triton, "wgmma_a_hazard", lambda ptx: checked.append(ptx) or wgmma_a_hazard(ptx))
+    compiled = _Compiled(_UNSAFE_PTX, hash="unsafe")
+    for _ in range(2):
+        launch = _triton.KernelLaunch(_Kernel(compiled), (1,), {"BLOCK": 16})
+        for _ in range(2):
+            with pytest.raises(BackendError, match=r"^kernel: Triton .*'s code for this launch is unsafe on this GPU: "
+                                                   r"line 4 .* writes %r1, %r2, %r3, %r4, .*triton#9433"):  # fmt: skip
+                launch("x", 1)
+    assert compiled.launches == [] and checked == [_UNSAFE_PTX]
+
+
+def test_code_without_ptx_is_not_checked(monkeypatch):
+    """An AMD GPU's compiled kernel has no PTX (its asm: amdgcn): launched as it is."""
+    monkeypatch.setattr(_triton, "JITFunction", _Kernel)
+    compiled = _Compiled()
+    compiled.asm = {"amdgcn": _UNSAFE_PTX}
+    _triton.KernelLaunch(_Kernel(compiled), (1,), {"BLOCK": 16})("x", 1)
+    assert compiled.launches == [((1, 1, 1), ("x", 1, 16, False))]
 
 
 class _Capture:
@@ -181,7 +221,7 @@ def test_c_launcher_declines_what_it_was_not_written_for(case, monkeypatch):
 )
 def test_repeated_calls_go_through_the_c_function_on_gpu(H, T, N, K, monkeypatch):
     """The default kernels of four GLM-like calls (Triton pointers; Gluon with two or three TMA descriptors):
-    after the first call, every launch goes through :func:`_triton.c_launcher`'s function, and every call
+    from the first call on, every launch goes through :func:`_triton.c_launcher`'s function, and every call
     writes the same output, within tolerance of the reference (outputs poisoned before each call); a call
     captured in a CUDA graph (launched on the capture stream) replays on new x."""
     from tests.runtime.kernel_modules import kernel_module
@@ -206,8 +246,8 @@ def test_repeated_calls_go_through_the_c_function_on_gpu(H, T, N, K, monkeypatch
         tb.bmm_a16wfp4(x, codes, scales, out=out)
         torch.cuda.synchronize()
         outputs.append(out.clone())
-    launches_per_call = len(direct) // 2
-    assert launches_per_call in (1, 2) and len(direct) == 2 * launches_per_call  # calls 2 and 3 only
+    launches_per_call = len(direct) // 3
+    assert launches_per_call in (1, 2) and len(direct) == 3 * launches_per_call
     assert all(torch.equal(o.view(torch.int16), outputs[0].view(torch.int16)) for o in outputs[1:])
     assert_close_to_reference(outputs[2], x, codes, scales, "mxfp4")
     graph = torch.cuda.CUDAGraph()
@@ -217,7 +257,7 @@ def test_repeated_calls_go_through_the_c_function_on_gpu(H, T, N, K, monkeypatch
     x.copy_(activations(T, H, K, seed=K + 1))
     graph.replay()
     torch.cuda.synchronize()
-    assert len(direct) == 3 * launches_per_call
+    assert len(direct) == 4 * launches_per_call
     assert_close_to_reference(out, x, codes, scales, "mxfp4")
 
 

@@ -364,10 +364,10 @@ def test_a_triton_older_than_the_kernels_need_is_refused_saying_so(tmp_path, ver
     package carries only what a release's import would give."""
     fake = tmp_path / "triton"
     (fake / "language").mkdir(parents=True)
-    (fake / "compiler").mkdir()
+    (fake / "runtime").mkdir()
     (fake / "__init__.py").write_text(f"__version__ = {version!r}\n")
     (fake / "language" / "__init__.py").write_text("")
-    (fake / "compiler" / "__init__.py").write_text("class CompiledKernel:\n    pass\n")
+    (fake / "runtime" / "__init__.py").write_text("class JITFunction:\n    pass\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
     run = subprocess.run([sys.executable, "-c", _OLD_TRITON_CHILD], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr

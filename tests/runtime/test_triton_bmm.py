@@ -124,15 +124,26 @@ def test_tma_config_falls_back_for_an_out_descriptors_cannot_address(monkeypatch
     assert_close_to_reference(out, x, codes, scales, "mxfp4")
 
 
-def _refused(*tensors):
-    """A launch the GPU refuses at load time: its kernel needs more shared memory than the GPU has."""
-    raise tb.triton.runtime.errors.OutOfResources(98_304, 65_536, "shared memory")
+_REFUSALS = {
+    # the GPU refuses to load the kernel: it needs more shared memory than the GPU has
+    "shared memory": (lambda: tb.triton.runtime.errors.OutOfResources(98_304, 65_536, "shared memory"),
+                      "does not fit this GPU"),  # fmt: skip
+    # Triton's code for it writes a pending wgmma's A registers (KernelLaunch checks before launching)
+    "unsafe code": (lambda: tb.UnsafeKernel("_bmm_tiled_kernel: ... (triton-lang/triton#9433)"),
+                    "is unsafe on this GPU"),  # fmt: skip
+}
 
 
-def test_a_default_config_that_does_not_fit_the_gpu_falls_back_to_one_stage(monkeypatch):
-    """The default config's kernel refused (OutOfResources at its first launch) is replaced by the same tiles
-    unpipelined, for this call and, without preparing again, the next with its signature; a config the caller
-    chose that does not fit is an error naming it."""
+@pytest.mark.parametrize("refusal", _REFUSALS)
+def test_a_default_config_the_gpu_refuses_falls_back_to_one_stage(monkeypatch, refusal):
+    """The default config's kernel refused at its first launch is replaced by the same tiles unpipelined, for this
+    call and, without preparing again, the next with its signature; a config the caller chose that is refused is an
+    error naming it and why."""
+    error, why = _REFUSALS[refusal]
+
+    def refused(*tensors):
+        raise error()
+
     B, M, N, K = 2, 37, 80, 192
     codes, scales = weights(B, N, K, seed=21)
     x = activations(M, B, K, seed=22, row=256)
@@ -140,7 +151,7 @@ def test_a_default_config_that_does_not_fit_the_gpu_falls_back_to_one_stage(monk
 
     def small_gpu(x, w_codes, w_scales, act_quant, out, config):
         prepared.append(config)
-        return _refused if config is None else real_prepare(x, w_codes, w_scales, act_quant, out, config)
+        return refused if config is None else real_prepare(x, w_codes, w_scales, act_quant, out, config)
 
     monkeypatch.setattr(tb, "_prepare", small_gpu)
     for _ in range(2):
@@ -148,9 +159,9 @@ def test_a_default_config_that_does_not_fit_the_gpu_falls_back_to_one_stage(monk
         tb.bmm_a16wfp4(x, codes, scales, out=out)
         assert_close_to_reference(out, x, codes, scales, "mxfp4")
     assert prepared == [None, tb.unpipelined(tb.config_for(B, M, N, K, x.device))]
-    monkeypatch.setattr(tb, "_prepare", lambda *args: _refused)
+    monkeypatch.setattr(tb, "_prepare", lambda *args: refused)
     chosen = tb.BmmConfig(32, 64, 64, 4, 1, 0)
-    with pytest.raises(BackendError, match=r"config BmmConfig\(block_m=32.* does not fit this GPU"):
+    with pytest.raises(BackendError, match=rf"config BmmConfig\(block_m=32.* {why}"):
         tb.bmm_a16wfp4(x, codes, scales, config=chosen)
 
 
@@ -439,6 +450,8 @@ def test_rejects_calls_outside_the_contract(mutate, match):
 @pytest.mark.parametrize("T", [1, 16, 300])
 @pytest.mark.parametrize("op", [(512, 192, 256), (512, 256, 256), (256, 512, 512)], ids=["kup192", "kup256", "vup"])
 def test_glm_shapes_on_gpu_all_kernels(op, T):
+    """Each kernel's result, or a refusal of Triton's code for a config as unsafe on this GPU (pipelined tiles with
+    the activation rounding on sm_90: :func:`test_dispatch_refuses_unsafe_code_on_sm_90`) with nothing written."""
     N, K, row = op
     H = 16
     codes, scales = weights(H, N, K, seed=T)
@@ -447,9 +460,50 @@ def test_glm_shapes_on_gpu_all_kernels(op, T):
     pre, tma = C(64, 128, 64, 8, 3, 0, predecode=True), C(128, 256, 64, 8, 3, 0, predecode=True, tma=True)
     for config in (None, C(64, 64, 64, 4, 2, 0), C(16, 32, 64, 4, 2, 2), pre, tma):
         for act_quant in ("mxfp4", "none"):
-            _, out = poisoned_out(T, H, N)
-            tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=config)
+            buf, out = poisoned_out(T, H, N)
+            try:
+                tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=config)
+            except BackendError as exc:
+                assert config is not None and act_quant == "mxfp4" and "is unsafe on this GPU" in str(exc)
+                assert torch.isnan(buf).all()
+                continue
             assert_close_to_reference(out, x, codes, scales, act_quant)
+
+
+sm_90_triton_3_6 = pytest.mark.skipif(
+    DEV == "cpu" or torch.cuda.get_device_capability() != (9, 0) or not tb.triton.__version__.startswith("3.6."),
+    reason="needs an sm_90 GPU (H100 / H200) and Triton 3.6",
+)
+
+
+@sm_90_triton_3_6
+def test_dispatch_refuses_unsafe_code_on_sm_90(monkeypatch):
+    """Triton 3.6's code for 128 x 256 (TMA kernel) and 64 x 128 (tiled kernel) tiles of 8 warps in 3 stages with the
+    activation rounding loads the next K step's A fragments into registers wgmma MMAs still in flight read
+    (triton-lang/triton#9433): a caller's config is refused, nothing written; without the rounding it runs. A default
+    call whose Gluon and TMA kernels cannot take its x (rows 516 bf16 apart, not 16-byte aligned: V-up at 1025
+    tokens, whose large-M config then runs the tiled kernel in 128 x 256 tiles, 3 stages) falls back to the same
+    tiles unpipelined, the reference's result."""
+    H, T, N, K = 16, 1025, 256, 512
+    codes, scales = weights(H, N, K, seed=31)
+    x = activations(T, H, K, seed=32, row=K)
+    C = tb.BmmConfig
+    for config in (C(64, 128, 64, 8, 3, 0, predecode=True), C(128, 256, 64, 8, 3, 0, predecode=True, tma=True)):
+        buf, out = poisoned_out(T, H, N)
+        unsafe = r"is unsafe on this GPU: .* the A operand of the wgmma.mma_async at line \d+, .*triton#9433"
+        with pytest.raises(BackendError, match=unsafe):
+            tb.bmm_a16wfp4(x, codes, scales, out=out, config=config)
+        assert torch.isnan(buf).all()
+        tb.bmm_a16wfp4(x, codes, scales, act_quant="none", out=out, config=config)
+        assert_close_to_reference(out, x, codes, scales, "none")
+    fallbacks, unpipelined = [], tb.unpipelined
+    monkeypatch.setattr(tb, "unpipelined", lambda cfg: fallbacks.append(cfg) or unpipelined(cfg))
+    monkeypatch.setattr(tb, "_PREPARED", {})  # prepared by another test: no fallback seen
+    unaligned = activations(T, H, K, seed=33, row=516)
+    _, out = poisoned_out(T, H, N)
+    tb.bmm_a16wfp4(unaligned, codes, scales, out=out)
+    assert fallbacks == [tb.config_for(H, T, N, K, unaligned.device)]
+    assert_close_to_reference(out, unaligned, codes, scales, "mxfp4")
 
 
 def test_untuned_shapes_take_the_general_rules_by_rows(monkeypatch):
