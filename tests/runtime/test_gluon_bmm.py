@@ -26,6 +26,7 @@ from tests.runtime.test_triton_bmm import (
     assert_close_to_reference,
     identity_weights,
     poisoned_out,
+    ran_or_refused_as_unsafe,
     weights,
 )
 
@@ -679,20 +680,25 @@ def _launches(monkeypatch) -> list:
 )  # fmt: skip
 def test_matches_reference_on_gpu(B, M, N, K, row, name, monkeypatch):
     """Every schedule on GLM shapes and ragged ones (M and N not multiples of the tiles, programs without
-    tiles when a column's M tiles do not split evenly), through the runtime's strided views."""
+    tiles when a column's M tiles do not split evenly), through the runtime's strided views. Where the weight column
+    leaves no room, a Triton kernel serves the config's tiles, or with the activation rounding refuses them as
+    unsafe (Triton 3.6's code for 8 warps in 3 stages on sm_90)."""
     launched = _launches(monkeypatch)
     codes, scales = weights(B, N, K, seed=M + N)
     x = activations(M, B, K, seed=K, row=row)
     cfg = _GPU_CONFIGS[name]
+    ran = []
     for act_quant in ("mxfp4", "none"):
         buf, out = poisoned_out(M, B, N)
-        tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=cfg)
-        assert torch.isnan(buf[..., N:]).all()
-        assert_close_to_reference(out, x, codes, scales, act_quant)
+        ran.append(ran_or_refused_as_unsafe(x, codes, scales, act_quant, buf, out, cfg))
+        if ran[-1]:
+            assert torch.isnan(buf[..., N:]).all()
+            assert_close_to_reference(out, x, codes, scales, act_quant)
     smem = gb.smem_limit(x.device)
     if gb.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma, K, smem) is None:
         assert not launched  # no room for the weight column: a Triton kernel served
     else:
+        assert all(ran)  # the Gluon kernels' code has no such hazard
         assert launched and launched[0].schedule == cfg.wgmma and launched[0].ws == (cfg.ws or cfg.wgmma == "swap")
         assert launched[0].round_warps == cfg.round_warps
 
