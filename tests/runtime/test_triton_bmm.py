@@ -491,9 +491,8 @@ def test_dispatch_refuses_unsafe_code_on_sm_90(monkeypatch):
     the activation rounding loads the next K step's A fragments into registers wgmma MMAs still in flight read
     (triton-lang/triton#9433; test_compile_targets.py finds it in their PTX for sm_90): a caller's config is
     refused, nothing written; without the rounding it runs. A default
-    call whose Gluon and TMA kernels cannot take its x (rows 516 bf16 apart, not 16-byte aligned: V-up at 1025
-    tokens, whose large-M config then runs the tiled kernel in 128 x 256 tiles, 3 stages) falls back to the same
-    tiles unpipelined, the reference's result."""
+    call where the Gluon kernels cannot run (V-up at 1025 tokens, whose large-M config then takes the TMA kernel in
+    those tiles) falls back to the same tiles unpipelined, the reference's result."""
     H, T, N, K = 16, 1025, 256, 512
     codes, scales = weights(H, N, K, seed=31)
     x = activations(T, H, K, seed=32, row=K)
@@ -509,11 +508,13 @@ def test_dispatch_refuses_unsafe_code_on_sm_90(monkeypatch):
     fallbacks, unpipelined = [], tb.unpipelined
     monkeypatch.setattr(tb, "unpipelined", lambda cfg: fallbacks.append(cfg) or unpipelined(cfg))
     monkeypatch.setattr(tb, "_PREPARED", {})  # prepared by another test: no fallback seen
-    unaligned = activations(T, H, K, seed=33, row=516)
+    monkeypatch.setattr(tb.gluon_bmm, "unusable_reason", lambda *tensors: "Gluon cannot run here")
     _, out = poisoned_out(T, H, N)
-    tb.bmm_a16wfp4(unaligned, codes, scales, out=out)
-    assert fallbacks == [tb.config_for(H, T, N, K, unaligned.device)]
-    assert_close_to_reference(out, unaligned, codes, scales, "mxfp4")
+    tb.bmm_a16wfp4(x, codes, scales, out=out)
+    default = tb.config_for(H, T, N, K, x.device)
+    assert default.tma and (default.block_m, default.block_n, default.num_stages) == (128, 256, 3)
+    assert fallbacks == [default]
+    assert_close_to_reference(out, x, codes, scales, "mxfp4")
 
 
 def test_untuned_shapes_take_the_general_rules_by_rows(monkeypatch):
