@@ -104,8 +104,8 @@ def availability(kernels_interpreted: bool) -> tuple[bool, str]:
 def tuned_here(device: torch.device) -> bool:
     """Whether the kernels' tiles and launch shapes, tuned on an H200, serve ``device`` as they are: an sm_90 GPU
     (Hopper: wgmma, so the Gluon kernels), or CPU tensors (the interpreter, whose tests assume them). Compiled for
-    other GPUs they spill registers (NVIDIA's sm_80-sm_120, AMD's gfx942) or run a launch whose code Triton 3.6
-    gets wrong on the H200 with AMD's rounding (BENCHMARKS.md, "compiled for GPUs this project does not have")."""
+    other GPUs they spill registers (NVIDIA's sm_80-sm_120, AMD's gfx942; BENCHMARKS.md, "compiled for GPUs this
+    project does not have"); on gfx950 they do not, but were never timed there either."""
     if device.type == "cpu":
         return True
     return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] == 9

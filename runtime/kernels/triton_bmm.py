@@ -481,10 +481,8 @@ def register_fit(cfg: BmmConfig) -> BmmConfig:
     K steps at most :data:`PORTABLE_BLOCK_K` deep (:data:`SMALL_TILE_BLOCK_K` for 16-row tiles); the config's stages
     where its K step stays, else three (and for the Gluon kernels' configs, whose stages are their own); no TMA
     kernel (it spills on sm_120). The H200's tiles compiled there spill: up to 5.7 KB of stack a thread on sm_80, 308
-    bytes a lane on gfx942. On gfx950 they do not, but on the H200 Triton 3.6's code for the 128 x 256 tiles on
-    decoded weights (8 warps, 3 stages: V-up from 1025 tokens) with AMD's rounding gives wrong results that vary
-    from call to call, and whether gfx950's does cannot be checked here (BENCHMARKS.md, "compiled for GPUs this
-    project does not have"). These tiles do not spill on sm_80, sm_86, sm_89, sm_100, sm_120, gfx942 or gfx950
+    bytes a lane on gfx942 (on gfx950 they do not; one rule serves every GPU the tuning was not measured on). These
+    tiles do not spill on sm_80, sm_86, sm_89, sm_100, sm_120, gfx90a, gfx942 or gfx950
     (``benchmarks/check_compile.py``). Not timed there."""
     warps = min(cfg.num_warps, 8)
     bm, bn = cfg.block_m, cfg.block_n

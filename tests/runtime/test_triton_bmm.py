@@ -655,8 +655,8 @@ def test_dispatch_fits_registers_off_sm_90(monkeypatch, gpu_as, arch, fits):
 def test_dispatch_of_configs_for_kernels_the_gpu_lacks(monkeypatch, gpu_as, arch, fits):
     """A caller's config for a Gluon or TMA kernel where neither can run (meta tensors here: no Gluon; TMA on NVIDIA
     GPUs from sm_90, which take the TMA kernel) runs the tiled kernel: with its own tiles on sm_90, with
-    :func:`register_fit`'s elsewhere (its 128 x 256 tiles spill on NVIDIA GPUs without wgmma, and on the H200 Triton
-    3.6 compiles them wrong with AMD's rounding). A plain tiled config runs as given everywhere."""
+    :func:`register_fit`'s elsewhere (its 128 x 256 tiles spill on NVIDIA GPUs without wgmma). A plain tiled config
+    runs as given everywhere."""
     monkeypatch.setattr(tb, "_INTERPRETED", False)
     gpu_as(arch)
     launched = []
