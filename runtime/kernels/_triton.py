@@ -237,10 +237,10 @@ class KernelLaunch:
     The first call compiles the kernel or finds it compiled (the JIT's ``warmup``: argument binding,
     specialization) and loads it (Triton's ``OutOfResources`` where it does not fit the GPU), raises
     :class:`UnsafeKernel` without launching it where :func:`unsafe_code` finds a hazard (every call then does), else
-    launches it. Every launch goes straight to the compiled kernel's C launcher
-    (:func:`c_launcher`) or, where that is not available, its Python launcher (``compiled[grid](*args)``), which
-    skips the JIT's per-call work: tens of microseconds of host time per launch. An interpreted kernel (not a
-    ``JITFunction``: the interpreter compiles nothing) goes through the JIT every call."""
+    launches it. Every launch goes straight to the compiled kernel's C launcher (:func:`c_launcher`) or, where that is
+    not available, its Python launcher (``compiled[grid](*args)``), which skips the JIT's per-call work: tens of
+    microseconds of host time per launch. An interpreted kernel (not a ``JITFunction``: the interpreter compiles
+    nothing) goes through the JIT every call."""
 
     def __init__(self, kernel, grid: tuple[int, ...], constexprs: dict):
         self.kernel, self.constexprs = kernel, constexprs
