@@ -56,6 +56,8 @@ def wgmma_a_hazard(ptx: str) -> str:
     Followed in program order, each loop's body a second time with what is still pending at its end (once per
     backward branch), so a write in the next iteration meets the MMAs the last one left in flight; forward branches
     fall through (both ways counted). MMAs chained on one accumulator are not a hazard (PTX allows it)."""
+    if "wgmma.mma_async" not in ptx:  # most kernels: nothing to follow
+        return ""
     instructions, labels = _instructions(ptx)
     pending: list[list[tuple[int, set[str]]]] = []  # committed groups, oldest first: (line, A registers) each
     uncommitted: list[tuple[int, set[str]]] = []
