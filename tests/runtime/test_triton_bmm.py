@@ -490,9 +490,9 @@ def test_dispatch_refuses_unsafe_code_on_sm_90(monkeypatch):
     """Triton 3.6's code for 128 x 256 tiles of 8 warps in 3 stages (tiled and TMA kernels, on predecoded weights) with
     the activation rounding loads the next K step's A fragments into registers wgmma MMAs still in flight read
     (triton-lang/triton#9433; test_compile_targets.py finds it in their PTX for sm_90): a caller's config is
-    refused, nothing written; without the rounding it runs. A default
-    call where the Gluon kernels cannot run (V-up at 1025 tokens, whose large-M config then takes the TMA kernel in
-    those tiles) falls back to the same tiles unpipelined, the reference's result."""
+    refused, nothing written; without the rounding it runs. A default call where the Gluon kernels cannot run (V-up
+    at 1025 tokens, whose large-M config then takes the TMA kernel in those tiles) falls back to the same tiles
+    unpipelined, the reference's result."""
     H, T, N, K = 16, 1025, 256, 512
     codes, scales = weights(H, N, K, seed=31)
     x = activations(T, H, K, seed=32, row=K)
