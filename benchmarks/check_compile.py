@@ -182,16 +182,21 @@ def dispatch_for(gpu: Gpu) -> Iterator[Recording]:
         _forget_the_gpu()
 
 
-def gemm_launches(heads: int, tokens: int, N: int, K: int, act_quant: str) -> None:
-    """Record the launches of one K-up / V-up call on the runtime's layouts (x ``[H, T, K]``, the transposed view of
-    ``[T, H, row]`` rows: q's 256 for K-up, whose K 192 is a slice of them, the attention output's 512 for V-up; y a
-    transposed ``[T, H, N]`` buffer) with its default config, then with the one-stage config the backend falls back
-    to where the default does not fit the GPU."""
+def gemm_operands(heads: int, tokens: int, N: int, K: int) -> tuple[torch.Tensor, ...]:
+    """Meta tensors ``(x, codes, scales, out)`` of one K-up / V-up call on the runtime's layouts: x ``[H, T, K]``, the
+    transposed view of ``[T, H, row]`` rows (q's 256 for K-up, whose K 192 is a slice of them, the attention output's
+    512 for V-up); y a transposed ``[T, H, N]`` buffer."""
     q = torch.empty(tokens, heads, max(K, 256), dtype=torch.bfloat16, device="meta")
-    x = q[..., :K].transpose(0, 1)
     codes = torch.empty(heads, N, K // 2, dtype=torch.uint8, device="meta")
     scales = torch.empty(heads, N, K // 32, dtype=torch.uint8, device="meta")
     out = torch.empty(tokens, heads, N, dtype=torch.bfloat16, device="meta").transpose(0, 1)
+    return q[..., :K].transpose(0, 1), codes, scales, out
+
+
+def gemm_launches(heads: int, tokens: int, N: int, K: int, act_quant: str) -> None:
+    """Record the launches of one K-up / V-up call (:func:`gemm_operands`) with its default config, then with the
+    one-stage config the backend falls back to where the default does not fit the GPU."""
+    x, codes, scales, out = gemm_operands(heads, tokens, N, K)
     for cfg in (None, tb.unpipelined(tb.config_for(heads, tokens, N, K, x.device))):
         tb._prepare(x, codes, scales, act_quant, out, cfg)(x, codes, scales, out)
 

@@ -192,16 +192,11 @@ def test_the_compile_target_picks_the_rounding_code():
 
 _WGMMA_HAZARD_ON_SM_90 = """
 import dataclasses
-import torch
 from glm_pack.runtime.kernels import triton_bmm as tb
 from glm_pack.runtime.kernels.ptx_check import wgmma_a_hazard
 h200 = cc.Gpu(cc.GPUTarget("cuda", 90, 32), 132, 227 * 1024, "H200")
 tiled = tb.BmmConfig(128, 256, 64, 8, 3, 0, predecode=True)  # V-up's large-M tiles where Gluon cannot run
-H, T, N, K = 16, 1025, 256, 512
-x = torch.empty(T, H, K, dtype=torch.bfloat16, device="meta").transpose(0, 1)
-codes = torch.empty(H, N, K // 2, dtype=torch.uint8, device="meta")
-scales = torch.empty(H, N, K // 32, dtype=torch.uint8, device="meta")
-out = torch.empty(T, H, N, dtype=torch.bfloat16, device="meta").transpose(0, 1)
+x, codes, scales, out = cc.gemm_operands(16, 1025, 256, 512)
 for name, cfg in [("tiled", tiled), ("tma", dataclasses.replace(tiled, tma=True)),
                   ("unpipelined", tb.unpipelined(tiled))]:
     with cc.dispatch_for(h200) as recording:
