@@ -42,7 +42,6 @@ from triton.backends.compiler import GPUTarget
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from glm_pack.runtime.kernels import _triton as kt
-from glm_pack.runtime.kernels import gluon_bmm
 from glm_pack.runtime.kernels import triton_bmm as tb
 from glm_pack.runtime.kernels import triton_sparse_mla as sm
 
@@ -142,12 +141,6 @@ class Recording:
     case: str = ""
 
 
-def _forget_the_gpu() -> None:
-    """Clear what the backend caches about the GPU it runs on (per device, and meta tensors have one device)."""
-    for cached in (tb._has_tma, gluon_bmm._device_reason, kt.tuned_here):
-        cached.cache_clear()
-
-
 @contextmanager
 def dispatch_for(gpu: Gpu) -> Iterator[Recording]:
     """Within it, the backend's dispatch answers as on ``gpu`` (torch a ROCm build for an AMD GPU, the compute
@@ -166,7 +159,7 @@ def dispatch_for(gpu: Gpu) -> Iterator[Recording]:
 
     amd = gpu.target.backend == "hip"
     capability = (0, 0) if amd else divmod(gpu.target.arch, 10)
-    _forget_the_gpu()
+    tb.forget_gpu()  # per device, and meta tensors have one device
     try:
         with (
             mock.patch.object(torch.version, "hip", "7.0" if amd else None),
@@ -179,7 +172,7 @@ def dispatch_for(gpu: Gpu) -> Iterator[Recording]:
         ):
             yield recording
     finally:
-        _forget_the_gpu()
+        tb.forget_gpu()
 
 
 def gemm_operands(heads: int, tokens: int, N: int, K: int) -> tuple[torch.Tensor, ...]:

@@ -621,6 +621,13 @@ def _has_tma(device: torch.device) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def forget_gpu() -> None:
+    """Drop what the GEMM's dispatch cached from torch's answers about a GPU (ROCm build or not, compute capability),
+    so that the next calls ask again: for the tools and tests that make torch answer as another GPU."""
+    for cached in (tuned_here, _has_tma, gluon_bmm._device_reason):
+        cached.cache_clear()
+
+
 def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act_quant: str, out: torch.Tensor,
              config: BmmConfig | None) -> Callable:  # fmt: skip
     """How calls with tensors like these (shapes, strides, 16-byte alignment, devices; validated) run: checks

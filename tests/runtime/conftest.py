@@ -91,22 +91,17 @@ def gpu_as(monkeypatch):
     """``gpu_as(arch)``: torch answers as on that GPU (``sm_80``, ``gfx942``, ...) for the kernels' dispatch: CUDA with
     its compute capability, or a ROCm build (with HIP's capability, 9.4 for gfx942); what the runtime caches about
     the GPU is cleared then and after the test."""
-    from glm_pack.runtime.kernels import gluon_bmm, triton_bmm
-    from glm_pack.runtime.kernels._triton import tuned_here
-
-    def forget() -> None:
-        for cached in (tuned_here, triton_bmm._has_tma, gluon_bmm._device_reason):
-            cached.cache_clear()
+    from glm_pack.runtime.kernels.triton_bmm import forget_gpu
 
     def answer(arch: str) -> None:
         amd = arch.startswith("gfx")
         capability = (int(arch[3:-2]), int(arch[-2])) if amd else divmod(int(arch[3:]), 10)
         monkeypatch.setattr(torch.version, "hip", "7.0" if amd else None)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-        forget()
+        forget_gpu()
 
     yield answer
-    forget()
+    forget_gpu()
 
 
 @pytest.fixture(autouse=True)
