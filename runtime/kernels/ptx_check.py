@@ -5,7 +5,9 @@ in registers rather than in shared memory); a ``wgmma.wait_group N`` retires all
 Triton 3.6 pipelines a dot whose A operand is computed in registers (the kernels' activation rounding) with waits
 that leave the previous K step's MMAs pending, then loads the next step's A fragments into the same registers
 (triton-lang/triton#9433, open). On an H200 one such kernel gave wrong results that vary from call to call
-(BENCHMARKS.md); others with the same hazard happened to give right ones.
+(BENCHMARKS.md); others with the same hazard happened to give right ones. The issue's thread reports its own repro
+fixed by ptxas 13.3; this hazard is in the PTX, and 13.3 assembles it to the same waits (on the H200, wrong results
+then with either rounding), so the check reads the PTX, whatever ptxas Triton uses.
 """
 
 from __future__ import annotations

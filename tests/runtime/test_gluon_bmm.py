@@ -223,10 +223,9 @@ def test_ws_needs_the_wgmma_kernel():
 
 _COMPILER = textwrap.dedent(
     r"""
-    import dataclasses, json, os, re, subprocess, sys, tempfile, traceback
+    import dataclasses, json, re, subprocess, sys, tempfile, traceback
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     from glm_pack.runtime.kernels import gluon_bmm as gb
@@ -263,7 +262,7 @@ _COMPILER = textwrap.dedent(
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"])
             f.flush()
-            cuobjdump = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
+            cuobjdump = triton.knobs.nvidia.cuobjdump.path  # Triton's own, or TRITON_CUOBJDUMP_PATH's
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
             sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
         ins = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+([^;]*);", sass, re.M)
