@@ -69,6 +69,8 @@ GPUS = {
     "sm_100": Gpu(GPUTarget("cuda", 100, 32), 148, 227 * 1024, "B200"),
     "sm_120": Gpu(GPUTarget("cuda", 120, 32), 170, 99 * 1024, "RTX 5090"),
 }
+# The GPU the kernels run on for real, so not among GPUS: for checks of its code.
+H200 = Gpu(GPUTarget("cuda", 90, 32), 132, 227 * 1024, "H200")
 GLM_GEMMS = {"kup192": (512, 192), "kup256": (512, 256), "vup": (256, 512)}  # op -> (N, K)
 GEMM_HEADS = (4, 8, 16, 32, 64)
 GEMM_TOKENS = (1, 16, 32, 64, 128, 256, 1024, 8192)

@@ -194,15 +194,14 @@ _WGMMA_HAZARD_ON_SM_90 = """
 import dataclasses
 from glm_pack.runtime.kernels import triton_bmm as tb
 from glm_pack.runtime.kernels.ptx_check import wgmma_a_hazard
-h200 = cc.Gpu(cc.GPUTarget("cuda", 90, 32), 132, 227 * 1024, "H200")
 tiled = tb.BmmConfig(128, 256, 64, 8, 3, 0, predecode=True)  # V-up's large-M tiles where Gluon cannot run
 x, codes, scales, out = cc.gemm_operands(16, 1025, 256, 512)
 for name, cfg in [("tiled", tiled), ("tma", dataclasses.replace(tiled, tma=True)),
                   ("unpipelined", tb.unpipelined(tiled))]:
-    with cc.dispatch_for(h200) as recording:
+    with cc.dispatch_for(cc.H200) as recording:
         tb._prepare(x, codes, scales, "mxfp4", out, cfg)(x, codes, scales, out)
     (gemm,) = [launch for launch in recording.launches if launch.kernel != "_decode_kernel"]
-    ptx = cc.compile_for(gemm, h200.target)["ptx"]
+    ptx = cc.compile_for(gemm, cc.H200.target)["ptx"]
     print(json.dumps({"config": name, "kernel": gemm.kernel, "hazard": wgmma_a_hazard(ptx)}))
 """
 
@@ -220,6 +219,32 @@ def test_triton_3_6_code_for_pipelined_tiles_on_sm_90_has_the_wgmma_hazard_the_c
     assert "the A operand of the wgmma.mma_async" in got["tiled"]["hazard"]
     assert "the A operand of the wgmma.mma_async" in got["tma"]["hazard"]
     assert got["unpipelined"]["hazard"] == ""
+
+
+_ATTENTION_ON_SM_90 = """
+import re
+from glm_pack.runtime.kernels.ptx_check import wgmma_a_hazard
+with cc.dispatch_for(cc.H200) as recording:
+    for tokens in (8, 8192):  # split over the top-k axis, and not
+        cc.attention_launches(tokens, 64, 64, True)
+for launch in recording.launches:
+    if launch.kernel == "_fwd":
+        ptx, constexprs = cc.compile_for(launch, cc.H200.target)["ptx"], dict(launch.constexprs)
+        print(json.dumps({"heads": constexprs["BLOCK_H"], "split": constexprs["SPLIT"],
+                          "wgmma": ptx.count("wgmma.mma_async"), "hazard": wgmma_a_hazard(ptx),
+                          "a_in_registers": len(re.findall(r"wgmma\\.mma_async[^;]*\\}\\s*,\\s*\\{", ptx))}))
+"""
+
+
+def test_attention_code_for_sm_90_has_no_wgmma_hazard():
+    """Sparse MLA launches through the JIT, without the GEMM's PTX check before a first launch; its code for sm_90 must
+    not need it. The H200's 64-head blocks (split over the top-k axis and not) run their dots as wgmma with P in
+    registers as the A operand, and each K step rescales the accumulator, so every MMA is waited for before the next
+    step writes P; the 16-head compact launches have no wgmma."""
+    got = _compile_in_a_process(_ATTENTION_ON_SM_90)
+    assert sorted((g["heads"], g["split"]) for g in got) == [(16, False), (16, True), (64, False), (64, True)]
+    assert all((g["wgmma"] > 0) == (g["heads"] == 64) == (g["a_in_registers"] > 0) for g in got), got
+    assert [g["hazard"] for g in got] == [""] * 4
 
 
 nvidia_gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
