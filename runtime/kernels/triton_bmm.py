@@ -621,6 +621,13 @@ def _has_tma(device: torch.device) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def _x_copy(x: torch.Tensor) -> torch.Tensor:
+    """A new buffer for x ``[B, M, K]``'s values, laid out as the q rows it comes from (``[M, B, K]`` storage): 16-byte
+    aligned, as every allocation, so that tensor descriptors can address it."""
+    B, M, K = x.shape
+    return torch.empty(M, B, K, dtype=x.dtype, device=x.device).transpose(0, 1)
+
+
 def forget_gpu() -> None:
     """Drop what the GEMM's dispatch cached from torch's answers about a GPU (ROCm build or not, compute capability),
     so that the next calls ask again: for the tools and tests that make torch answer as another GPU."""
@@ -669,6 +676,24 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
     act = act_quant == "mxfp4"
     plan = None
     decode_args = (w_codes, w_scales) if cfg.wgmma in gluon_bmm.FROM_CODES else ()
+
+    def descriptors_take(x: torch.Tensor) -> bool:
+        """Whether the config's Gluon or TMA kernel can serve this x."""
+        if cfg.wgmma and not gluon_bmm.unusable_reason(x, out, *decode_args):
+            return True
+        return cfg.tma and _tma_usable(x, out)
+
+    # An x whose base or strides keep those kernels off (every other kernel would read it 2 bytes at a time, 3-10x
+    # slower for GLM's calls from 256 rows on the H200) is copied to an aligned buffer first, if then they can serve.
+    if not tma_strides_ok(x) and descriptors_take(_x_copy(x)):
+        main = _prepare(_x_copy(x), w_codes, w_scales, act_quant, out, cfg)
+
+        def copy_then_main(x, w_codes, w_scales, out):
+            staged = _x_copy(x)
+            staged.copy_(x)
+            main(staged, w_codes, w_scales, out)
+
+        return copy_then_main
     if cfg.wgmma and not gluon_bmm.unusable_reason(x, out, *decode_args):
         smem = gluon_bmm.smem_limit(x.device)
         plan = gluon_bmm.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma, K, smem, ws=cfg.ws,

@@ -109,19 +109,24 @@ def test_every_kernel_shape_matches_reference(config):
     assert_close_to_reference(out, x, codes, scales, "mxfp4")
 
 
-@pytest.mark.parametrize("row, tma", [(256, True), (196, False)], ids=["aligned", "unaligned-falls-back"])
-def test_tma_config_runs_where_descriptors_fit_and_falls_back_elsewhere(row, tma, monkeypatch):
-    """x rows 196 bf16 apart are not 16-byte aligned: no descriptor is made and the tiled kernel serves (as on a GPU
-    without TMA for any x)."""
+@pytest.mark.parametrize("row", [256, 196], ids=["aligned", "unaligned-copied"])
+def test_tma_config_reads_an_x_descriptors_cannot_address_from_an_aligned_copy(row, monkeypatch):
+    """x rows 196 bf16 apart are not 16-byte aligned, so no descriptor can address x: the call copies x into an
+    aligned buffer and the TMA kernel reads that (rows 256 apart: x itself). On a GPU without TMA the tiled kernel
+    reads x as it is."""
     B, M, N, K = 2, 37, 80, 192
     codes, scales = weights(B, N, K, seed=3)
     x = activations(M, B, K, seed=4, row=row)
+    x_before = x.clone()
     buf, out = poisoned_out(M, B, N)
-    launched = []
+    read = []
     real = tb._prepare_tma
-    monkeypatch.setattr(tb, "_prepare_tma", lambda *a: launched.append(1) or real(*a))
+    monkeypatch.setattr(tb, "_prepare_tma", lambda *a: read.append(a[0]) or real(*a))
     tb.bmm_a16wfp4(x, codes, scales, out=out, config=tb.BmmConfig(32, 64, 64, 4, 1, 0, predecode=True, tma=True))
-    assert bool(launched) == (tma and tma_here())
+    assert len(read) == tma_here()
+    for staged in read:
+        assert tb.tma_strides_ok(staged) and (staged.data_ptr() == x.data_ptr()) == (row == 256)
+    assert torch.equal(x, x_before)
     assert torch.isnan(buf[..., N:]).all()
     assert_close_to_reference(out, x, codes, scales, "mxfp4")
 
@@ -356,8 +361,8 @@ def test_a_signature_is_prepared_once(monkeypatch):
 
 def test_x_off_its_16_byte_alignment_is_prepared_apart(monkeypatch):
     """Two x of the same shape and strides, one starting an element (2 bytes) into the other's rows: the second,
-    which tensor descriptors cannot address, gets its own launches (the tiled kernel), not the first's TMA ones (on a
-    GPU without TMA, both the tiled kernel's)."""
+    which tensor descriptors cannot address, gets its own launches, which copy it into an aligned buffer for the same
+    TMA kernel (on a GPU without TMA, both the tiled kernel's, on x as it is)."""
     B, M, N, K = 2, 20, 64, 64
     codes, scales = weights(B, N, K, seed=1)
     q = activations(M, B, K + 16, seed=2, row=128)
@@ -369,7 +374,7 @@ def test_x_off_its_16_byte_alignment_is_prepared_apart(monkeypatch):
         _, out = poisoned_out(M, B, N)
         tb.bmm_a16wfp4(x, codes, scales, out=out, config=cfg)
         assert_close_to_reference(out, x, codes, scales, "mxfp4")
-    assert tma == ([0] if tma_here() else []) and len(tb._PREPARED) == 2
+    assert tma == ([0, 0] if tma_here() else []) and len(tb._PREPARED) == 2
 
 
 def test_empty_token_batch_returns_without_launch():
