@@ -673,9 +673,19 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
         if short:
             raise BackendError(f"triton bmm_a16wfp4: bad config {cfg} (too few registers for the MMA warps' "
                                f"accumulator: {short})")  # fmt: skip
-    # An x off 16-byte alignment (base or strides; or not K-contiguous) is copied to an aligned buffer first: the
-    # descriptor kernels cannot read it, and the others read it 2 bytes at a time (on the H200, up to 10x slower).
-    if not tma_strides_ok(x):
+    act = act_quant == "mxfp4"
+    plan = None
+    decode_args = (w_codes, w_scales) if cfg.wgmma in gluon_bmm.FROM_CODES else ()
+
+    def descriptors_take(x: torch.Tensor) -> bool:
+        """Whether the config's Gluon or TMA kernel can serve this x."""
+        if cfg.wgmma and not gluon_bmm.unusable_reason(x, out, *decode_args):
+            return True
+        return cfg.tma and _tma_usable(x, out)
+
+    # An x whose base or strides keep those kernels off (every other kernel would read it 2 bytes at a time, 3-10x
+    # slower for GLM's calls from 256 rows on the H200) is copied to an aligned buffer first, if then they can serve.
+    if not tma_strides_ok(x) and descriptors_take(_x_copy(x)):
         main = _prepare(_x_copy(x), w_codes, w_scales, act_quant, out, cfg)
 
         def copy_then_main(x, w_codes, w_scales, out):
@@ -684,9 +694,6 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
             main(staged, w_codes, w_scales, out)
 
         return copy_then_main
-    act = act_quant == "mxfp4"
-    plan = None
-    decode_args = (w_codes, w_scales) if cfg.wgmma in gluon_bmm.FROM_CODES else ()
     if cfg.wgmma and not gluon_bmm.unusable_reason(x, out, *decode_args):
         smem = gluon_bmm.smem_limit(x.device)
         plan = gluon_bmm.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma, K, smem, ws=cfg.ws,

@@ -113,21 +113,19 @@ def test_every_kernel_shape_matches_reference(config):
 def test_tma_config_reads_an_x_descriptors_cannot_address_from_an_aligned_copy(row, monkeypatch):
     """x rows 196 bf16 apart are not 16-byte aligned, so no descriptor can address x: the call copies x into an
     aligned buffer and the TMA kernel reads that (rows 256 apart: x itself). On a GPU without TMA the tiled kernel
-    reads the copy."""
+    reads x as it is."""
     B, M, N, K = 2, 37, 80, 192
     codes, scales = weights(B, N, K, seed=3)
     x = activations(M, B, K, seed=4, row=row)
     x_before = x.clone()
     buf, out = poisoned_out(M, B, N)
-    read, copies = [], []
-    real, real_copy = tb._prepare_tma, tb._x_copy
+    read = []
+    real = tb._prepare_tma
     monkeypatch.setattr(tb, "_prepare_tma", lambda *a: read.append(a[0]) or real(*a))
-    monkeypatch.setattr(tb, "_x_copy", lambda x: copies.append(x) or real_copy(x))
     tb.bmm_a16wfp4(x, codes, scales, out=out, config=tb.BmmConfig(32, 64, 64, 4, 1, 0, predecode=True, tma=True))
     assert len(read) == tma_here()
     for staged in read:
         assert tb.tma_strides_ok(staged) and (staged.data_ptr() == x.data_ptr()) == (row == 256)
-    assert bool(copies) == (row == 196)
     assert torch.equal(x, x_before)
     assert torch.isnan(buf[..., N:]).all()
     assert_close_to_reference(out, x, codes, scales, "mxfp4")
@@ -358,7 +356,7 @@ def test_a_signature_is_prepared_once(monkeypatch):
     buf, out = poisoned_out(M, B, N)
     tb.bmm_a16wfp4(x, codes, scales, out=out)
     assert_close_to_reference(out, x, codes, scales, "mxfp4")
-    assert len(prepared) == 5  # its signature, then the launches for the aligned copy it reads
+    assert len(prepared) == 4
 
 
 def test_x_off_its_16_byte_alignment_is_prepared_apart(monkeypatch):
