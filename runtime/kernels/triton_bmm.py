@@ -775,7 +775,9 @@ def bmm_a16wfp4(
     with the same signature only launch (a few tens of microseconds of host time instead of 100-200). Where the
     default config's kernel does not fit the GPU's shared memory, or Triton's code for it is unsafe there
     (:class:`UnsafeKernel`: a Hopper wgmma hazard), the call and later ones with its signature take
-    :func:`unpipelined`; a ``config`` that does either raises :class:`BackendError`.
+    :func:`unpipelined`; a ``config`` that does either raises :class:`BackendError`. An x whose start or strides are
+    not 16-byte aligned is copied into an aligned buffer first where the config's Gluon or TMA kernel can then serve
+    the call (those read x through tensor descriptors); x itself is never written.
     """
     ok, why = available()
     if not ok:
