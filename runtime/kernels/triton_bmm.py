@@ -686,8 +686,8 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
     # An x whose base or strides keep those kernels off is copied to an aligned buffer first where they can then serve:
     # the tiled kernel would read it 2 bytes at a time (on the H200 GLM's calls from 256 tokens took 2.2-10.8x the
     # aligned call's time that way, 1.5-3.1x with the copy; BENCHMARKS.md).
-    if not tma_strides_ok(x) and descriptors_take(_x_copy(x)):
-        main = _prepare(_x_copy(x), w_codes, w_scales, act_quant, out, cfg)
+    if not tma_strides_ok(x) and descriptors_take(planned := _x_copy(x)):
+        main = _prepare(planned, w_codes, w_scales, act_quant, out, cfg)
 
         def copy_then_main(x, w_codes, w_scales, out):
             staged = _x_copy(x)
