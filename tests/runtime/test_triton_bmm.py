@@ -688,6 +688,37 @@ def test_dispatch_of_configs_for_kernels_the_gpu_lacks(monkeypatch, gpu_as, arch
     assert tb.register_fit(plain) != plain
 
 
+@pytest.mark.parametrize("row", [256, 196], ids=["aligned", "unaligned-copied"])
+def test_dispatch_gives_the_gluon_kernel_an_aligned_copy_of_an_x_it_cannot_address(monkeypatch, row):
+    """Where the Gluon kernel serves aligned tensors (here on CPU: its availability answered as on an H200, its launch
+    a stand-in computing the reference), an x whose rows are 196 bf16 apart is copied into an aligned buffer that
+    the kernel reads; rows 256 apart are read in place. x is never written."""
+    monkeypatch.setattr(tb.gluon_bmm, "unusable_reason",
+                        lambda x, out, *w: "" if tb.tma_strides_ok(x) and tb.tma_strides_ok(out) else "unaligned")
+    monkeypatch.setattr(tb.gluon_bmm, "smem_limit", lambda device: 227 * 1024)
+    read = []
+
+    def gluon_prepare(x, out, act_mxfp4, plan, w, w_scales=None):
+        def launch(x, w, w_scales, out):
+            read.append(x)
+            out.copy_(reference.bmm_a16wfp4(x, w, w_scales, act_quant="mxfp4" if act_mxfp4 else "none"))
+
+        return launch
+
+    monkeypatch.setattr(tb.gluon_bmm, "prepare", gluon_prepare)
+    B, M, N, K = 4, 256, 512, 192
+    cfg = tb.BmmConfig(64, 128, 64, 4, 3, 0, wgmma="decode", ws=True)  # the H200's K-up 192 default at 256 tokens
+    codes, scales = weights(B, N, K, seed=41)
+    x = activations(M, B, K, seed=42, row=row)
+    x_before = x.clone()
+    buf, out = poisoned_out(M, B, N)
+    tb.bmm_a16wfp4(x, codes, scales, out=out, config=cfg)
+    (staged,) = read
+    assert tb.tma_strides_ok(staged) and (staged.data_ptr() == x.data_ptr()) == (row == 256)
+    assert torch.equal(staged, x) and torch.equal(x, x_before)
+    assert_close_to_reference(out, x, codes, scales, "mxfp4")
+
+
 def assert_default_matches_reference(B: int, M: int, N: int, K: int) -> None:
     """The default config on fresh inputs of these shapes, through the runtime's strided views (x in rows of 576):
     the reference's result, every element written, with and without the activation rounding."""
