@@ -677,16 +677,16 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
     plan = None
     decode_args = (w_codes, w_scales) if cfg.wgmma in gluon_bmm.FROM_CODES else ()
 
-    def descriptors_take(x: torch.Tensor) -> bool:
-        """Whether the config's Gluon or TMA kernel can serve this x."""
-        if cfg.wgmma and not gluon_bmm.unusable_reason(x, out, *decode_args):
-            return True
+    def gluon_takes(x: torch.Tensor) -> bool:
+        return bool(cfg.wgmma) and not gluon_bmm.unusable_reason(x, out, *decode_args)
+
+    def tma_takes(x: torch.Tensor) -> bool:
         return cfg.tma and _tma_usable(x, out)
 
     # An x whose base or strides keep those kernels off is copied to an aligned buffer first where they can then serve:
     # the tiled kernel would read it 2 bytes at a time (on the H200 GLM's calls from 256 tokens took 2.2-10.8x the
     # aligned call's time that way, 1.5-3.1x with the copy; BENCHMARKS.md).
-    if not tma_strides_ok(x) and descriptors_take(planned := _x_copy(x)):
+    if not tma_strides_ok(x) and (gluon_takes(planned := _x_copy(x)) or tma_takes(planned)):
         main = _prepare(planned, w_codes, w_scales, act_quant, out, cfg)
 
         def copy_then_main(x, w_codes, w_scales, out):
@@ -695,7 +695,7 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
             main(staged, w_codes, w_scales, out)
 
         return copy_then_main
-    if cfg.wgmma and not gluon_bmm.unusable_reason(x, out, *decode_args):
+    if gluon_takes(x):
         smem = gluon_bmm.smem_limit(x.device)
         plan = gluon_bmm.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma, K, smem, ws=cfg.ws,
                               round_warps=cfg.round_warps)  # fmt: skip
@@ -705,7 +705,7 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
     w = torch.empty(B, N, K, dtype=torch.bfloat16, device="meta") if cfg.predecode else w_codes
     if plan:
         main = gluon_bmm.prepare(x, out, act, plan, w=w)
-    elif cfg.tma and _tma_usable(x, out):
+    elif tma_takes(x):
         main = _prepare_tma(x, w, out, act, cfg)
     else:
         if (cfg.wgmma or cfg.tma) and not tuned_here(x.device):  # a config for kernels this GPU lacks (Gluon, TMA)
