@@ -74,8 +74,8 @@ def wgmma_a_hazard(ptx: str) -> str:
         elif opcode.startswith("wgmma.commit_group"):
             pending, uncommitted = [*pending, uncommitted], []
         elif opcode.startswith("wgmma.wait_group"):
-            keep = int(operands)
-            pending = pending[len(pending) - keep :] if 0 < keep < len(pending) else pending if keep else []
+            keep = int(operands)  # the most recent groups left in flight
+            pending = pending[max(0, len(pending) - keep) :] if keep else []
         elif written := _written(opcode, operands):
             for line, a_operand in (mma for group in [*pending, uncommitted] for mma in group):
                 if clash := sorted(written & a_operand):
