@@ -2,8 +2,9 @@
 predecoded.
 
 Same function as :func:`glm_pack.runtime.kernels.triton_bmm.bmm_a16wfp4` (which dispatches here): x ``[B, M, K]``
-bf16 (unit last stride) and y ``[B, M, N]`` bf16 (unit last stride; the runtime passes a view of the
-batch-major ``[T, H, N]`` buffer) through 3-D tensor descriptors; weights as E2M1 codes ``[B, N, K/2]`` + E8M0
+bf16 (unit last stride, 16-byte aligned base and other strides) through a 3-D tensor descriptor and y ``[B, M,
+N]`` bf16 (unit last stride; the runtime passes a view of the batch-major ``[T, H, N]`` buffer) through another, or
+by plain stores; weights as E2M1 codes ``[B, N, K/2]`` + E8M0
 scales ``[B, N, K/32]`` (``decode``) or as predecoded bf16 ``[B, N, K]`` (the others). With ``act_mxfp4`` each
 x tile is rounded to MXFP4 in shared memory, in place, by the shared
 :func:`~glm_pack.runtime.kernels.mxfp4_jit.mxfp4_even_round_trip` (bit-exact), before the MMAs read it.
@@ -11,7 +12,7 @@ x tile is rounded to MXFP4 in shared memory, in place, by the shared
 ``[block_m, block_n]`` output tiles (64 or 128 rows: one or two warpgroups along M, any other warps along N),
 ``block_k`` K steps, both operands from shared memory (wgmma SS), fp32 accumulators in registers; y leaves
 through one buffer (:func:`y_columns`) by TMA, or by plain stores where each program has one tile of at most 64
-rows and all fit at once (:func:`plain_y`). A program owns one ``(b, n0)`` column of weights and a contiguous run
+rows and all fit at once (:func:`plain_y`), or where y is no TMA target (base or strides off 16 bytes). A program owns one ``(b, n0)`` column of weights and a contiguous run
 of its M tiles (each column's tiles split over the multiprocessors left over). Four schedules work this way; a
 fifth, for small M, swaps the operands:
 
@@ -688,26 +689,28 @@ def plan(block_m: int, block_n: int, block_k: int, num_warps: int, schedule: str
     return None
 
 
+def tensors_reason(x: torch.Tensor, out: torch.Tensor, *weights: torch.Tensor) -> str:
+    """Why these tensors' layout keeps this kernel off ("" when it does not): x must be a TMA source (unit last
+    stride, 16-byte-aligned base and other strides); out needs a unit last stride (where it is no TMA target, y
+    leaves by plain stores: :func:`prepare`); ``weights`` (codes and scales, for ``decode``) a unit last stride."""
+    if not tma_strides_ok(x):
+        return f"x strides {x.stride()} are not TMA-compatible (unit last, 16-byte aligned others and base)"
+    for name, t in (("out", out), *(("weight", w) for w in weights)):
+        if t.stride(-1) != 1:
+            return f"{name} strides {t.stride()}: the kernel needs a unit last stride"
+    return ""
+
+
 def unusable_reason(x: torch.Tensor, out: torch.Tensor, *weights: torch.Tensor) -> str:
     """Why this kernel cannot serve these tensors ("" when it can): Gluon importable, compiled kernels, an
-    sm_90 NVIDIA GPU, x and out with unit last stride and 16-byte-aligned base and other strides; ``weights``
-    (codes and scales, for ``decode``) with unit last stride."""
+    sm_90 NVIDIA GPU, and the tensors' layout (:func:`tensors_reason`)."""
     if IMPORT_ERROR:
         return IMPORT_ERROR
     if _INTERPRETED:
         return "Gluon kernels do not run in Triton's interpreter"
     if x.device.type != "cuda":
         return f"tensors on {x.device}"
-    reason = _device_reason(x.device)
-    if reason:
-        return reason
-    for name, t in (("x", x), ("out", out)):
-        if not tma_strides_ok(t):
-            return f"{name} strides {t.stride()} are not TMA-compatible (unit last, 16-byte aligned others)"
-    for t in weights:
-        if t.stride(-1) != 1:
-            return f"weight strides {t.stride()}: decode needs a unit last stride"
-    return ""
+    return _device_reason(x.device) or tensors_reason(x, out, *weights)
 
 
 @functools.cache
@@ -753,7 +756,7 @@ def prepare(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: tor
         p = replace(p, ws=swap_workers(K // bk, act_mxfp4, columns * splits, sms) and p.ws,
                     round_warps=swap_round_warps(p.round_warps, columns * splits, sms))  # fmt: skip
     per_sm = programs_per_sm(p, K, columns * splits, sms, smem_limit(x.device))
-    plain = plain_y(triton.cdiv(triton.cdiv(M, bm), splits), bm, columns * splits, sms)
+    plain = not tma_strides_ok(out) or plain_y(triton.cdiv(triton.cdiv(M, bm), splits), bm, columns * splits, sms)
     constants = kernel_constants(p, K, act_mxfp4, per_sm, plain)
     ints = (*w.stride()[:2], *(w_scales if decode else w).stride()[:2], M, N)
 

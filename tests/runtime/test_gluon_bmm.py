@@ -143,9 +143,9 @@ def test_launch_grids_split_each_weight_column_over_the_multiprocessors_left(mon
     monkeypatch.setattr(gb, "_bmm_kernel", "bmm", raising=False)  # Gluon kernels are not defined in the interpreter
     monkeypatch.setattr(gb, "_swap_kernel", "swap", raising=False)
 
-    def launch(M, p, K=192):
+    def launch(M, p, K=192, out_offset=0):
         x = torch.zeros(M, 2, K, dtype=torch.bfloat16).transpose(0, 1)
-        out = torch.zeros(M, 2, 256, dtype=torch.bfloat16).transpose(0, 1)
+        out = torch.zeros(M, 2, 264, dtype=torch.bfloat16)[..., out_offset : out_offset + 256].transpose(0, 1)
         codes, scales = torch.zeros(2, 256, K // 2, dtype=torch.uint8), torch.zeros(2, 256, K // 32, dtype=torch.uint8)
         gb.prepare(x, out, True, p, w=codes, w_scales=scales)(x, codes, scales, out)
         kernel, grid, constants, args = launches[-1]
@@ -155,12 +155,31 @@ def test_launch_grids_split_each_weight_column_over_the_multiprocessors_left(mon
     for M, programs, splits, plain in ((16, 4, 1, True), (1024, 64, 16, True), (4096, 132, 33, False)):
         kernel, grid, plain_y, args, _ = launch(M, decode)
         assert (kernel, grid, plain_y) == ("bmm", (programs,), plain) and args[9:12] == (M, 256, splits), M
+        assert (args[2] is None) == plain  # y's descriptor
+    # an out starting 2 bytes past 16 is no TMA target: plain stores, however many tiles a program has
+    kernel, grid, plain_y, args, _ = launch(4096, decode, out_offset=1)
+    assert (grid, plain_y, args[2]) == ((132,), True, None)
     swap = gb.plan(32, 64, 64, 4, "swap", 192, H200_SMEM, round_warps=8)
     kernel, grid, _, _, constants = launch(100, swap)
     assert (kernel, grid, constants["WS"], constants["WORKERS"]) == ("swap", (32,), True, 8)  # 8 columns x 4 tiles
     # one 64-deep K step and 8 x 40 = 320 programs, more than two a multiprocessor: no workers, 4 rounding warps
     kernel, grid, _, _, constants = launch(1280, gb.plan(32, 64, 64, 4, "swap", 64, H200_SMEM, round_warps=8), K=64)
     assert (grid, constants["WS"], constants["WORKERS"]) == ((320,), False, 4)
+
+
+def test_tensors_reason_needs_x_on_16_bytes_and_unit_last_strides():
+    """x must be a TMA source (base and row strides 16-byte aligned, unit last stride); out, codes and scales need
+    only a unit last stride: an out off 16 bytes is written by plain stores instead of refused."""
+    q = torch.zeros(8, 2, 264, dtype=torch.bfloat16)
+    x, x_off = q[..., :192].transpose(0, 1), q[..., 1:193].transpose(0, 1)
+    y = torch.zeros(8, 2, 264, dtype=torch.bfloat16)
+    out, out_off, out_strided = y[..., :256].transpose(0, 1), y[..., 1:257].transpose(0, 1), y[..., ::2].transpose(0, 1)
+    codes, scales = torch.zeros(2, 256, 96, dtype=torch.uint8), torch.zeros(2, 256, 6, dtype=torch.uint8)
+    assert gb.tensors_reason(x, out, codes, scales) == "" and gb.tensors_reason(x, out_off, codes, scales) == ""
+    assert gb.tensors_reason(x_off, out).startswith("x strides")
+    assert gb.tensors_reason(q[..., :384:2].transpose(0, 1), out).startswith("x strides")  # K stride 2
+    assert gb.tensors_reason(x, out_strided).startswith("out strides")
+    assert gb.tensors_reason(x, out, codes.transpose(1, 2).contiguous().transpose(1, 2), scales).startswith("weight")
 
 
 def test_e2m1_ptx_decodes_like_dequantize_in_an_emulator():

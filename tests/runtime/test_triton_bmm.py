@@ -688,19 +688,20 @@ def test_dispatch_of_configs_for_kernels_the_gpu_lacks(monkeypatch, gpu_as, arch
     assert tb.register_fit(plain) != plain
 
 
-@pytest.mark.parametrize("row", [256, 196], ids=["aligned", "unaligned-copied"])
-def test_dispatch_gives_the_gluon_kernel_an_aligned_copy_of_an_x_it_cannot_address(monkeypatch, row):
-    """Where the Gluon kernel serves aligned tensors (here on CPU: its availability answered as on an H200, its launch
-    a stand-in computing the reference), an x whose rows are 196 bf16 apart is copied into an aligned buffer that
-    the kernel reads; rows 256 apart are read in place. x is never written."""
-    monkeypatch.setattr(tb.gluon_bmm, "unusable_reason",
-                        lambda x, out, *w: "" if tb.tma_strides_ok(x) and tb.tma_strides_ok(out) else "unaligned")
+@pytest.mark.parametrize("row, out_offset", [(256, 0), (196, 0), (256, 1)],
+                         ids=["aligned", "x-unaligned-copied", "out-unaligned-in-place"])  # fmt: skip
+def test_dispatch_gives_the_gluon_kernel_an_aligned_copy_of_an_x_it_cannot_address(monkeypatch, row, out_offset):
+    """Where the Gluon kernel serves aligned tensors (here on CPU: its availability answered as on an H200, its
+    layout rule the real one, its launch a stand-in computing the reference), an x whose rows are 196 bf16 apart is
+    copied into an aligned buffer that the kernel reads; rows 256 apart are read in place. x is never written. An
+    out starting 2 bytes past 16 is written in place (the kernel stores y plainly there)."""
+    monkeypatch.setattr(tb.gluon_bmm, "unusable_reason", tb.gluon_bmm.tensors_reason)
     monkeypatch.setattr(tb.gluon_bmm, "smem_limit", lambda device: 227 * 1024)
     read = []
 
     def gluon_prepare(x, out, act_mxfp4, plan, w, w_scales=None):
         def launch(x, w, w_scales, out):
-            read.append(x)
+            read.append((x, out))
             out.copy_(reference.bmm_a16wfp4(x, w, w_scales, act_quant="mxfp4" if act_mxfp4 else "none"))
 
         return launch
@@ -711,12 +712,15 @@ def test_dispatch_gives_the_gluon_kernel_an_aligned_copy_of_an_x_it_cannot_addre
     codes, scales = weights(B, N, K, seed=41)
     x = activations(M, B, K, seed=42, row=row)
     x_before = x.clone()
-    buf, out = poisoned_out(M, B, N)
+    buf, _ = poisoned_out(M, B, N + out_offset)
+    out = buf[..., out_offset : out_offset + N].transpose(0, 1)
     tb.bmm_a16wfp4(x, codes, scales, out=out, config=cfg)
-    (staged,) = read
+    ((staged, written),) = read
     assert tb.tma_strides_ok(staged) and (staged.data_ptr() == x.data_ptr()) == (row == 256)
     assert torch.equal(staged, x) and torch.equal(x, x_before)
+    assert written.data_ptr() == out.data_ptr() and tb.tma_strides_ok(out) == (out_offset == 0)
     assert_close_to_reference(out, x, codes, scales, "mxfp4")
+    assert torch.isnan(buf[..., :out_offset]).all() and torch.isnan(buf[..., out_offset + N :]).all()
 
 
 def assert_default_matches_reference(B: int, M: int, N: int, K: int) -> None:
