@@ -12,9 +12,9 @@ x tile is rounded to MXFP4 in shared memory, in place, by the shared
 ``[block_m, block_n]`` output tiles (64 or 128 rows: one or two warpgroups along M, any other warps along N),
 ``block_k`` K steps, both operands from shared memory (wgmma SS), fp32 accumulators in registers; y leaves
 through one buffer (:func:`y_columns`) by TMA, or by plain stores where each program has one tile of at most 64
-rows and all fit at once (:func:`plain_y`), or where y is no TMA target (base or strides off 16 bytes). A program owns one ``(b, n0)`` column of weights and a contiguous run
-of its M tiles (each column's tiles split over the multiprocessors left over). Four schedules work this way; a
-fifth, for small M, swaps the operands:
+rows and all fit at once (:func:`plain_y`) or where y is no TMA target (base or strides off 16 bytes). A program
+owns one ``(b, n0)`` column of weights and a contiguous run of its M tiles (each column's tiles split over the
+multiprocessors left over). Four schedules work this way; a fifth, for small M, swaps the operands:
 
 * ``decode``: the program loads the column's codes and scales into registers at once and decodes them into
   shared memory (bf16; a byte-table lookup per code pair, :func:`_e2m1_dequant_ptx`): K step ``k`` during

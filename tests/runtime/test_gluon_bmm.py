@@ -848,6 +848,28 @@ def test_y_stored_plainly_or_by_tma_matches_reference_on_gpu(name, B, M, N, K, p
 
 
 @sm90_only
+@pytest.mark.parametrize(
+    "name, B, M, N, K",
+    [("decode-ws", 16, 300, 512, 192), ("decode-64x64-ws", 8, 64, 512, 192), ("streaming-ws", 16, 300, 256, 512),
+     ("xreg-64x128", 16, 300, 512, 256), ("swap-32x64", 16, 45, 256, 512)],
+)  # fmt: skip
+def test_out_off_16_bytes_is_stored_plainly_by_the_gluon_kernels_on_gpu(name, B, M, N, K, monkeypatch):
+    """An out starting 2 bytes past 16 (no TMA target) in the ``decode`` (several 128-row tiles a program, and one
+    64-row tile), ``streaming``, ``xreg`` and ``swap`` kernels: still the Gluon kernel, y by plain stores, the
+    reference's result; the element before out and the padding after it stay NaN."""
+    launched = _launches(monkeypatch)
+    codes, scales = weights(B, N, K, seed=M + K)
+    x = activations(M, B, K, seed=N + 1, row=max(K, 256))
+    for act_quant in ("mxfp4", "none"):
+        buf, _ = poisoned_out(M, B, N + 1)
+        out = buf[..., 1 : N + 1].transpose(0, 1)
+        tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=_GPU_CONFIGS[name])
+        assert torch.isnan(buf[..., 0]).all() and torch.isnan(buf[..., N + 1 :]).all()
+        assert_close_to_reference(out, x, codes, scales, act_quant)
+    assert [p.schedule for p in launched] == [_GPU_CONFIGS[name].wgmma] * 2
+
+
+@sm90_only
 @pytest.mark.parametrize("B, M, N, warps", [(8, 64, 256, 8), (5, 45, 200, 8), (64, 64, 256, 4)])
 def test_swap_rounding_warps_by_programs_match_reference_on_gpu(B, M, N, warps, monkeypatch):
     """A swap tile asking for 8 rounding warps (V-up's 16-head T = 32 / 64 default) keeps them with at most 64
