@@ -258,21 +258,40 @@ if not IMPORT_ERROR and not _INTERPRETED:
     @gluon.jit
     def _store_y_part(v, y_desc, y_buf, y_plain, b, m0, n0, PLAIN: gl.constexpr):
         """Write bf16 ``v`` ``[BM, YN]`` (the shape of ``y_buf``) to y at ``(b, m0, n0)``: through ``y_buf`` by
-        TMA (the caller waits for the store before its program ends), or with PLAIN by plain stores (:func:`plain_y`),
-        ``v`` moved to a layout of 16 bytes of a row per thread (through shared memory the compiler allocates),
-        masked to y's ``M`` rows and ``N`` columns (``y_plain`` = (y_ptr, stride_yb, stride_ym, M, N); unit
-        column stride)."""
+        TMA (PLAIN 0; the caller waits for the store before its program ends), or by plain stores
+        (:func:`plain_y`), masked to y's ``M`` rows and ``N`` columns (``y_plain`` = (y_ptr, stride_yb, stride_ym,
+        M, N); unit column stride): with PLAIN 8, ``v`` moved to a layout of 16 bytes of a row a thread (through
+        shared memory the compiler allocates); with PLAIN 1 (y off 16 bytes), ``v`` stored in ``y_buf`` and read
+        back CH rows at a time, 8 values a thread (16 at 64 x 256), a warp's lanes along a row, so that each store
+        writes 64 contiguous bytes, the addresses one tile pointer plus 32-bit offsets (as one layout change with a
+        pointer a value, the 128 x 256 tiles spilled 112-152 bytes of registers; with 64-bit offsets, 16; as it is,
+        ``xreg`` at 64 x 256 spills 64)."""
         BM: gl.constexpr = v.shape[0]
         YN: gl.constexpr = v.shape[1]
-        if PLAIN:
-            y_ptr, stride_yb, stride_ym, M, N = y_plain
+        y_ptr, stride_yb, stride_ym, M, N = y_plain
+        if PLAIN == 1:
+            ALONG_N: gl.constexpr = min(32, YN)
+            ONE: gl.constexpr = gl.BlockedLayout([1, 1], [32 // ALONG_N, ALONG_N], [gl.num_warps(), 1], [1, 0])
+            CH: gl.constexpr = min(BM, max(8, 8 * 32 * gl.num_warps() // YN))  # whole 8-row swizzle periods
+            yb = y_buf.reshape([BM, YN])
+            gl.thread_barrier()  # every thread has read the previous part out of y_buf
+            yb.store(v)
+            gl.thread_barrier()
+            rows = gl.arange(0, CH, layout=gl.SliceLayout(1, ONE))
+            cols = n0 + gl.arange(0, YN, layout=gl.SliceLayout(0, ONE))
+            offsets = rows[:, None] * stride_ym + cols[None, :]  # 32-bit: tensors_reason bounds stride_ym
+            in_n = (cols < N)[None, :]
+            tile = y_ptr + b.to(gl.int64) * stride_yb + m0.to(gl.int64) * stride_ym
+            for r in gl.static_range(0, BM, CH):
+                part = yb.slice(r, CH).load(ONE)
+                gl.store(tile + r * stride_ym + offsets, part, mask=(rows < M - m0 - r)[:, None] & in_n)
+        elif PLAIN:
             ALONG_N: gl.constexpr = min(32, YN // 8)
             ROWS: gl.constexpr = gl.BlockedLayout([1, 8], [32 // ALONG_N, ALONG_N], [gl.num_warps(), 1], [1, 0])
-            out = gl.convert_layout(v, ROWS)
             rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ROWS))
             cols = n0 + gl.arange(0, YN, layout=gl.SliceLayout(0, ROWS))
             ptrs = y_ptr + b.to(gl.int64) * stride_yb + rows.to(gl.int64)[:, None] * stride_ym + cols[None, :]
-            gl.store(ptrs, out, mask=(rows < M)[:, None] & (cols < N)[None, :])
+            gl.store(ptrs, gl.convert_layout(v, ROWS), mask=(rows < M)[:, None] & (cols < N)[None, :])
         else:
             tma.store_wait(0)  # the previous store has read y_buf
             y_buf.reshape([BM, YN]).store(v)
@@ -435,11 +454,11 @@ if not IMPORT_ERROR and not _INTERPRETED:
                     PARTS: gl.constexpr, PLAIN_Y: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
         """Grid ``(columns * SPLITS,)``; descriptors over x ``[B, M, K]`` (block ``[1, BM, BK]``), y ``[B, M, N]``
         (``[1, BM, YN]``, YN = :func:`y_columns`; its buffer in Y_LAYOUT; with PLAIN_Y y goes by pointer and strides
-        instead, unit last, :func:`plain_y`) and, unless DECODE, bf16 w ``[B, N, K]`` (``[1, BN, BK]``); with DECODE
-        (stationary only) the weights come from codes ``c_ptr`` / scales ``s_ptr`` instead. WS: the x tiles are
-        rounded by WORKERS more warps (``ROUND_LAYOUT`` over those; PARTS partitions of them taking alternate steps,
-        :func:`round_partitions`), else by the MMA warps; XREG (with DECODE):
-        the ``xreg`` schedule, ``ROUND_LAYOUT`` its x register layout and PAIRS its rounding's k pairs."""
+        instead, unit last, PLAIN_Y values a thread at once, :func:`plain_y`) and, unless DECODE, bf16 w ``[B, N,
+        K]`` (``[1, BN, BK]``); with DECODE (stationary only) the weights come from codes ``c_ptr`` / scales
+        ``s_ptr`` instead. WS: the x tiles are rounded by WORKERS more warps (``ROUND_LAYOUT`` over those; PARTS
+        partitions of them taking alternate steps, :func:`round_partitions`), else by the MMA warps; XREG (with
+        DECODE): the ``xreg`` schedule, ``ROUND_LAYOUT`` its x register layout and PAIRS its rounding's k pairs."""
         BM: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[2]
         KSTEPS: gl.constexpr = K // BK
@@ -692,9 +711,12 @@ def plan(block_m: int, block_n: int, block_k: int, num_warps: int, schedule: str
 def tensors_reason(x: torch.Tensor, out: torch.Tensor, *weights: torch.Tensor) -> str:
     """Why these tensors' layout keeps this kernel off ("" when it does not): x must be a TMA source (unit last
     stride, 16-byte-aligned base and other strides); out needs a unit last stride (where it is no TMA target, y
-    leaves by plain stores: :func:`prepare`); ``weights`` (codes and scales, for ``decode``) a unit last stride."""
+    leaves by plain stores, :func:`prepare`, whose 32-bit offsets span 128 rows); ``weights`` (codes and scales,
+    for ``decode``) a unit last stride."""
     if not tma_strides_ok(x):
         return f"x strides {x.stride()} are not TMA-compatible (unit last, 16-byte aligned others and base)"
+    if not tma_strides_ok(out) and out.stride(1) * 128 >= 2**31:
+        return f"out strides {out.stride()}: off 16 bytes, its rows must be under 2**24 values apart (32-bit offsets)"
     for name, t in (("out", out), *(("weight", w) for w in weights)):
         if t.stride(-1) != 1:
             return f"{name} strides {t.stride()}: the kernel needs a unit last stride"
@@ -756,7 +778,7 @@ def prepare(x: torch.Tensor, out: torch.Tensor, act_mxfp4: bool, p: Plan, w: tor
         p = replace(p, ws=swap_workers(K // bk, act_mxfp4, columns * splits, sms) and p.ws,
                     round_warps=swap_round_warps(p.round_warps, columns * splits, sms))  # fmt: skip
     per_sm = programs_per_sm(p, K, columns * splits, sms, smem_limit(x.device))
-    plain = not tma_strides_ok(out) or plain_y(triton.cdiv(triton.cdiv(M, bm), splits), bm, columns * splits, sms)
+    plain = plain_y(triton.cdiv(triton.cdiv(M, bm), splits), bm, columns * splits, sms, tma_strides_ok(out))
     constants = kernel_constants(p, K, act_mxfp4, per_sm, plain)
     ints = (*w.stride()[:2], *(w_scales if decode else w).stride()[:2], M, N)
 
@@ -853,14 +875,18 @@ def swap_codes_first(num_warps: int, k_steps: int, programs_per_sm: int) -> bool
     return num_warps == 4 and k_steps > 1 and programs_per_sm == 1
 
 
-def plain_y(tiles_per_program: int, block_m: int, programs: int, sms: int) -> bool:
-    """Whether a launch writes y with plain stores rather than TMA (:func:`_store_y_part`): where each program
-    has one M tile of at most 64 rows and all ``programs`` run at once on the ``sms`` multiprocessors, so that
-    each program's store is its last work, waited for at the kernel's end. On the H200 that made the 16-head T =
-    32 / 64 ``swap`` and ``decode`` defaults 0.1-0.2 us faster (K-up 192 at T = 64: 4.23 -> 4.06 us); a program of
-    several tiles overlaps its TMA stores with its next tile, and plain stores were slower with 128-row tiles
-    (V-up 16 heads T = 1024) and with more programs than multiprocessors (BENCHMARKS.md, session 26)."""
-    return tiles_per_program == 1 and block_m <= 64 and programs <= sms
+def plain_y(tiles_per_program: int, block_m: int, programs: int, sms: int, tma_target: bool = True) -> int:
+    """How a launch writes y (:func:`_store_y_part`): 0 by TMA; else by plain stores of that many consecutive
+    values a thread. Where y is no TMA target (``tma_target`` False: base or strides off 16 bytes), 1. Else 8
+    (16-byte vectors) where each program has one M tile of at most 64 rows and all ``programs`` run at once on the
+    ``sms`` multiprocessors, so that each program's store is its last work, waited for at the kernel's end. On the
+    H200 that made the 16-head T = 32 / 64 ``swap`` and ``decode`` defaults 0.1-0.2 us faster (K-up 192 at T = 64:
+    4.23 -> 4.06 us); a program of several tiles overlaps its TMA stores with its next tile, and plain stores were
+    slower with 128-row tiles (V-up 16 heads T = 1024) and with more programs than multiprocessors (BENCHMARKS.md,
+    session 26)."""
+    if not tma_target:
+        return 1
+    return 8 if tiles_per_program == 1 and block_m <= 64 and programs <= sms else 0
 
 
 def round_partitions(p: Plan, K: int, ws: bool, programs_per_sm: int) -> int:
@@ -920,10 +946,10 @@ def xreg_x_layout(block_m: int, block_k: int, num_warps: int):
     return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_m, block_k])
 
 
-def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1, plain: bool = False) -> dict:
+def kernel_constants(p: Plan, K: int, act_mxfp4: bool, programs_per_sm: int = 1, plain: int = 0) -> dict:
     """The compile-time arguments of a launch of ``p`` (``num_warps`` and, with WS, ``maxnreg`` included: the
-    registers of ``programs_per_sm`` programs' warps share a multiprocessor's 65536; ``plain``: y written with
-    plain stores, :func:`plain_y`)."""
+    registers of ``programs_per_sm`` programs' warps share a multiprocessor's 65536; ``plain``: y by TMA (0) or
+    plain stores of that many values a thread, :func:`plain_y`)."""
     swap, xreg = p.schedule == "swap", p.schedule == "xreg"
     ws = p.ws and (act_mxfp4 or swap)  # swap's workers also reorder x; never for xreg (plan() makes it without)
     rounding, decoding = _register_layouts(p.block_m, p.block_n, p.block_k, p.num_warps,

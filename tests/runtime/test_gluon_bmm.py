@@ -152,13 +152,13 @@ def test_launch_grids_split_each_weight_column_over_the_multiprocessors_left(mon
         return kernel, grid, constants["PLAIN_Y"], args, constants
 
     decode = gb.plan(64, 128, 64, 8, "decode", 192, H200_SMEM, ws=True)
-    for M, programs, splits, plain in ((16, 4, 1, True), (1024, 64, 16, True), (4096, 132, 33, False)):
+    for M, programs, splits, plain in ((16, 4, 1, 8), (1024, 64, 16, 8), (4096, 132, 33, 0)):
         kernel, grid, plain_y, args, _ = launch(M, decode)
         assert (kernel, grid, plain_y) == ("bmm", (programs,), plain) and args[9:12] == (M, 256, splits), M
-        assert (args[2] is None) == plain  # y's descriptor
-    # an out starting 2 bytes past 16 is no TMA target: plain stores, however many tiles a program has
+        assert (args[2] is None) == bool(plain)  # y's descriptor
+    # an out starting 2 bytes past 16 is no TMA target: plain stores of one value a thread, however many tiles
     kernel, grid, plain_y, args, _ = launch(4096, decode, out_offset=1)
-    assert (grid, plain_y, args[2]) == ((132,), True, None)
+    assert (grid, plain_y, args[2]) == ((132,), 1, None)
     swap = gb.plan(32, 64, 64, 4, "swap", 192, H200_SMEM, round_warps=8)
     kernel, grid, _, _, constants = launch(100, swap)
     assert (kernel, grid, constants["WS"], constants["WORKERS"]) == ("swap", (32,), True, 8)  # 8 columns x 4 tiles
@@ -169,7 +169,8 @@ def test_launch_grids_split_each_weight_column_over_the_multiprocessors_left(mon
 
 def test_tensors_reason_needs_x_on_16_bytes_and_unit_last_strides():
     """x must be a TMA source (base and row strides 16-byte aligned, unit last stride); out, codes and scales need
-    only a unit last stride: an out off 16 bytes is written by plain stores instead of refused."""
+    only a unit last stride: an out off 16 bytes is written by plain stores instead of refused, if its rows are
+    under 2**24 values apart (the plain stores' 32-bit offsets)."""
     q = torch.zeros(8, 2, 264, dtype=torch.bfloat16)
     x, x_off = q[..., :192].transpose(0, 1), q[..., 1:193].transpose(0, 1)
     y = torch.zeros(8, 2, 264, dtype=torch.bfloat16)
@@ -180,6 +181,11 @@ def test_tensors_reason_needs_x_on_16_bytes_and_unit_last_strides():
     assert gb.tensors_reason(q[..., :384:2].transpose(0, 1), out).startswith("x strides")  # K stride 2
     assert gb.tensors_reason(x, out_strided).startswith("out strides")
     assert gb.tensors_reason(x, out, codes.transpose(1, 2).contiguous().transpose(1, 2), scales).startswith("weight")
+    far = torch.empty(2**24 + 16, dtype=torch.bfloat16)
+    for row, offset, reason in ((2**24 - 1, 1, ""), (2**24, 1, "out strides"), (2**24, 0, "")):
+        rows_apart = torch.as_strided(far, (1, 2, 8), (2 * row, row, 1), storage_offset=offset)
+        got = gb.tensors_reason(x, rows_apart)
+        assert got.startswith(reason) if reason else got == "", (row, offset, got)
 
 
 def test_e2m1_ptx_decodes_like_dequantize_in_an_emulator():
@@ -271,8 +277,10 @@ _COMPILER = textwrap.dedent(
             options["maxnreg"] = consts.pop("maxnreg")
         consts.update({n: None for n in ("w_desc", "y_desc") if sig.get(n) == "constexpr"})
         sig.update(dict.fromkeys(consts, "constexpr"))
-        # pointers, strides and N as a launch specializes them (multiples of 16): codes and y in 16-byte vectors
-        aligned = ("c_ptr", "s_ptr", "stride_cb", "stride_cn", "N", "y_ptr", "stride_yb", "stride_ym")
+        # pointers, strides and N as a launch specializes them (multiples of 16): codes and y in 16-byte vectors;
+        # plain stores of one value a thread are for a y off 16 bytes
+        aligned = ("c_ptr", "s_ptr", "stride_cb", "stride_cn", "N") + (() if plain == 1 else
+                                                                         ("y_ptr", "stride_yb", "stride_ym"))
         attrs = {(list(sig).index(n),): [["tt.divisibility", 16]] for n in aligned}
         src = GluonASTSource(fn=gb._swap_kernel if swap else gb._bmm_kernel, signature=sig, constexprs=consts,
                              attrs=attrs)
@@ -294,7 +302,7 @@ _COMPILER = textwrap.dedent(
                 "byte_loads": ptx.count("ld.global.b8") + ptx.count("ld.global.u8"),
                 "code_loads": len(code_loads), "identities": ptx.count("0x3210;"),
                 "y_tma_stores": ptx.count("cp.async.bulk.tensor.3d.global.shared"),
-                "y_vector_stores": ptx.count("st.global.v4.b32"),
+                "y_vector_stores": ptx.count("st.global.v4.b32"), "y_b16_stores": ptx.count("st.global.b16"),
                 "prmt_between_code_loads": sum("PRMT" in t for t in ins[code_loads[0]:code_loads[-1]])
                 if code_loads else 0,
                 "cubin": len(k.asm["cubin"])}
@@ -313,7 +321,7 @@ ANSWER = "facts: "  # what starts the compiler's answer lines (Triton or ptxas m
 
 @pytest.fixture(scope="module")
 def compile_sm90(tmp_path_factory):
-    """``compile_sm90(tiles, schedule, K, act, ws, per_sm, round_warps=4, plain_y=False) -> dict``: the facts
+    """``compile_sm90(tiles, schedule, K, act, ws, per_sm, round_warps=4, plain_y=0) -> dict``: the facts
     :data:`_COMPILER` gives about the real kernel compiled for sm_90a, by one process for the whole module
     (without ``TRITON_INTERPRET``; Triton and torch are imported once, not once a kernel). A kernel that fails to
     compile fails its test only; the process answers the next."""
@@ -332,7 +340,7 @@ def compile_sm90(tmp_path_factory):
 
     threading.Thread(target=read_answers, daemon=True).start()
 
-    def compile_(tiles, schedule, K, act, ws, per_sm, round_warps=4, plain_y=False) -> dict:
+    def compile_(tiles, schedule, K, act, ws, per_sm, round_warps=4, plain_y=0) -> dict:
         proc.stdin.write(json.dumps([*tiles, schedule, K, act, ws, per_sm, round_warps, plain_y]) + "\n")
         proc.stdin.flush()
         try:
@@ -444,7 +452,7 @@ def test_swap_kernel_compiles_for_sm90_with_its_weights_in_registers(tiles, K, a
     the y tile: moving the decoded weights to the MMA's register layout through shared memory (a 16-64 KiB
     scratch tile) would exceed it. The only byte loads are the scales' (hand counts: per K step, a thread's two
     rows r and r + 8 times the 32-blocks of its run of block_k / 4 k, at least one); codes come in vectors."""
-    got = compile_sm90(tiles, "swap", K, act, True, per_sm, round_warps, plain_y=True)
+    got = compile_sm90(tiles, "swap", K, act, True, per_sm, round_warps, plain_y=8)
     assert got["warps"] == tiles[3] + round_warps and got["setmaxnreg"] > 0 and got["stack"] == 0
     assert got["warps"] * 32 * got["maxnreg"] * per_sm <= 65536
     assert got["wgmma"] >= 1 and got["prmt"] > 0 and got["byte_loads"] == scale_loads
@@ -468,33 +476,39 @@ def test_one_step_swap_kernel_compiles_for_sm90_without_worker_warps(tiles, act,
     assert got["y_tma_stores"] == 1 and got["y_vector_stores"] == 0  # these launches' many programs: y by TMA
 
 
-@pytest.mark.parametrize("plain", [True, False], ids=["plain", "tma"])
+@pytest.mark.parametrize("plain", [8, 1, 0], ids=["plain", "plain-unaligned", "tma"])
 @pytest.mark.parametrize("tiles, sites", [((64, 64, 64, 4), 2), ((128, 256, 64, 8), 1)],
                          ids=["64x64x64", "128x256x64-halves"])  # fmt: skip
 def test_decode_kernel_writes_y_plainly_or_by_tma(tiles, sites, plain, compile_sm90):
     """The ``decode`` kernel compiled for sm_90a here with y written by plain stores (:func:`plain_y`) or by
-    TMA: with plain stores no bulk tensor store is left, and y leaves in 16-byte vector stores, hand count: the
-    ``[BM, BN]`` tile over the MMA warps' threads, 8 values each (in two halves at 128 rows, :func:`y_columns`),
-    per call site (one warpgroup: the first tile's K steps, decoding as they go, are unrolled before the loop;
-    two decode the column first, :func:`decode_first`); with TMA one bulk store per half and site, no vector
-    stores. Neither uses a stack or more shared memory than the estimate, which counts the y buffer (the plain
-    path moves the tile through shared memory the compiler allocates instead)."""
+    TMA: with plain stores no bulk tensor store is left, and y leaves in 16-byte vector stores, or, for a y off 16
+    bytes, in 2-byte stores, hand count: the ``[BM, BN]`` tile over the MMA warps' threads, 8 values each (in two
+    halves at 128 rows, :func:`y_columns`), or one value a store, per call site (one warpgroup: the first tile's K
+    steps, decoding as they go, are unrolled before the loop; two decode the column first, :func:`decode_first`);
+    with TMA one bulk store per half and site, no vector stores. None uses a stack or more shared memory than the
+    estimate, which counts the y buffer (the plain path moves the tile through shared memory the compiler allocates
+    instead)."""
     got = compile_sm90(tiles, "decode", 192, True, True, 1, plain_y=plain)
     halves = tiles[1] // gb.y_columns(tiles[0], tiles[1])
+    per_thread = sites * tiles[0] * tiles[1] // (32 * tiles[3])
     if plain:
         assert got["y_tma_stores"] == 0
-        assert got["y_vector_stores"] == sites * tiles[0] * tiles[1] // (8 * 32 * tiles[3])
+        want = (per_thread // 8, 0) if plain == 8 else (0, per_thread)
+        assert (got["y_vector_stores"], got["y_b16_stores"]) == want
     else:
-        assert got["y_tma_stores"] == sites * halves and got["y_vector_stores"] == 0
+        assert got["y_tma_stores"] == sites * halves and got["y_vector_stores"] == got["y_b16_stores"] == 0
     assert got["stack"] == 0 and got["shared"] <= got["estimate"]
 
 
 def test_y_is_stored_plainly_by_programs_of_one_small_tile_all_running_at_once():
-    """:func:`plain_y`: plain stores for programs of one tile of at most 64 rows where there are no more programs
-    than multiprocessors; TMA for programs of several tiles (their stores overlap the next tile), 128-row tiles,
-    or more programs than multiprocessors."""
-    assert gb.plain_y(1, 64, 128, 132) and gb.plain_y(1, 32, 132, 132) and gb.plain_y(1, 16, 1, 132)
-    assert not gb.plain_y(2, 64, 128, 132) and not gb.plain_y(1, 128, 128, 132) and not gb.plain_y(1, 64, 133, 132)
+    """:func:`plain_y`: plain stores of 16 bytes a thread for programs of one tile of at most 64 rows where there
+    are no more programs than multiprocessors; TMA (0) for programs of several tiles (their stores overlap the next
+    tile), 128-row tiles, or more programs than multiprocessors; plain stores of one value a thread for any
+    launch whose y is no TMA target."""
+    launches = [(1, 64, 128, 132), (1, 32, 132, 132), (1, 16, 1, 132), (2, 64, 128, 132), (1, 128, 128, 132),
+                (1, 64, 133, 132)]  # fmt: skip
+    assert [gb.plain_y(*launch) for launch in launches] == [8, 8, 8, 0, 0, 0]
+    assert [gb.plain_y(*launch, False) for launch in launches] == [1] * 6
 
 
 def test_swap_launches_drop_their_workers_only_for_one_k_step_and_more_programs_than_two_a_multiprocessor():
@@ -830,11 +844,11 @@ def test_decode_with_two_rounding_partitions_matches_reference_on_gpu(B, M, cfg,
 @sm90_only
 @pytest.mark.parametrize(
     "name, B, M, N, K, plain",
-    [("decode-64x64-ws", 8, 64, 512, 192, True), ("decode-64x64-ws", 5, 45, 200, 192, True),
-     ("decode-64x64-ws", 16, 300, 512, 192, False), ("decode-64x64-ws", 40, 64, 512, 192, False),
-     ("streaming-ws", 3, 1000, 80, 192, False), ("xreg-64x128", 2, 300, 200, 256, True),
-     ("swap-32x64", 8, 64, 256, 512, True), ("swap-32x64", 5, 45, 200, 192, True),
-     ("swap-32x64", 64, 32, 512, 256, False)],
+    [("decode-64x64-ws", 8, 64, 512, 192, 8), ("decode-64x64-ws", 5, 45, 200, 192, 8),
+     ("decode-64x64-ws", 16, 300, 512, 192, 0), ("decode-64x64-ws", 40, 64, 512, 192, 0),
+     ("streaming-ws", 3, 1000, 80, 192, 0), ("xreg-64x128", 2, 300, 200, 256, 8),
+     ("swap-32x64", 8, 64, 256, 512, 8), ("swap-32x64", 5, 45, 200, 192, 8),
+     ("swap-32x64", 64, 32, 512, 256, 0)],
     ids=["decode-one-tile", "decode-ragged", "decode-five-tiles", "decode-320-programs", "streaming-128-rows",
          "xreg-one-tile-ragged", "swap-64-programs", "swap-ragged", "swap-512-programs"],
 )  # fmt: skip
