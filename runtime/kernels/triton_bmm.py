@@ -777,7 +777,8 @@ def bmm_a16wfp4(
     (:class:`UnsafeKernel`: a Hopper wgmma hazard), the call and later ones with its signature take
     :func:`unpipelined`; a ``config`` that does either raises :class:`BackendError`. An x whose start or strides are
     not 16-byte aligned is copied into an aligned buffer first where the config's Gluon or TMA kernel can then serve
-    the call (those read x through tensor descriptors); x itself is never written.
+    the call (those read x through tensor descriptors); x itself is never written. An ``out`` off 16 bytes is written
+    in place (by the Gluon kernels' plain stores, :func:`gluon_bmm.plain_y`).
     """
     ok, why = available()
     if not ok:
