@@ -167,6 +167,11 @@ def make_set(op: str, H: int, T: int, gen: torch.Generator) -> dict:
     return {"x": q[..., :K].transpose(0, 1), "q": q, "codes": codes, "scales": scales, "out": out_tm.transpose(0, 1)}
 
 
+def make_sets(op: str, H: int, T: int, l2: int, gen: torch.Generator) -> list[dict]:
+    """As many input sets (:func:`make_set`) as make the working set exceed 3x L2 (``l2`` bytes), at most 128."""
+    return [make_set(op, H, T, gen) for _ in range(max(1, min(128, math.ceil(3 * l2 / set_bytes(op, H, T)))))]
+
+
 def set_bytes(op: str, H: int, T: int) -> int:
     N, K, _ = OPS[op]
     return H * (T * K * 2 + N * K // 2 + N * K // 32 + T * N * 2)
@@ -204,6 +209,16 @@ def time_ours(sets: list[dict], act_quant: str, cfg) -> float:
             tb.bmm_a16wfp4(s["x"], s["codes"], s["scales"], act_quant=act_quant, out=s["out"], config=cfg)
 
     return _time(run, len(sets))
+
+
+def torch_sets(sets: list[dict], op: str, H: int, T: int, l2: int) -> list[dict]:
+    """torch's input sets for :func:`time_torch`, from ours: contiguous x and y (no copies inside torch) and the
+    dequantized bf16 weights, as many as make the working set exceed 3x L2 (``l2`` bytes)."""
+    N, K, _ = OPS[op]
+    n_torch = max(1, min(128, math.ceil(3 * l2 / (H * (T * K * 2 + N * K * 2 + T * N * 2)))))
+    return [{"xc": s["x"].contiguous(), "wt": dequantize(s["codes"], s["scales"], dtype=torch.bfloat16).transpose(1, 2),
+             "yc": torch.empty(H, T, N, device="cuda", dtype=torch.bfloat16)}
+            for s in (sets[i % len(sets)] for i in range(n_torch))]  # fmt: skip
 
 
 def time_torch(sets: list[dict]) -> float:
@@ -278,10 +293,9 @@ def _time(run, n_calls: int) -> float:
 def bench_case(op, H, T, env, ceilings, args, gen) -> dict:
     N, K, _ = OPS[op]
     l2 = env["l2_bytes"]
-    n_sets = max(1, min(128, math.ceil(3 * l2 / set_bytes(op, H, T))))
-    sets = [make_set(op, H, T, gen) for _ in range(n_sets)]
+    sets = make_sets(op, H, T, l2, gen)
     default = tb.default_config(H, T, N, K)
-    row = {"op": op, "H": H, "T": T, "N": N, "K": K, "sets": n_sets, "default": default.__dict__}
+    row = {"op": op, "H": H, "T": T, "N": N, "K": K, "sets": len(sets), "default": default.__dict__}
     refs = {aq: reference(sets[0], aq) for aq in tb.ACT_QUANT_MODES} if args.check else {}
     if args.check:
         row["check"] = {aq: check(sets[0], aq, None, refs[aq]) for aq in tb.ACT_QUANT_MODES}
@@ -304,16 +318,7 @@ def bench_case(op, H, T, env, ceilings, args, gen) -> dict:
         row["after_producer_us"] = time_after_producer(
             sets, args.producer, "q", lambda s: tb.bmm_a16wfp4(s["x"], s["codes"], s["scales"], out=s["out"])
         )
-    # torch bf16 bmm on dequantized weights, contiguous x and y (no copies inside torch)
-    n_torch = max(1, min(128, math.ceil(3 * l2 / (H * (T * K * 2 + N * K * 2 + T * N * 2)))))
-    tsets = []
-    for i in range(n_torch):
-        s = sets[i % n_sets]
-        tsets.append({
-            "xc": s["x"].contiguous(),
-            "wt": dequantize(s["codes"], s["scales"], dtype=torch.bfloat16).transpose(1, 2),
-            "yc": torch.empty(H, T, N, device="cuda", dtype=torch.bfloat16),
-        })  # fmt: skip
+    tsets = torch_sets(sets, op, H, T, l2)
     row["torch_us"] = time_torch(tsets)
     if args.producer:
         row["torch_after_producer_us"] = time_after_producer(

@@ -797,6 +797,17 @@ def test_repeated_calls_launch_the_compiled_kernels(config, monkeypatch):
     assert first > 0 and len(jit_runs) == first
 
 
+def test_the_alignment_benchmark_moves_a_tensor_one_element_off_16_bytes():
+    """``bench_bmm_alignment.py`` times calls whose x or out starts 2 bytes past a 16-byte boundary: its view holds
+    the same values as the aligned one it stands for, and no tensor descriptor could address it."""
+    one_element_in = benchmark_module("bench_bmm_alignment").one_element_in
+    q = (torch.randn(5, 3, 256, generator=torch.Generator().manual_seed(7)) * 2).to(torch.bfloat16)
+    for width in (192, 256):
+        moved = one_element_in(q, width)
+        assert torch.equal(moved, q[..., :width].transpose(0, 1)) and moved.data_ptr() % 16 == 2
+        assert moved.stride() == (264, 3 * 264, 1) and not tb.tma_strides_ok(moved)
+
+
 def test_the_benchmarks_producers_write_every_element_of_their_tensor():
     """``bench_triton_bmm.py --producer`` times each call after a kernel writing its x (ours: the q rows x is a view
     of; torch's: its contiguous x). A producer that left elements unwritten would time less work than a model's:
