@@ -486,8 +486,8 @@ def test_decode_kernel_writes_y_plainly_or_by_tma(tiles, sites, plain, compile_s
     halves at 128 rows, :func:`y_columns`), or one value a store, per call site (one warpgroup: the first tile's K
     steps, decoding as they go, are unrolled before the loop; two decode the column first, :func:`decode_first`);
     with TMA one bulk store per half and site, no vector stores. None uses a stack or more shared memory than the
-    estimate, which counts the y buffer (the plain path moves the tile through shared memory the compiler allocates
-    instead)."""
+    estimate, which counts the y buffer (the 16-byte plain path moves the tile through shared memory the compiler
+    allocates instead; the 2-byte one through the y buffer)."""
     got = compile_sm90(tiles, "decode", 192, True, True, 1, plain_y=plain)
     halves = tiles[1] // gb.y_columns(tiles[0], tiles[1])
     per_thread = sites * tiles[0] * tiles[1] // (32 * tiles[3])
