@@ -875,8 +875,7 @@ def test_out_off_16_bytes_is_stored_plainly_by_the_gluon_kernels_on_gpu(name, B,
     codes, scales = weights(B, N, K, seed=M + K)
     x = activations(M, B, K, seed=N + 1, row=max(K, 256))
     for act_quant in ("mxfp4", "none"):
-        buf, _ = poisoned_out(M, B, N + 1)
-        out = buf[..., 1 : N + 1].transpose(0, 1)
+        buf, out = poisoned_out(M, B, N, offset=1)
         tb.bmm_a16wfp4(x, codes, scales, act_quant=act_quant, out=out, config=_GPU_CONFIGS[name])
         assert torch.isnan(buf[..., 0]).all() and torch.isnan(buf[..., N + 1 :]).all()
         assert_close_to_reference(out, x, codes, scales, act_quant)

@@ -41,10 +41,11 @@ def activations(M, B, K, seed, row=None):
     return q.to(DEV)[..., :K].transpose(0, 1)
 
 
-def poisoned_out(M, B, N, pad=8):
-    """A ``[B, M, N]`` view of a NaN-filled batch-major ``[M, B, N + pad]`` buffer (pad must stay NaN)."""
-    buf = torch.full((M, B, N + pad), float("nan"), dtype=torch.bfloat16, device=DEV)
-    return buf, buf[..., :N].transpose(0, 1)
+def poisoned_out(M, B, N, pad=8, offset=0):
+    """A ``[B, M, N]`` view, ``offset`` elements into its rows, of a NaN-filled batch-major ``[M, B, offset + N +
+    pad]`` buffer (what is outside the view must stay NaN)."""
+    buf = torch.full((M, B, offset + N + pad), float("nan"), dtype=torch.bfloat16, device=DEV)
+    return buf, buf[..., offset : offset + N].transpose(0, 1)
 
 
 def ran_or_refused_as_unsafe(x, codes, scales, act_quant, buf, out, config) -> bool:
@@ -712,8 +713,7 @@ def test_dispatch_gives_the_gluon_kernel_an_aligned_copy_of_an_x_it_cannot_addre
     codes, scales = weights(B, N, K, seed=41)
     x = activations(M, B, K, seed=42, row=row)
     x_before = x.clone()
-    buf, _ = poisoned_out(M, B, N + out_offset)
-    out = buf[..., out_offset : out_offset + N].transpose(0, 1)
+    buf, out = poisoned_out(M, B, N, offset=out_offset)
     tb.bmm_a16wfp4(x, codes, scales, out=out, config=cfg)
     ((staged, written),) = read
     assert tb.tma_strides_ok(staged) and (staged.data_ptr() == x.data_ptr()) == (row == 256)
