@@ -683,10 +683,15 @@ def _prepare(x: torch.Tensor, w_codes: torch.Tensor, w_scales: torch.Tensor, act
     def tma_takes(x: torch.Tensor) -> bool:
         return cfg.tma and _tma_usable(x, out)
 
-    # An x whose base or strides keep those kernels off is copied to an aligned buffer first where they can then serve:
-    # the tiled kernel would read it 2 bytes at a time (on the H200 GLM's calls from 256 tokens took 2.2-10.8x the
-    # aligned call's time that way, 1.5-3.1x with the copy; BENCHMARKS.md).
-    if not tma_strides_ok(x) and (gluon_takes(planned := _x_copy(x)) or tma_takes(planned)):
+    def tiled_reads_narrowly() -> bool:  # 2 warps or fewer: each thread loads 16+ of an x tile's values a K step
+        return not (cfg.wgmma or cfg.tma or cfg.tiles_m) and cfg.num_warps <= 2
+
+    # An x whose base or strides keep those kernels off is copied to an aligned buffer first where they can then serve,
+    # or where the tiled kernel runs on 2 warps or fewer: the tiled kernel would read it 2 bytes at a time, and round it
+    # with shuffles, a thread holding one value of each 32-value block (on the H200 GLM's calls from 256 tokens took
+    # 2.2-10.8x the aligned call's time that way, 1.5-3.1x with the copy; K-up 192's 2-warp tiles up to 32 heads and 16
+    # tokens 2.5-4.7x, 1.4-1.9x with the copy; BENCHMARKS.md).
+    if not tma_strides_ok(x) and (gluon_takes(planned := _x_copy(x)) or tma_takes(planned) or tiled_reads_narrowly()):
         main = _prepare(planned, w_codes, w_scales, act_quant, out, cfg)
 
         def copy_then_main(x, w_codes, w_scales, out):

@@ -132,6 +132,36 @@ def test_tma_config_reads_an_x_descriptors_cannot_address_from_an_aligned_copy(r
     assert_close_to_reference(out, x, codes, scales, "mxfp4")
 
 
+@pytest.mark.parametrize(
+    "config, copied", [(tb.BmmConfig(16, 32, 64, 2, 3, 0), True), (tb.BmmConfig(16, 64, 64, 4, 1, 0), False)],
+    ids=["two-warps", "four-warps"],
+)
+def test_tiled_kernel_on_two_warps_reads_an_x_off_16_bytes_from_an_aligned_copy(config, copied, monkeypatch):
+    """x starting 2 bytes past 16: the tiled kernel on 2 warps (the H200's K-up 192 default up to 32 heads and 16
+    tokens) reads an aligned copy of it; on 4 warps (its 64-head default) x itself, where a copy cost about what it
+    saved on the H200. x is never written."""
+    B, M, N, K = 4, 16, 512, 192
+    codes, scales = weights(B, N, K, seed=46)
+    x = activations(M, B, K + 1, seed=47, row=256)[..., 1:]
+    assert x.data_ptr() % 16 == 2
+    x_before = x.clone()
+    read = []
+    real = tb.KernelLaunch
+
+    def launch(kernel, grid, consts):
+        run = real(kernel, grid, consts)
+        return lambda *args: (kernel is tb._bmm_tiled_kernel and read.append(args[0])) or run(*args)
+
+    monkeypatch.setattr(tb, "KernelLaunch", launch)
+    buf, out = poisoned_out(M, B, N)
+    tb.bmm_a16wfp4(x, codes, scales, out=out, config=config)
+    ((staged,),) = [read]
+    assert (staged.data_ptr() % 16 == 0) == copied and (staged.data_ptr() == x.data_ptr()) == (not copied)
+    assert torch.equal(staged, x) and torch.equal(x, x_before)
+    assert torch.isnan(buf[..., N:]).all()
+    assert_close_to_reference(out, x, codes, scales, "mxfp4")
+
+
 def test_tma_config_falls_back_for_an_out_descriptors_cannot_address(monkeypatch):
     """An out whose rows are 84 bf16 apart (not 16-byte aligned) gets the tiled kernel, like such an x."""
     B, M, N, K = 2, 37, 80, 192
