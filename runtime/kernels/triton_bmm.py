@@ -623,7 +623,7 @@ def _has_tma(device: torch.device) -> bool:
 
 def _x_copy(x: torch.Tensor) -> torch.Tensor:
     """A new buffer for x ``[B, M, K]``'s values, laid out as the q rows it comes from (``[M, B, K]`` storage): 16-byte
-    aligned, as every allocation, so that tensor descriptors can address it."""
+    aligned, as every allocation, so that tensor descriptors can address it and pointer loads read 16 bytes at once."""
     B, M, K = x.shape
     return torch.empty(M, B, K, dtype=x.dtype, device=x.device).transpose(0, 1)
 
@@ -782,7 +782,8 @@ def bmm_a16wfp4(
     (:class:`UnsafeKernel`: a Hopper wgmma hazard), the call and later ones with its signature take
     :func:`unpipelined`; a ``config`` that does either raises :class:`BackendError`. An x whose start or strides are
     not 16-byte aligned is copied into an aligned buffer first where the config's Gluon or TMA kernel can then serve
-    the call (those read x through tensor descriptors); x itself is never written. An ``out`` off 16 bytes is written
+    the call (those read x through tensor descriptors), or where the tiled kernel runs on 2 warps or fewer (which
+    would read and round it one value a thread at a time); x itself is never written. An ``out`` off 16 bytes is written
     in place (by the Gluon kernels' plain stores, :func:`gluon_bmm.plain_y`).
     """
     ok, why = available()
