@@ -138,8 +138,8 @@ def test_tma_config_reads_an_x_descriptors_cannot_address_from_an_aligned_copy(r
 )
 def test_tiled_kernel_on_two_warps_reads_an_x_off_16_bytes_from_an_aligned_copy(config, copied, monkeypatch):
     """x starting 2 bytes past 16: the tiled kernel on 2 warps (the H200's K-up 192 default up to 32 heads and 16
-    tokens) reads an aligned copy of it; on 4 warps (its 64-head default) x itself, where a copy cost about what it
-    saved on the H200. x is never written."""
+    tokens) reads an aligned copy of it; on 4 warps (its 64-head default) x itself, where a copy first was slightly
+    slower on the H200. x is never written."""
     B, M, N, K = 4, 16, 512, 192
     codes, scales = weights(B, N, K, seed=46)
     x = activations(M, B, K + 1, seed=47, row=256)[..., 1:]
