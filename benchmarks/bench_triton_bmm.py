@@ -167,9 +167,14 @@ def make_set(op: str, H: int, T: int, gen: torch.Generator) -> dict:
     return {"x": q[..., :K].transpose(0, 1), "q": q, "codes": codes, "scales": scales, "out": out_tm.transpose(0, 1)}
 
 
+def sets_over_l2(l2: int, bytes_per_set: int, most: int = 128) -> int:
+    """How many input sets of ``bytes_per_set`` make a working set exceed 3x L2 (``l2`` bytes): 1 to ``most``."""
+    return max(1, min(most, math.ceil(3 * l2 / bytes_per_set)))
+
+
 def make_sets(op: str, H: int, T: int, l2: int, gen: torch.Generator) -> list[dict]:
     """As many input sets (:func:`make_set`) as make the working set exceed 3x L2 (``l2`` bytes), at most 128."""
-    return [make_set(op, H, T, gen) for _ in range(max(1, min(128, math.ceil(3 * l2 / set_bytes(op, H, T)))))]
+    return [make_set(op, H, T, gen) for _ in range(sets_over_l2(l2, set_bytes(op, H, T)))]
 
 
 def set_bytes(op: str, H: int, T: int) -> int:
@@ -215,7 +220,7 @@ def torch_sets(sets: list[dict], op: str, H: int, T: int, l2: int) -> list[dict]
     """torch's input sets for :func:`time_torch`, from ours: contiguous x and y (no copies inside torch) and the
     dequantized bf16 weights, as many as make the working set exceed 3x L2 (``l2`` bytes)."""
     N, K, _ = OPS[op]
-    n_torch = max(1, min(128, math.ceil(3 * l2 / (H * (T * K * 2 + N * K * 2 + T * N * 2)))))
+    n_torch = sets_over_l2(l2, H * (T * K * 2 + N * K * 2 + T * N * 2))
     return [{"xc": s["x"].contiguous(), "wt": dequantize(s["codes"], s["scales"], dtype=torch.bfloat16).transpose(1, 2),
              "yc": torch.empty(H, T, N, device="cuda", dtype=torch.bfloat16)}
             for s in (sets[i % len(sets)] for i in range(n_torch))]  # fmt: skip

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import sys
 import tempfile
 from pathlib import Path
@@ -109,7 +108,7 @@ def timeline(module, stamps: torch.Tensor, op: str, H: int, T: int, clock_ghz: f
         return
     gen = torch.Generator(device="cuda").manual_seed(0)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    sets = [bb.make_set(op, H, T, gen) for _ in range(max(1, min(64, math.ceil(3 * l2 / bb.set_bytes(op, H, T)))))]
+    sets = [bb.make_set(op, H, T, gen) for _ in range(bb.sets_over_l2(l2, bb.set_bytes(op, H, T), most=64))]
     smem = gluon_bmm.smem_limit(torch.device("cuda"))
     plan = gluon_bmm.plan(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.wgmma, K, smem, ws=True,
                           round_warps=cfg.round_warps)  # fmt: skip
