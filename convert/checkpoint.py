@@ -368,23 +368,34 @@ def _record_digests(digests: dict[str, str] | None, tensors) -> None:
                 digests[name] = hashlib.sha256(raw.contiguous().view(torch.uint8).numpy()).hexdigest()
 
 
+def hub_spec(src: str | os.PathLike) -> tuple[str, str | None] | None:
+    """``(repo_id, revision or None)`` when ``src`` names a Hub repo rather than a local directory (see
+    :func:`.hub_source.parse_repo_spec`; nothing is requested from the Hub), else None."""
+    root = Path(src)
+    try:
+        if root.is_dir():
+            return None
+    except OSError as err:  # in a folder this user cannot enter (another user's home), an I/O error
+        raise CheckpointError(f"cannot read: {err.strerror or err}", file=str(root)) from err
+    from .hub_source import parse_repo_spec
+
+    return parse_repo_spec(src)
+
+
 def open_checkpoint(src: str | os.PathLike, *, card: str | None = None) -> Checkpoint:
     """Open a local checkpoint directory, or a Hub repo ``org/name[@revision]`` (read by byte ranges, see
     :mod:`.hub_source`); ``card`` forces a family instead of detecting it from config.json."""
     root = Path(src)
-    try:
-        local = root.is_dir()
-    except OSError as err:  # in a folder this user cannot enter (another user's home), an I/O error
-        raise CheckpointError(f"cannot read: {err.strerror or err}", file=str(root)) from err
-    if local:
+    spec = hub_spec(src)
+    if spec is not None:
+        from .hub_source import HubStore
+
+        store = HubStore(*spec)
+    elif root.is_dir():
         store = LocalStore(root)
     else:
-        from .hub_source import hub_store
-
-        store = hub_store(src)
-        if store is None:
-            why = "is a file" if root.exists() else "does not exist"
-            raise CheckpointError(f"not a checkpoint directory: the path {why}", file=str(root))
+        why = "is a file" if root.exists() else "does not exist"
+        raise CheckpointError(f"not a checkpoint directory: the path {why}", file=str(root))
     config = _load_json(store, "config.json")
     try:
         family = load_card(card) if card else detect_card(config)

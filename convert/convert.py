@@ -34,7 +34,7 @@ from glm_pack.packing.errors import CheckpointError, GlmPackError, PlanError
 from glm_pack.packing.experts import moe_layout_description
 
 from . import space, state
-from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
+from .checkpoint import INDEX_NAME, Checkpoint, hub_spec, open_checkpoint
 from .items import (
     Settings,
     is_entry_of,
@@ -131,17 +131,23 @@ def is_hub(ckpt: Checkpoint) -> bool:
     return getattr(ckpt.store, "kind", "local") == "hub"
 
 
-def files_mode(ckpt: Checkpoint, files: str | None) -> str:
-    """``--files`` for this source: default link (local) or none (Hub); a Hub source cannot be linked."""
-    files = files or ("none" if is_hub(ckpt) else "link")
+def files_mode(src: str | os.PathLike, files: str | None) -> str:
+    """``--files`` for the source ``src``: default link (local directory) or none (Hub repo). Decided before the
+    source is opened, so a refusal reaches no Hub: a Hub repo has no local files to link, and offline none can be
+    copied (its full file list is unknown)."""
+    spec = hub_spec(src)
+    files = files or ("none" if spec else "link")
     check_files_mode(files)
-    if files == "link" and is_hub(ckpt):
+    if spec and files == "link":
         raise PlanError(
             "--files link needs a local source: a Hub repo has no local files to link; use --files copy "
-            "(downloads the originals into OUT) or --files none (overlay only)"
+            "(downloads the originals into the Hugging Face cache and links them into OUT) or --files none "
+            "(overlay only)"
         )
-    if files == "copy" and is_hub(ckpt):
-        ckpt.store.check_copy()
+    if spec and files == "copy":
+        from .hub_source import refuse_copy_offline
+
+        refuse_copy_offline(*spec)
     return files
 
 
@@ -404,9 +410,9 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
     if options.workers < 1:
         raise PlanError(f"--workers must be at least 1, got {options.workers}")
     check_policy(options.mla_precision, options.max_rel_error)
+    options = replace(options, files=files_mode(src, options.files))
     ckpt = open_checkpoint(src)
     hub = is_hub(ckpt)
-    options = replace(options, files=files_mode(ckpt, options.files))
     out = Path(out)
     originals, stats = source_files(ckpt)
     if hub:  # --overwrite must not empty the cached files a Hub source is read from (and linked into OUT)

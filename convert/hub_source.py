@@ -116,16 +116,6 @@ class HubStore:
                 sizes[path.relative_to(snapshot).as_posix()] = path.stat().st_size
         return snapshot.name, sizes
 
-    def check_copy(self) -> None:
-        """Refuse ``--files copy`` offline: the HF cache records the files downloaded so far, never the commit's
-        full file list, so a copy could silently miss some (a tokenizer) and still look complete."""
-        if self.offline:
-            raise HubError(
-                f"--files copy needs the full file list of {self.repo_id}@{self.requested}, and HF_HUB_OFFLINE is "
-                "set: the local Hugging Face cache holds only the files downloaded so far, not the repo's listing; "
-                "run online (unset HF_HUB_OFFLINE), or use --files none (overlay only)"
-            )
-
     def _record_ref(self) -> None:
         """Fetch config.json by the requested revision: huggingface_hub then records revision -> sha in the
         HF cache (``refs/``), which an offline run resolves. A revision that moved meanwhile is refused."""
@@ -361,7 +351,14 @@ def hub_read_error(err: BaseException, store: HubStore, rel: str | None) -> HubE
     return HubError(f"reading {repo} from {endpoint} failed: {type(err).__name__}: {first_line(err)}", file=file)
 
 
-def hub_store(src: str | os.PathLike) -> HubStore | None:
-    """A HubStore for ``src`` when it names a Hub repo (see :func:`parse_repo_spec`), else None."""
-    spec = parse_repo_spec(src)
-    return None if spec is None else HubStore(*spec)
+def refuse_copy_offline(repo_id: str, revision: str | None) -> None:
+    """Refuse ``--files copy`` offline: the HF cache records the files downloaded so far, never the commit's full
+    file list, so a copy could silently miss some (a tokenizer) and still look complete."""
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode():
+        raise HubError(
+            f"--files copy needs the full file list of {repo_id}@{revision or 'main'}, and HF_HUB_OFFLINE is set: the "
+            "local Hugging Face cache holds only the files downloaded so far, not the repo's listing; run online "
+            "(unset HF_HUB_OFFLINE), or use --files none (overlay only)"
+        )

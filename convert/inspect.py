@@ -70,8 +70,8 @@ def inspect_checkpoint(
     ``files`` None: convert's default for the source (link for a local directory, none for a Hub repo). The plan
     covers the MLA overlay, the expert files ``repack_experts`` adds and the reused files.
     """
+    files = files_mode(src, files)
     ckpt = open_checkpoint(src)
-    files = files_mode(ckpt, files)
     card, plan = ckpt.card, ckpt.layer_plan
     counts = Counter(
         ckpt.weight_format(name) for name, t, _ in card.iter_tensors(ckpt.config) if t.is_linear and name in ckpt

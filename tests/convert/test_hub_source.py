@@ -295,15 +295,21 @@ def test_out_in_the_hf_cache_of_the_source_is_refused(hub, src, tmp_path):
     assert not list(Path(constants.HF_HUB_CACHE).rglob("manifest.json"))
 
 
-def test_link_refused_for_hub_source(hub, tmp_path):
-    result = run_cli("convert", REPO, tmp_path / "out", "--files", "link")
-    assert result.exit_code == 1
-    assert result.stderr.strip().splitlines() == [
-        "glm-pack: error: --files link needs a local source: a Hub repo has no local files to link; "
-        "use --files copy (downloads the originals into OUT) or --files none (overlay only)"
-    ]
+def test_link_refused_for_hub_source_before_any_request(hub, tmp_path):
+    """A Hub repo has no local files to link: refused from the arguments alone, so without a reachable Hub too."""
+    hub.reset_requests()
+    for command in (["convert", REPO, tmp_path / "out"], ["inspect", REPO], ["convert", f"hf://{REPO}@main", "x"]):
+        result = run_cli(*command, "--files", "link")
+        assert result.exit_code == 1, result.output
+        assert result.stderr.strip().splitlines() == [
+            "glm-pack: error: --files link needs a local source: a Hub repo has no local files to link; "
+            "use --files copy (downloads the originals into the Hugging Face cache and links them into OUT) or "
+            "--files none (overlay only)"
+        ]
     with pytest.raises(PlanError):
         convert(REPO, tmp_path / "api", ConvertOptions(files="link"))
+    assert hub.requests == []
+    assert not (tmp_path / "out").exists() and not (tmp_path / "api").exists()
 
 
 def test_recent_ranges_evict_the_least_recently_used(hub, src, monkeypatch):
