@@ -74,7 +74,8 @@ def phase_bars(*, disable: bool, transient: bool) -> Iterator:
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     )
-    bar = Progress(*columns, console=console, disable=disable, transient=transient)
+    quiet = disable or (transient and not console.is_terminal)  # off a terminal they would leave just a blank line
+    bar = Progress(*columns, console=console, disable=quiet, transient=transient)
     tasks: dict[str, list] = {}  # phase -> [task id, its start time, bytes moved]
     elapsed = console.get_time
 

@@ -66,9 +66,9 @@ def is_generated(text: str) -> bool:
     return CARD_MARKER in text
 
 
-def _earlier_base_model(out: Path, overlay_only: bool) -> str | list | None:
-    """The base_model of the glm-pack card already at OUT (what an earlier ``--base-model`` set), else None."""
-    path = card_path(out, overlay_only)
+def card_base_model(path: Path) -> str | list | None:
+    """The base_model the glm-pack card at ``path`` names (what ``--base-model`` or the manifest's source repo
+    set), else None (no such file, not a glm-pack card, or none named)."""
     text = _read_card(path) if path.is_file() else ""
     return source_metadata(text).get("base_model") if is_generated(text) else None
 
@@ -482,7 +482,7 @@ def render_card(
     if not overlay_only:
         require_originals(out, manifest, "write its card")
     source_text = _source_card_text(out, manifest)
-    base_model = base_model or _earlier_base_model(out, overlay_only)
+    base_model = base_model or card_base_model(card_path(out, overlay_only))
     data = card_metadata(
         manifest, source_metadata(source_text), overlay_only=overlay_only, base_model=base_model
     )

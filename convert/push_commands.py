@@ -13,11 +13,24 @@ from rich.table import Table
 
 from .commands import console
 from .humanize import counted, size_text
-from .modelcard import write_card
+from .modelcard import card_base_model, write_card
 from .push import MAX_COMMIT_BYTES, PushOptions, PushReport, push
 
 
+def _no_base_model_note(card) -> str | None:
+    """The line for a card (path) that names no base model, as one written for a local source without
+    ``--base-model`` does; None where it names one."""
+    if card is None or card_base_model(card):
+        return None
+    return (
+        f"note: the card {card} names no base model: pass --base-model REPO (the source model's Hub repo) to link "
+        "it on the Hub"
+    )
+
+
 def _print_report(report: PushReport, repo_id: str) -> None:
+    if note := _no_base_model_note(report.card):
+        console.print(note, markup=False)
     plan = report.plan
     if report.dry_run:
         table = Table(title=f"dry run: would upload to {repo_id}@{plan.revision} ({report.endpoint})")
@@ -221,3 +234,5 @@ def card_command(out, overlay_only, base_model, repo_id):
     """
     path = write_card(out, overlay_only=overlay_only, base_model=base_model, repo_id=repo_id)
     console.print(f"model card written: {path}", markup=False)
+    if note := _no_base_model_note(path):
+        console.print(note, markup=False)

@@ -270,14 +270,16 @@ def verify_unlocked(out: str | Path, progress: Progress = _silent) -> VerifyRepo
 
     src_root = _source_root(out, manifest)
     if src_root is None:
-        report.checked.append("source not reachable: errors not recomputed")
+        report.checked.append("overlay files only: source not reachable, layers not re-derived, errors not recomputed")
         return report
     from .checkpoint import open_checkpoint
 
     try:
         ckpt = open_checkpoint(src_root)
     except HubError as err:
-        report.checked.append(f"source not reachable ({err}): errors not recomputed")
+        report.checked.append(
+            f"overlay files only: source not reachable ({err}), layers not re-derived, errors not recomputed"
+        )
         return report
     except (GlmPackError, OSError) as err:
         report.problems.append(f"cannot open the source at {src_root}: {err}")

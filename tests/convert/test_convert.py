@@ -421,8 +421,12 @@ def test_paths_with_markup_are_printed_as_they_are(synth_ckpt, tmp_path, tag):
     assert r.exit_code == 0 and f"GLM-5{tag}-gfx950" in " ".join(r.output.split()), r.output  # the summary's title
     r = runner.invoke(main, ["verify", str(out)])
     assert r.exit_code == 0 and r.output.splitlines()[-1] == f"verify {out}: OK", r.output
+    assert all(r.output.splitlines()), r.output  # off a terminal no bars, nor the blank line they leave
     r = runner.invoke(main, ["card", str(out), "--overlay-only"])
-    assert r.exit_code == 0 and r.output == f"model card written: {out / 'glm-pack' / 'README.md'}\n", r.output
+    card = out / "glm-pack" / "README.md"
+    lines = r.output.splitlines()
+    assert r.exit_code == 0 and lines[0] == f"model card written: {card}", r.output
+    assert len(lines) == 2 and lines[1].startswith(f"note: the card {card} names no base model"), r.output
 
 
 def test_verify_problem_lines_print_paths_with_markup_as_they_are(synth_ckpt, tmp_path):
@@ -1014,6 +1018,8 @@ def test_verify_says_when_the_source_was_not_reached(synth_ckpt, ckpt_copy, tmp_
     assert r.exit_code == 0, r.output
     verdict = f"verify {out}: OK (overlay files only: source not reachable, layers not re-derived)"
     assert r.output.splitlines()[-1] == verdict, r.output  # one line, not wrapped at the console's width
+    skipped = "checked overlay files only: source not reachable, layers not re-derived, errors not recomputed"
+    assert skipped in r.output.splitlines(), r.output
     r = CliRunner().invoke(main, ["verify", str(out), "--json"])
     report = json.loads(r.output)
     assert r.exit_code == 0 and report["ok"] is True and report["source_checked"] is False, r.output

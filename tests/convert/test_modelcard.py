@@ -166,6 +166,22 @@ def test_base_model_from_the_manifest_and_no_source_card(out):
 
 
 
+def test_card_without_a_base_model_says_how_to_name_one(out):
+    """A local source's card names no base model unless --base-model gives one (README); `card` says so in a note
+    line, and stops saying it once the card names one (given now, or kept from an earlier card on refresh)."""
+    path = out / "README.md"
+    note = (
+        f"note: the card {path} names no base model: pass --base-model REPO (the source model's Hub repo) to link it "
+        "on the Hub"
+    )
+    result = CliRunner().invoke(main, ["card", str(out)])
+    assert result.exit_code == 0 and result.output.splitlines() == [f"model card written: {path}", note], result.output
+    assert "base_model" not in ModelCard.load(path).data.to_dict()
+    for args in (["--base-model", "zai-org/GLM-5"], []):  # named, then kept by the refresh
+        result = CliRunner().invoke(main, ["card", str(out), *args])
+        assert result.exit_code == 0 and result.output == f"model card written: {path}\n", result.output
+
+
 @pytest.mark.parametrize("overlay_only", [False, True])
 def test_a_refresh_keeps_the_base_model_an_earlier_card_named(out, overlay_only):
     """README's sequence `card OUT --base-model REPO`, then `push OUT ...` (which refreshes the card) published a card

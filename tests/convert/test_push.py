@@ -492,6 +492,18 @@ def test_dry_run_lists_and_uploads_nothing(hub, out):
     assert not hub.kinds("create") and not hub.kinds("commit") and not hub.kinds("lfs_put")
 
 
+def test_push_of_a_card_without_a_base_model_says_so(hub, out):
+    """The pushed card of a local source names no base model unless --base-model gives one (README): a note says so
+    and how to name it, and is gone once it is named (kept by later refreshes)."""
+    note = f"note: the card {out / 'README.md'} names no base model: pass --base-model REPO"
+    result = run_cli("push", out, REPO, "--dry-run")
+    assert result.exit_code == 0 and result.output.splitlines()[0].startswith(note), result.output
+    for flags in (["--base-model", "zai-org/GLM-5"], []):
+        result = run_cli("push", out, REPO, *flags)
+        assert result.exit_code == 0 and "note:" not in result.output, result.output
+    assert b"base_model: zai-org/GLM-5" in hub.files(REPO)["README.md"]
+
+
 def test_dry_run_to_a_new_branch_plans_against_main(hub, out, converted_k_none):
     """A new branch starts at main's head (huggingface_hub's create_branch without revision=): a dry run to it
     compares OUT with main, as the push then does, and lists what the push really uploads and deletes."""
