@@ -17,10 +17,11 @@ class GlmPackError(Exception):
         super().__init__(message)
 
     def __str__(self) -> str:
+        """The message, then the file and tensor it does not already name: ``msg (file F, tensor T)``."""
         where = []
-        if self.file:
+        if self.file and self.file not in self.message:
             where.append(f"file {self.file}")
-        if self.tensor:
+        if self.tensor and self.tensor not in self.message:
             where.append(f"tensor {self.tensor}")
         return f"{self.message} ({', '.join(where)})" if where else self.message
 

@@ -78,7 +78,7 @@ def test_a_card_file_that_cannot_be_read_is_one_line(tmp_path, fault, refuse):
     r = CliRunner().invoke(main, ["synth", str(tmp_path / "out"), *args])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
     why = "cannot read card .*: Input/output error" if fault == "unreadable" else "is not valid TOML: 'utf-8' codec"
-    assert re.search(f"glm-pack: error: .*{why}.*\\(file {re.escape(str(card))}\\)", r.output), r.output
+    assert re.search(f"^glm-pack: error: .*{why}", r.output) and r.output.count(str(card)) == 1, r.output
     assert not (tmp_path / "out").exists()
 
 

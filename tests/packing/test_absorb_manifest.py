@@ -480,3 +480,13 @@ def test_rel_error_holds_where_a_row_of_squares_sums_past_float32():
     """512 values of 2**59.9: each square fits float32, their row sum (2**128.8) does not."""
     w = torch.full((4, 512), 2.0**59.9)
     assert rel_error(w * 1.01, w) == pytest.approx(0.01, rel=1e-5)
+
+
+def test_an_error_names_its_file_and_tensor_once():
+    """The line ends with the file and tensor the message does not already name (a folder named in the message, as
+    'output OUT is not empty', read '... (file OUT)' after it)."""
+    shard = "/o/a.safetensors"
+    assert str(PlanError("bad values", file=shard, tensor="x.w")) == "bad values (file /o/a.safetensors, tensor x.w)"
+    assert str(PlanError("output /o is not empty", file="/o")) == "output /o is not empty"
+    assert str(FormatError("x.w has NaN", file=shard, tensor="x.w")) == "x.w has NaN (file /o/a.safetensors)"
+    assert str(ManifestError("no manifest")) == "no manifest"
