@@ -214,7 +214,11 @@ class MlaLayer:
                 f"layer {self.layer}: kv_indptr must be [T+1] = [{q_latent.shape[0] + 1}], got {tuple(kv_indptr.shape)}"
             )
         with self._on_device():
-            out, lse = self.backend.sparse_mla(
-                q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, return_lse=return_lse
-            )
+            try:
+                out, lse = self.backend.sparse_mla(
+                    q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, return_lse=return_lse
+                )
+            except BackendError as err:  # the backend's checks of kv_indptr / kv_indices know no layer
+                err.message = f"layer {self.layer}: {err.message}"
+                raise
         return (out, lse) if return_lse else out

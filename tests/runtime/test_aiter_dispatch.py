@@ -405,9 +405,9 @@ def test_a_paged_cache_reaches_aiter_as_one_row_stride(packed_dirs, fake_aiter, 
 @pytest.mark.parametrize(
     ("edit", "says"),
     [
-        (lambda indptr, indices: indices.__setitem__(3, 64), r"kv_indices\[3\] = 64 is not a slot of the 64-slot"),
-        (lambda indptr, indices: indices.__setitem__(5, -2), r"kv_indices\[5\] = -2 is not a slot"),
-        (lambda indptr, indices: indptr.__setitem__(1, 40), "kv_indptr must rise monotonically"),
+        (lambda indptr, indices: indices.__setitem__(3, 64), r"^layer 0: kv_indices\[3\] = 64 is not a slot of the 64"),
+        (lambda indptr, indices: indices.__setitem__(5, -2), r"^layer 0: kv_indices\[5\] = -2 is not a slot"),
+        (lambda indptr, indices: indptr.__setitem__(1, 40), "^layer 0: kv_indptr must rise monotonically"),
     ],
 )
 def test_out_of_range_indices_are_refused_before_aiter_reads_them(packed_dirs, fake_aiter, edit, says):

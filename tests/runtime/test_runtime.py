@@ -602,7 +602,8 @@ def test_out_of_cache_slot_ids_are_named_by_the_torch_backend(packed_dirs):
     for bad in (96, -2):
         wrong = indices.clone()
         wrong[5] = bad
-        with pytest.raises(BackendError, match=rf"kv_indices\[5\] = {bad} is not a slot of the 96-slot cache"):
+        says = rf"^layer 0: kv_indices\[5\] = {bad} is not a slot of the 96-slot cache"  # named like the layer's own
+        with pytest.raises(BackendError, match=says):
             layer.attend(latent, cache, indptr, wrong, 0.1, q_rope=q[..., 192:])
     wrong[5] = 95  # the last slot is one
     assert torch.isfinite(layer.attend(latent, cache, indptr, wrong, 0.1, q_rope=q[..., 192:]).float()).all()
@@ -759,6 +760,10 @@ def test_open_verify_names_what_is_missing(packed_dirs, tmp_path):
     assert err.value.tensor == name
     (bad / "glm-pack" / "layer-001.safetensors").unlink()
     with pytest.raises(VerifyError, match="overlay file listed in the manifest is missing") as err:
+        runtime.open(bad, verify=True)
+    assert err.value.file == str(bad / "glm-pack" / "layer-001.safetensors")
+    (bad / "glm-pack" / "layer-001.safetensors").mkdir()  # a folder in its place is no file, not a missing one
+    with pytest.raises(VerifyError, match="overlay file listed in the manifest is not a file") as err:
         runtime.open(bad, verify=True)
     assert err.value.file == str(bad / "glm-pack" / "layer-001.safetensors")
 
