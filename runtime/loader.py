@@ -248,7 +248,8 @@ def _verify_files(root: Path, manifest: dict) -> None:
     for name, info in sorted(manifest["files"].items()):
         path = overlay / name
         if not path.is_file():
-            raise VerifyError("overlay file listed in the manifest is missing", file=path)
+            why = "is not a file" if path.exists() else "is missing"
+            raise VerifyError(f"overlay file listed in the manifest {why}", file=path)
         if path.stat().st_size != info.get("size") or file_sha256(path) != info.get("sha256"):
             raise VerifyError("overlay file does not match its sha256 in the manifest (changed or corrupt)", file=path)
 
