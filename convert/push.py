@@ -331,10 +331,10 @@ def _push_held(
     from huggingface_hub import HfApi
 
     _check_out(out, options.overlay_only)
-    card = write_card_unlocked(out, overlay_only=options.overlay_only, base_model=options.base_model, repo_id=repo_id)
     token = _token()
-    if token is None and not options.dry_run:
+    if token is None and not options.dry_run:  # before the card: a push refused at once leaves OUT as it was
         raise HubError("no Hugging Face token: set HF_TOKEN or run `hf auth login`")
+    card = write_card_unlocked(out, overlay_only=options.overlay_only, base_model=options.base_model, repo_id=repo_id)
     api = HfApi(endpoint=endpoint, token=token)
     files = local_files(out, options.overlay_only)
     report = PushReport(
