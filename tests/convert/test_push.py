@@ -685,10 +685,10 @@ def test_a_push_without_a_token_leaves_out_as_it_was(hub, out, monkeypatch):
     """The token is looked for before the card is refreshed: a push refused for lack of one changes nothing in OUT
     (it rewrote README.md into the glm-pack card and kept the source card as README.source.md first)."""
     monkeypatch.delenv("HF_TOKEN")
-    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and not p.name.startswith(".")}
+    before = published(out)
     result = CliRunner().invoke(main, ["push", str(out), REPO])
     assert result.exit_code == 1 and "no Hugging Face token" in result.stderr, result.output
-    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and not p.name.startswith(".")} == before
+    assert published(out) == before
     assert not hub.requests
 
 
