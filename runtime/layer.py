@@ -92,6 +92,12 @@ class MlaLayer:
             return torch.cuda.device(self.device)
         return _ALREADY_CURRENT
 
+    def _named(self, err: BackendError, op: str = "") -> BackendError:
+        """``err`` from a backend, whose checks know no layer, its message led by this layer (and ``op``) like the
+        layer's own (a try block costs next to nothing until it catches: the GEMM calls keep their host time)."""
+        err.message = f"layer {self.layer}{' ' + op if op else ''}: {err.message}"
+        return err
+
     def _check_act(self, t: torch.Tensor, name: str, width: int | None = None) -> None:
         g = self.geometry
         self._check_device(t, name)
@@ -109,10 +115,13 @@ class MlaLayer:
             raise BackendError(f"layer {self.layer} {op}: x has K={x_thk.shape[-1]}, weight stores K={proj.k_stored}")
         x, out = x_thk.transpose(0, 1), out_thn.transpose(0, 1)
         with self._on_device():
-            if proj.precision == "mxfp4":
-                self.backend.bmm_a16wfp4(x, proj.weight, proj.scale, out, op=op, act_quant=act_quant)
-            else:
-                self.backend.bmm_bf16(x, proj.weight, out)
+            try:
+                if proj.precision == "mxfp4":
+                    self.backend.bmm_a16wfp4(x, proj.weight, proj.scale, out, op=op, act_quant=act_quant)
+                else:
+                    self.backend.bmm_bf16(x, proj.weight, out)
+            except BackendError as err:
+                raise self._named(err, op)
 
     def k_input(self, q: torch.Tensor) -> torch.Tensor:
         """The x the K-up kernel gets (K == k_stored) from q ``[T, H, P]`` or ``[T, H, P+R]``: q itself when it has
@@ -218,7 +227,6 @@ class MlaLayer:
                 out, lse = self.backend.sparse_mla(
                     q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, return_lse=return_lse
                 )
-            except BackendError as err:  # the backend's checks of kv_indptr / kv_indices know no layer
-                err.message = f"layer {self.layer}: {err.message}"
-                raise
+            except BackendError as err:
+                raise self._named(err)
         return (out, lse) if return_lse else out

@@ -256,8 +256,10 @@ def test_act_quant_none_is_refused_on_aiter(packed_dirs, fake_aiter):
     fake_aiter()
     _, out = packed_dirs("glm-5")
     layer = runtime.open(out, backend="aiter", tp_size=8).mla(0)
-    with pytest.raises(BackendError, match="prequant"):
+    with pytest.raises(BackendError, match=r"^layer 0 k_up: aiter's A16WFP4 always quantizes .*\(prequant\)"):
         layer.k_up(torch.zeros(1, 8, 256, dtype=torch.bfloat16), act_quant="none")
+    with pytest.raises(BackendError, match=r"^layer 0 v_up: aiter's A16WFP4 always quantizes"):
+        layer.v_up(torch.zeros(1, 8, 512, dtype=torch.bfloat16), act_quant="none")
 
 
 def test_independent_even_rule_matches_hand_vectors():
