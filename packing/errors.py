@@ -6,6 +6,14 @@ and exits non-zero; ``file`` and ``tensor`` name what was wrong when known.
 
 from __future__ import annotations
 
+import re
+
+
+def _names(message: str, name: str) -> bool:
+    """Whether ``message`` names ``name`` whole: not as part of a longer path or dotted name (a message naming
+    ``model.layers.10.w`` or ``/o/a.safetensors.tmp`` does not name ``layers.1`` or ``a.safetensors``)."""
+    return re.search(rf"(?<![\w./-]){re.escape(name)}(?![\w/-]|\.\w)", message) is not None
+
 
 class GlmPackError(Exception):
     """Base class: a clear, user-facing failure. ``file``/``tensor`` locate it when known."""
@@ -19,9 +27,9 @@ class GlmPackError(Exception):
     def __str__(self) -> str:
         """The message, then the file and tensor it does not already name: ``msg (file F, tensor T)``."""
         where = []
-        if self.file and self.file not in self.message:
+        if self.file and not _names(self.message, self.file):
             where.append(f"file {self.file}")
-        if self.tensor and self.tensor not in self.message:
+        if self.tensor and not _names(self.message, self.tensor):
             where.append(f"tensor {self.tensor}")
         return f"{self.message} ({', '.join(where)})" if where else self.message
 

@@ -490,3 +490,10 @@ def test_an_error_names_its_file_and_tensor_once():
     assert str(PlanError("output /o is not empty", file="/o")) == "output /o is not empty"
     assert str(FormatError("x.w has NaN", file=shard, tensor="x.w")) == "x.w has NaN (file /o/a.safetensors)"
     assert str(ManifestError("no manifest")) == "no manifest"
+    # a longer name containing the name does not name it; a name ending a sentence or quoted does
+    layer10 = "model.layers.10.self_attn.w"
+    assert str(FormatError(f"{layer10} has NaN", tensor="layers.1")) == f"{layer10} has NaN (tensor layers.1)"
+    assert str(FormatError("x.w_scale is short", tensor="x.w")) == "x.w_scale is short (tensor x.w)"
+    assert str(PlanError("left /o/a.safetensors.tmp", file="/o/a.safetensors")).endswith("(file /o/a.safetensors)")
+    assert str(PlanError("cannot read 'a.safetensors'.", file="a.safetensors")) == "cannot read 'a.safetensors'."
+    assert str(PlanError("x.w is bad.", tensor="x.w")) == "x.w is bad."
