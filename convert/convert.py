@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from glm_pack.packing import manifest as mf
-from glm_pack.packing.absorb import check_policy
+from glm_pack.packing.absorb import check_bound, check_choices
 from glm_pack.packing.errors import CheckpointError, GlmPackError, PlanError
 from glm_pack.packing.experts import moe_layout_description
 
@@ -409,7 +409,8 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
     started = time.monotonic()
     if options.workers < 1:
         raise PlanError(f"--workers must be at least 1, got {options.workers}")
-    check_policy(options.mla_precision, options.max_rel_error)
+    check_choices(options.quant_mode, options.mla_precision)
+    check_bound(options.mla_precision, options.max_rel_error)
     options = replace(options, files=files_mode(src, options.files))
     ckpt = open_checkpoint(src)
     hub = is_hub(ckpt)

@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from glm_pack.packing import mxfp4
-from glm_pack.packing.absorb import POLICIES
+from glm_pack.packing.absorb import check_choices
 from glm_pack.packing.errors import PlanError
 from glm_pack.packing.layouts import bmm_nk_params, stored_k
 from glm_pack.packing.manifest import k_up_block_sizes, projection_tensor_names
@@ -175,10 +175,7 @@ def make_plan(
     ckpt: Checkpoint, *, quant_mode: str = "even", k_pad="card", mla_precision: str = "mxfp4", files: str = "link"
 ) -> Plan:
     """The conversion plan for ``ckpt`` (headers only); PlanError on bad options."""
-    if quant_mode not in mxfp4.MODES:
-        raise PlanError(f"unknown quant mode {quant_mode!r}; choose one of {', '.join(mxfp4.MODES)}")
-    if mla_precision not in POLICIES:
-        raise PlanError(f"unknown MLA precision {mla_precision!r}; choose one of {', '.join(POLICIES)}")
+    check_choices(quant_mode, mla_precision)
     check_files_mode(files)
     geom = ckpt.geometry
     k_multiple, k_kc = resolve_k_up(ckpt.card, geom, k_pad, mla_precision)

@@ -20,7 +20,7 @@ import torch
 from .errors import FormatError, PlanError
 from .layouts import pack_bmm_nk
 from .mla import MlaGeometry, split_kv_b
-from .mxfp4 import check_finite, dequantize, quantize
+from .mxfp4 import MODES, check_finite, dequantize, quantize
 
 POLICIES = ("mxfp4", "bf16", "auto")
 
@@ -97,11 +97,17 @@ def _pad_k(t: torch.Tensor, k_stored: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, k_stored - t.shape[-1])) if k_stored > t.shape[-1] else t
 
 
-def check_policy(policy: str, max_rel_error: float | None) -> None:
-    """PlanError unless ``policy`` is known and ``max_rel_error`` (a relative error, finite, >= 0) is given
-    exactly when the policy is ``auto``, the one that reads it."""
+def check_choices(quant_mode: str, policy: str) -> None:
+    """PlanError unless ``quant_mode`` is an MXFP4 scale mode and ``policy`` an MLA precision policy."""
+    if quant_mode not in MODES:
+        raise PlanError(f"unknown MXFP4 scale mode {quant_mode!r}; choose one of {', '.join(MODES)}")
     if policy not in POLICIES:
         raise PlanError(f"unknown MLA precision policy {policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+def check_bound(policy: str, max_rel_error: float | None) -> None:
+    """PlanError unless ``max_rel_error`` (a relative error, finite, >= 0) is given exactly when the policy is
+    ``auto``, the one that reads it."""
     if (policy == "auto") != (max_rel_error is not None):
         raise PlanError("--max-rel-error goes with --mla-precision auto, and auto needs it")
     if max_rel_error is not None and not 0 <= max_rel_error < math.inf:
@@ -131,7 +137,8 @@ def store_projection(
     ``mxfp4_source``: the projection's codes/scales already grouped along K (from an MXFP4 checkpoint);
     they are kept byte for byte instead of quantizing again. ``what`` names the projection in errors.
     """
-    check_policy(policy, max_rel_error)
+    check_choices(quant_mode, policy)
+    check_bound(policy, max_rel_error)
     k = w.shape[-1]
     if k_stored < k or k_stored % 32:
         raise FormatError(f"k_stored {k_stored} must be a multiple of 32 and >= K {k}")

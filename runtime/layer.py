@@ -92,11 +92,11 @@ class MlaLayer:
             return torch.cuda.device(self.device)
         return _ALREADY_CURRENT
 
-    def _named(self, err: BackendError, op: str = "") -> BackendError:
-        """``err`` from a backend, whose checks know no layer, its message led by this layer (and ``op``) like the
-        layer's own (a try block costs next to nothing until it catches: the GEMM calls keep their host time)."""
+    def _name_layer(self, err: BackendError, op: str = "") -> None:
+        """Lead the message of ``err``, a backend's error (its checks know no layer), with this layer (and ``op``)
+        like the layer's own (a try block costs next to nothing until it catches: the GEMM calls keep their host
+        time)."""
         err.message = f"layer {self.layer}{' ' + op if op else ''}: {err.message}"
-        return err
 
     def _check_act(self, t: torch.Tensor, name: str, width: int | None = None) -> None:
         g = self.geometry
@@ -121,7 +121,8 @@ class MlaLayer:
                 else:
                     self.backend.bmm_bf16(x, proj.weight, out)
             except BackendError as err:
-                raise self._named(err, op)
+                self._name_layer(err, op)
+                raise
 
     def k_input(self, q: torch.Tensor) -> torch.Tensor:
         """The x the K-up kernel gets (K == k_stored) from q ``[T, H, P]`` or ``[T, H, P+R]``: q itself when it has
@@ -228,5 +229,6 @@ class MlaLayer:
                     q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, return_lse=return_lse
                 )
             except BackendError as err:
-                raise self._named(err)
+                self._name_layer(err)
+                raise
         return (out, lse) if return_lse else out

@@ -26,7 +26,7 @@ from glm_pack.convert.convert import ConvertOptions, convert
 from glm_pack.convert.items import plan_items
 from glm_pack.convert.safetensors_io import LocalFile
 from glm_pack.convert.verify import verify
-from glm_pack.packing.errors import GlmPackError, ManifestError
+from glm_pack.packing.errors import GlmPackError, ManifestError, PlanError
 from glm_pack.packing.mxfp4 import dequantize, quantize
 
 
@@ -437,6 +437,21 @@ def test_verify_problem_lines_print_paths_with_markup_as_they_are(synth_ckpt, tm
     r = CliRunner().invoke(main, ["verify", str(out)])
     assert r.exit_code == 1, r.output
     assert f"problem overlay file missing: {out / 'glm-pack' / 'layer-000.safetensors'}" in r.output.splitlines()
+
+
+def test_bad_option_values_of_the_api_are_refused_before_out_is_made(synth_ckpt, tmp_path):
+    """The CLI's choices keep these out; the Python API checked the scale mode only in the first work item, after
+    OUT held a journal, under a source shard's name, and a rerun with the mode corrected was told to --resume."""
+    src = synth_ckpt("glm-5", "bf16")
+    for options, says in (
+        ({"quant_mode": "nearest"}, "unknown MXFP4 scale mode 'nearest'; choose one of even, floor, roundup, mse"),
+        ({"mla_precision": "fp8"}, "unknown MLA precision policy 'fp8'; choose one of mxfp4, bf16, auto"),
+    ):
+        with pytest.raises(PlanError) as err:
+            convert(src, tmp_path / "o", ConvertOptions(files="none", workers=1, **options))
+        assert str(err.value) == says
+        assert not (tmp_path / "o").exists()
+    convert(src, tmp_path / "o", ConvertOptions(files="none", workers=1, quant_mode="mse"))
 
 
 def test_refusals(synth_ckpt, tmp_path):

@@ -127,8 +127,8 @@ def test_k_pad_kept_where_pinned_configs_split_k_evenly(synth_ckpt, k_pad, k_sto
 @pytest.mark.parametrize(
     "option, says",
     [
-        ({"quant_mode": "nearest"}, "unknown quant mode 'nearest'"),
-        ({"mla_precision": "fp8"}, "unknown MLA precision 'fp8'"),
+        ({"quant_mode": "nearest"}, "unknown MXFP4 scale mode 'nearest'"),
+        ({"mla_precision": "fp8"}, "unknown MLA precision policy 'fp8'"),
         ({"files": "move"}, "files must be one of link, copy, none, got 'move'"),
     ],
 )
