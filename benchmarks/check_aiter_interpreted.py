@@ -146,7 +146,7 @@ def sparse_mla_found(fn) -> str:
 def open_aiter_on_cpu(out: Path, tp_size: int):
     """``runtime.open(backend="aiter")`` on CPU, its GPU and arch checks answered as on a gfx950 (the interpreter
     runs the kernels on CPU tensors)."""
-    aiter_backend.detect_arch = lambda: "gfx950"
+    aiter_backend.detect_arch = lambda device: "gfx950"
     aiter_backend.gpu_reason = lambda device: ""
     return runtime.open(out, device="cpu", backend="aiter", tp_rank=0, tp_size=tp_size)
 

@@ -49,11 +49,11 @@ class AiterFunctions:
     sparse_has_invalid: bool  # sparse_mla_fwd takes has_invalid (-1 sentinels)
 
 
-def detect_arch() -> str | None:
-    """The GPU arch name on ROCm torch (e.g. "gfx950"), or None without a ROCm GPU."""
+def detect_arch(device) -> str | None:
+    """The arch name of GPU ``device`` on ROCm torch (e.g. "gfx950"), or None without a ROCm GPU."""
     if not torch.cuda.is_available() or getattr(torch.version, "hip", None) is None:
         return None
-    return torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+    return torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
 
 
 def _import(name: str):
@@ -100,12 +100,12 @@ def _sparse_mla() -> tuple[Any | None, bool, bool]:
 
 
 def aiter_status(device) -> tuple[bool, str]:
-    """(usable, reason) for backend selection: ``device`` a GPU, aiter importable and a gfx950 GPU present."""
+    """(usable, reason) for backend selection: ``device`` a GPU, a gfx950 one, and aiter importable."""
     if why := gpu_reason(device):
         return False, f"aiter backend {why}"
-    arch = detect_arch()
+    arch = detect_arch(device)
     if arch != TARGET_ARCH:
-        return False, f"aiter backend needs a {TARGET_ARCH} GPU (found {arch or 'no ROCm GPU'})"
+        return False, f"aiter backend needs a {TARGET_ARCH} GPU ({device} is {arch or 'no ROCm GPU'})"
     try:
         load_aiter()
     except BackendError as err:

@@ -130,7 +130,7 @@ def fake_aiter(monkeypatch):
     def install(kind="a16wfp4", sparse=True, rope_free=True):
         bmm = rec.a16wfp4 if kind == "a16wfp4" else rec.pre_quant
         fns = ab.AiterFunctions(bmm, kind, rec.sparse_mla_fwd if sparse else None, rope_free, True)
-        monkeypatch.setattr(ab, "detect_arch", lambda: "gfx950")
+        monkeypatch.setattr(ab, "detect_arch", lambda device: "gfx950")
         monkeypatch.setattr(ab, "gpu_reason", lambda device: "")  # the recorder runs on CPU tensors
         monkeypatch.setattr(ab, "load_aiter", lambda: fns)
         return rec
@@ -157,20 +157,36 @@ def test_auto_order_is_aiter_then_triton_then_torch(fake_aiter, monkeypatch):
     gpu = torch.device("cuda")
     chosen = select_backend("auto", gpu, {})
     assert chosen.name == "aiter" and chosen.fallback.name == "triton"
-    monkeypatch.setattr(ab, "detect_arch", lambda: "gfx942")
+    monkeypatch.setattr(ab, "detect_arch", lambda device: "gfx942")
     assert select_backend("auto", gpu, {}).name == "triton"
     monkeypatch.setattr(tb, "triton_status", lambda device: (False, "no triton"))
     assert select_backend("auto", gpu, {}).name == "torch"
-    monkeypatch.setattr(ab, "detect_arch", lambda: "gfx950")
+    monkeypatch.setattr(ab, "detect_arch", lambda device: "gfx950")
     chosen = select_backend("auto", gpu, {})
     assert chosen.name == "aiter" and chosen.fallback.name == "torch"
+
+
+def test_aiter_status_reads_the_arch_of_the_device_asked(monkeypatch):
+    """On a ROCm host with a gfx942 GPU 0 and a gfx950 GPU 1, cuda:1 is judged by GPU 1 (GPU 0 was read always)."""
+    archs = {0: "gfx942:sramecc+:xnack-", 1: "gfx950:sramecc+:xnack-"}
+    monkeypatch.setattr(torch.version, "hip", "7.0", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def props(d):  # torch takes an index or a device
+        return types.SimpleNamespace(gcnArchName=archs[d if isinstance(d, int) else d.index])
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    monkeypatch.setattr(ab, "gpu_reason", lambda device: "")
+    monkeypatch.setattr(ab, "load_aiter", lambda: None)
+    assert ab.aiter_status(torch.device("cuda:1")) == (True, "ok")
+    assert ab.aiter_status(torch.device("cuda:0")) == (False, "aiter backend needs a gfx950 GPU (cuda:0 is gfx942)")
 
 
 def test_aiter_is_not_chosen_for_a_cpu_device(packed_dirs, monkeypatch):
     """On a gfx950 machine with aiter, ``device="cpu"`` still gets the torch backend (aiter's kernels take GPU
     tensors only), and forcing aiter there says why."""
     fns = ab.AiterFunctions(Recorder().a16wfp4, "a16wfp4", None, True, True)
-    monkeypatch.setattr(ab, "detect_arch", lambda: "gfx950")
+    monkeypatch.setattr(ab, "detect_arch", lambda device: "gfx950")
     monkeypatch.setattr(ab, "load_aiter", lambda: fns)
     _, out = packed_dirs("glm-5")
     assert runtime.open(out, device="cpu").backend.name == "torch"
@@ -323,7 +339,7 @@ def _install_modules(monkeypatch, rec, sparse_mla_fwd):
         module = types.ModuleType(name)
         module.__dict__.update(attrs)
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(ab, "detect_arch", lambda: "gfx950")
+    monkeypatch.setattr(ab, "detect_arch", lambda device: "gfx950")
     monkeypatch.setattr(ab, "gpu_reason", lambda device: "")
 
 
