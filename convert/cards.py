@@ -284,15 +284,12 @@ class Card:
         """``{arch: {op: {bucket: {key: value}}}}`` for route ``padded`` or ``unpadded`` (ops k_up, v_up)."""
         if route not in ROUTES:
             raise PlanError(f"unknown kernel route {route!r}; choose one of {', '.join(ROUTES)}")
-        out = {}
+        out: dict = {}
         for arch, spec in self.data.get("kernels", {}).items():
             out[arch] = {}
-            for op, overrides in spec["routes"][route].items():
-                buckets = {}
-                for bucket, base in spec["base"].items():
-                    cfg = {**base, **overrides.get("*", {}), **overrides.get(bucket, {})}
-                    buckets[bucket] = {k: (None if cfg[k] == "" else cfg[k]) for k in AITER_BMM_CONFIG_KEYS}
-                out[arch][op] = buckets
+            for op, bucket, cfg in _route_configs(spec, route):
+                cfg = {k: (None if cfg[k] == "" else cfg[k]) for k in AITER_BMM_CONFIG_KEYS}
+                out[arch].setdefault(op, {})[bucket] = cfg
         return out
 
     def _check_kernels(self) -> None:
@@ -300,16 +297,22 @@ class Card:
             for route in ROUTES:
                 if route not in spec.get("routes", {}):
                     raise PlanError(f"card {self.name}: kernels.{arch} lacks route {route!r}", file=self.source)
-                for op, overrides in spec["routes"][route].items():
-                    for bucket, base in spec["base"].items():
-                        cfg = {**base, **overrides.get("*", {}), **overrides.get(bucket, {})}
-                        missing = [k for k in AITER_BMM_CONFIG_KEYS if k not in cfg]
-                        if missing or cfg.get("NUM_KSPLIT") != 1:
-                            raise PlanError(
-                                f"card {self.name}: {arch}/{route}/{op}/{bucket} needs every key "
-                                f"(missing {missing}) and NUM_KSPLIT=1",
-                                file=self.source,
-                            )
+                for op, bucket, cfg in _route_configs(spec, route):
+                    missing = [k for k in AITER_BMM_CONFIG_KEYS if k not in cfg]
+                    if missing or cfg.get("NUM_KSPLIT") != 1:
+                        raise PlanError(
+                            f"card {self.name}: {arch}/{route}/{op}/{bucket} needs every key "
+                            f"(missing {missing}) and NUM_KSPLIT=1",
+                            file=self.source,
+                        )
+
+
+def _route_configs(spec: dict, route: str):
+    """``(op, bucket, config)`` of one arch's kernel ``route``: each base bucket's config under the op's ``"*"``
+    overrides, then its bucket's."""
+    for op, overrides in spec["routes"][route].items():
+        for bucket, base in spec["base"].items():
+            yield op, bucket, {**base, **overrides.get("*", {}), **overrides.get(bucket, {})}
 
 
 def list_cards() -> list[str]:

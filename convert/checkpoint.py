@@ -20,15 +20,13 @@ import torch
 
 from glm_pack.packing import mxfp4
 from glm_pack.packing.errors import CheckpointError, FormatError, GlmPackError
-from glm_pack.packing.manifest import OVERLAY_DIR
+from glm_pack.packing.manifest import INDEX_NAME, OVERLAY_DIR, SINGLE_NAME
 from glm_pack.packing.mla import MlaGeometry
 
 from . import formats
 from .cards import Card, detect_card, load_card
 from .safetensors_io import Header, LocalFile, TensorEntry, parse_header, read_tensor
-
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
+from .writer import sha256_tensor
 
 
 class LocalStore:
@@ -365,7 +363,7 @@ def _record_digests(digests: dict[str, str] | None, tensors) -> None:
     if digests is not None:
         for name, raw in tensors:
             if raw is not None:
-                digests[name] = hashlib.sha256(raw.contiguous().view(torch.uint8).numpy()).hexdigest()
+                digests[name] = sha256_tensor(raw)
 
 
 def hub_spec(src: str | os.PathLike) -> tuple[str, str | None] | None:

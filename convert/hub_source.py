@@ -28,7 +28,7 @@ from pathlib import Path, PurePosixPath
 
 from glm_pack.packing.errors import CheckpointError, GlmPackError, HubError
 
-from .checkpoint import is_original, walk_files
+from .checkpoint import INDEX_NAME, is_original, walk_files
 from .hub_common import (
     answered,
     auth_failed,
@@ -42,7 +42,6 @@ from .hub_common import (
 from .safetensors_io import LocalFile
 
 HUB_PREFIX = "hf://"
-INDEX_NAME = "model.safetensors.index.json"
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+")
 RANGE_CHECK = "bytes=0-0"  # the Range of the one request checking that the endpoint serves ranges
 RECENT_BYTES = 256 << 20  # ranges kept for re-reads (a GLM-5 kv_b_proj in BF16 is 29 MB)

@@ -49,7 +49,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .commands import console, plan_option
 from .convert import files_mode, is_hub
 from .humanize import counted, plural, size_text
-from .items import expert_file_bytes, expert_groups, plan_items, tensor_count
+from .items import EXPERT_FILE_BYTES, expert_file_bytes, expert_groups, plan_items, tensor_count
 from .modelcard import compact_ranges
 from .plan import make_plan
 
@@ -224,7 +224,8 @@ def render(report: dict, console: Console) -> None:
         layers = sorted({f["layer"] for f in plan["expert_files"]})
         console.print(
             f"experts repacked ({plan['repack_experts']}): {size_text(plan['expert_bytes'])} in "
-            f"{counted(len(plan['expert_files']), 'file')} of at most 5 GB, MoE {plural('layer', len(layers))} "
+            f"{counted(len(plan['expert_files']), 'file')} of at most {EXPERT_FILE_BYTES / 1e9:g} GB, "
+            f"MoE {plural('layer', len(layers))} "
             f"{_ranges(layers)}"
         )
     if report.get("hub"):

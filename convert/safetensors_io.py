@@ -232,7 +232,7 @@ def encode_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dic
 
     ``entries`` are ``(name, dtype, shape)``; offsets follow one another from 0 in the given order.
     """
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    header: dict = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}} if metadata else {}
     offset = 0
     for name, dtype, shape in entries:
         nbytes = byte_size(dtype, tuple(shape))

@@ -41,6 +41,7 @@ from glm_pack.packing.errors import PlanError
 
 from . import formats, space
 from .cards import Card, load_card
+from .checkpoint import INDEX_NAME
 from .humanize import counted, size_text
 from .safetensors_io import DTYPES, byte_size, encode_header
 from .writer import OutputError, atomic_write, clear_directory, tensor_bytes, write_text
@@ -300,7 +301,7 @@ def synthesize(
         _write_shard(out / name, shard, seed, cache)
         weight_map.update({e.name: name for e in shard})
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
+    write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
     write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
     return out
 

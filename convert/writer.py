@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import os
 import shutil
 from collections.abc import Callable, Collection, Iterable
@@ -20,14 +19,8 @@ import torch
 
 from glm_pack.packing.errors import GlmPackError
 
-_DTYPE_NAMES = {
-    torch.uint8: "U8",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.int32: "I32",
-}
+from .safetensors_io import DTYPES, byte_size, encode_header
+
 _os_write = os.write
 
 
@@ -35,7 +28,11 @@ class OutputError(GlmPackError):
     """Writing an output file failed (no space, read-only location, ...)."""
 
 
+_DTYPE_NAMES = {dtype: name for name, (_, dtype) in DTYPES.items() if dtype is not None}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype ("BF16" for torch.bfloat16)."""
     return _DTYPE_NAMES[dtype]
 
 
@@ -140,29 +137,12 @@ class LazyTensor:
 
     @property
     def nbytes(self) -> int:
-        n = torch.empty((), dtype=self.dtype).element_size()
-        for d in self.shape:
-            n *= d
-        return n
-
-
-def _nbytes(t) -> int:
-    return t.nbytes if isinstance(t, LazyTensor) else t.numel() * t.element_size()
+        return byte_size(dtype_name(self.dtype), self.shape)
 
 
 def safetensors_header(tensors: dict, metadata: dict[str, str] | None = None) -> bytes:
     """Length prefix + JSON header (tensors or LazyTensors in the given order, padded with spaces to 8 bytes)."""
-    header: dict = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offset = 0
-    for name, t in tensors.items():
-        n = _nbytes(t)
-        header[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text
+    return encode_header([(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()], metadata)
 
 
 def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> tuple[str, dict[str, str]]:

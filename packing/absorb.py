@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import FormatError, PlanError
-from .layouts import pack_bmm_nk
+from .layouts import pack_bmm_nk, pad_bmm_nk_bf16
 from .mla import MlaGeometry, split_kv_b
 from .mxfp4 import MODES, check_finite, dequantize, quantize
 
@@ -84,17 +84,13 @@ def _nan_first(error: float) -> float:
 def _finite(errors: tuple[float, float], w: torch.Tensor, what: str, fmt: str) -> tuple[float, float]:
     """The relative errors (whole, worst head) of ``w`` stored as ``fmt`` when finite; else FormatError: ``w``'s
     values, finite but near float32's maximum, overflow to Inf in ``fmt`` (MXFP4: a block scale of 2**127 makes
-    code 2 decode to 2**128; BF16: values from (2 - 2**-8) * 2**127 up round to Inf)."""
+    the E2M1 value 2 (code 4) decode to 2**128; BF16: values from (2 - 2**-8) * 2**127 up round to Inf)."""
     if not all(map(math.isfinite, errors)):
         raise FormatError(
             f"{what} overflows to Inf in {fmt}: its values (up to {float(w.abs().max()):.3g}) are too close to "
             f"float32's maximum (relative error {errors[0]})"
         )
     return errors
-
-
-def _pad_k(t: torch.Tensor, k_stored: int) -> torch.Tensor:
-    return torch.nn.functional.pad(t, (0, k_stored - t.shape[-1])) if k_stored > t.shape[-1] else t
 
 
 def check_choices(quant_mode: str, policy: str) -> None:
@@ -150,7 +146,8 @@ def store_projection(
         return StoredProjection("mxfp4", mode, codes, scales, k, k_stored, mx_err, mx_err, mx_head)
     values = w.to(torch.bfloat16)
     bf16_err, bf16_head = _finite(rel_errors(values, w), w, what, "BF16")
-    return StoredProjection("bf16", None, _pad_k(values, k_stored), None, k, k_stored, bf16_err, mx_err, bf16_head)
+    padded = pad_bmm_nk_bf16(values, k_stored=k_stored)
+    return StoredProjection("bf16", None, padded, None, k, k_stored, bf16_err, mx_err, bf16_head)
 
 
 def absorb_layer(

@@ -91,6 +91,13 @@ def pack_bmm_nk(codes: torch.Tensor, scales: torch.Tensor, *, k_stored: int) -> 
     return _pad_last(codes, k_stored // 2, CODE_PAD), _pad_last(scales, k_stored // BLOCK, SCALE_PAD)
 
 
+def pad_bmm_nk_bf16(values: torch.Tensor, *, k_stored: int) -> torch.Tensor:
+    """BF16 ``bmm_nk`` values ``[..., K]`` -> ``[..., k_stored]``, zero-padded (a contiguous tensor)."""
+    if k_stored == values.shape[-1]:
+        return values.contiguous()
+    return _pad_last(values, k_stored, 0)
+
+
 def _pad_last(t: torch.Tensor, size: int, value: int) -> torch.Tensor:
     """``t`` with its last axis extended to ``size`` with ``value`` (a fill + one copy: F.pad is slow on uint8)."""
     out = torch.full((*t.shape[:-1], size), value, dtype=t.dtype, device=t.device)

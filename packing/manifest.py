@@ -48,6 +48,8 @@ SCHEMA = "glm-pack/manifest"
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 OVERLAY_DIR = "glm-pack"
+INDEX_NAME = "model.safetensors.index.json"  # a sharded source's index (the manifest pins its sha256)
+SINGLE_NAME = "model.safetensors"  # the one file of an unsharded source
 PRECISIONS = ("mxfp4", "bf16")
 PROJECTIONS = ("w_kc", "w_vc")
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
@@ -285,8 +287,8 @@ def parse_mla(manifest: dict) -> list[MlaLayer]:
         source = _get(entry, "source", dict, where)
         kc = _projection(entry, "w_kc", where, tensors)
         vc = _projection(entry, "w_vc", where, tensors)
-        _check_projection_shapes(kc, geom, tensors, (geom.num_heads, geom.kv_lora_rank), geom.qk_nope_head_dim)
-        _check_projection_shapes(vc, geom, tensors, (geom.num_heads, geom.v_head_dim), geom.kv_lora_rank)
+        _check_projection_shapes(kc, tensors, (geom.num_heads, geom.kv_lora_rank), geom.qk_nope_head_dim)
+        _check_projection_shapes(vc, tensors, (geom.num_heads, geom.v_head_dim), geom.kv_lora_rank)
         layers.append(
             MlaLayer(
                 layer,
@@ -363,7 +365,8 @@ def _shuffle_layout_ok(layout, entry: TensorEntry) -> bool:
     )
 
 
-def _check_projection_shapes(p: Projection, geom, tensors, lead: tuple[int, int], k_logical: int) -> None:
+def _check_projection_shapes(p: Projection, tensors, lead: tuple[int, int], k_logical: int) -> None:
+    """``p``'s tensors are what its precision stores for ``[*lead, K]`` (K = its k_stored) of ``k_logical``."""
     if p.k_logical != k_logical:
         _fail(f"{p.weight}: k_logical {p.k_logical} contradicts the geometry ({k_logical})", tensor=p.weight)
     w = tensors[p.weight]

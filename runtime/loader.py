@@ -88,13 +88,13 @@ def check_source_tensors(files: dict[str, Path], digests: dict[str, str], advice
 def tensor_files(served: Path) -> dict[str, Path]:
     """Source tensor name -> the served safetensors file holding it (from the index, or the single file);
     VerifyError naming the index or the file when it cannot be read as one."""
-    index = served / "model.safetensors.index.json"
+    index = served / mf.INDEX_NAME
     if os.path.isfile(index):  # False in a folder this user cannot enter (another user's source): unreachable
         weight_map = _json_object(_read_bytes(index), index, "the index").get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
             raise VerifyError("the index's weight_map must map tensor names to file names", file=index)
         return {name: served / file for name, file in weight_map.items()}
-    single = served / "model.safetensors"
+    single = served / mf.SINGLE_NAME
     return {name: single for name in _header(single)} if os.path.isfile(single) else {}
 
 

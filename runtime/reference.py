@@ -25,7 +25,7 @@ def activation_as_float(x: torch.Tensor, act_quant: str) -> torch.Tensor:
         return torch.where(torch.isnan(x), x.float(), dequantize(codes, scales, axis=-1))
     if act_quant == "none":
         return x.float()
-    raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, got {act_quant!r}")
+    raise BackendError(f"act_quant must be one of {ACT_QUANT_MODES}, got {act_quant!r}")
 
 
 def bmm_a16wfp4(

@@ -18,14 +18,11 @@ def _aiter(kernel_configs: dict, device) -> Backend:
     ok, why = aiter_status(device)
     if not ok:
         raise BackendError(why)
-    fallback = _triton(device) if _triton_ok(device) else TorchBackend()
+    try:
+        fallback = _triton(device)
+    except BackendError:
+        fallback = TorchBackend()
     return AiterBackend(kernel_configs, fallback=fallback)
-
-
-def _triton_ok(device) -> bool:
-    from .triton_backend import triton_status
-
-    return triton_status(device)[0]
 
 
 def _triton(device) -> Backend:

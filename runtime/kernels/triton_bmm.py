@@ -63,8 +63,8 @@ from glm_pack.runtime.kernels._triton import (
     triton,
     tuned_here,
 )
+from glm_pack.runtime.reference import ACT_QUANT_MODES
 
-ACT_QUANT_MODES = ("mxfp4", "none")
 _INTERPRETED = interpreted()  # read at import: Triton picks interpreter or compiler when a kernel is defined
 
 if not _TRITON_ERROR:
@@ -774,7 +774,7 @@ def bmm_a16wfp4(
 
     x ``[B, M, K]`` bf16, w_codes ``[B, N, K/2]`` u8, w_scales ``[B, N, K/32]`` u8, any non-negative strides;
     K a multiple of 32. Without ``out``, allocates a batch-major ``[M, B, N]`` buffer and returns its
-    ``[B, M, N]`` view. ``config`` overrides :func:`default_config`.
+    ``[B, M, N]`` view. ``config`` overrides :func:`config_for`'s choice.
 
     The first call with a signature (:func:`_signature`) validates it and prepares its launches; later calls
     with the same signature only launch (a few tens of microseconds of host time instead of 100-200). Where the

@@ -7,6 +7,7 @@ import collections
 import errno
 import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -678,6 +679,14 @@ def test_verify_catches_flipped_byte(converted):
     path.write_bytes(bytes(data))
     r = CliRunner().invoke(main, ["verify", str(converted)])
     assert r.exit_code == 1 and "layer-001.safetensors" in r.output and "w_vc.weight" in r.output
+
+
+def test_the_manifest_records_the_installed_version(converted):
+    """The manifest's tool version is the installed package's, the one `glm-pack --version` prints: convert's
+    constant must follow pyproject.toml's version when it is bumped."""
+    installed = importlib.metadata.version("glm-pack")
+    assert manifest(converted)["tool"] == {"name": "glm-pack", "version": installed}
+    assert CliRunner().invoke(main, ["--version"]).output.split()[-1] == installed
 
 
 def test_verify_catches_missing_file_and_edited_manifest(converted):

@@ -200,7 +200,9 @@ def test_inspect_plans_the_expert_files_convert_writes(converted):
         assert entry["layer"] == int(path.name.split("-")[1])
     assert plan["expert_bytes"] == sum(f["bytes"] for f in plan["expert_files"])
     people = CliRunner().invoke(main, ["inspect", str(src), "--repack-experts", "aiter-a4w4"])
-    assert f"experts repacked (aiter-a4w4): {size_text(plan['expert_bytes'])} in " in people.stdout, people.output
+    files = f"{len(written)} file{'s' * (len(written) != 1)}"
+    line = f"experts repacked (aiter-a4w4): {size_text(plan['expert_bytes'])} in {files} of at most 5 GB, MoE layer"
+    assert line in people.stdout, people.output
     plain = json.loads(CliRunner().invoke(main, ["inspect", str(src), "--json"]).stdout)["plan"]
     assert (plain["repack_experts"], plain["expert_files"], plain["expert_bytes"]) == ("none", [], 0)
 

@@ -840,6 +840,8 @@ def test_reference_bmm_a16wfp4_hand_vector():
     assert y.dtype == torch.bfloat16 and y.shape == (1, 2, 2)
     assert y[0, 0].tolist() == [7.5, -4.0] and y[0, 1].isnan().all()
     assert bmm_a16wfp4(x.bfloat16(), codes, scales, act_quant="none")[0, 0].tolist() == [7.75, -4.0]
+    with pytest.raises(BackendError, match=r"act_quant must be one of \('mxfp4', 'none'\), got 'fp8'"):
+        bmm_a16wfp4(x.bfloat16(), codes, scales, act_quant="fp8")  # the package's one error family, not ValueError
 
 
 def test_open_verify_names_a_corrupt_original(packed_dirs, tmp_path):
