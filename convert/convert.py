@@ -151,15 +151,33 @@ def files_mode(src: str | os.PathLike, files: str | None) -> str:
     return files
 
 
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of ``path``, None where it does not exist or cannot be read."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
+def _within(path: Path, folder: Path) -> bool:
+    """``path`` is ``folder`` or lies inside it: by resolved path, or by identity (a bind mount reaches one folder
+    by two paths that no path comparison relates)."""
+    path, folder = path.resolve(), folder.resolve()
+    if path == folder or folder in path.parents:
+        return True
+    target = _identity(folder)
+    return target is not None and any(_identity(p) == target for p in (path, *path.parents))
+
+
 def check_locations(src: Path, out: Path, files: Iterable[Path] = (), what: str = "the source") -> None:
     """Refuse an OUT that is ``src``, inside it, contains it, or contains the file behind one of the source ``files``
-    (a HF cache snapshot's links point into ``blobs/``, which ``--overwrite`` would empty). For a Hub source ``src``
-    is the repo's folder in the local HF cache, ``what`` says so."""
-    src_r, out_r = src.resolve(), out.resolve()
-    if src_r == out_r or src_r in out_r.parents or out_r in src_r.parents:
+    (a HF cache snapshot's links point into ``blobs/``, which ``--overwrite`` would empty), by path or through a
+    bind mount. For a Hub source ``src`` is the repo's folder in the local HF cache, ``what`` says so."""
+    if _within(out, src) or _within(src, out):
         raise PlanError(f"output {out} must be outside {what} {src} (and not contain it)", file=out)
     for rel in files:
-        if out_r in (src / rel).resolve().parents:
+        if _within(src / rel, out):
             raise PlanError(
                 f"output {out} must not hold the source's files: {src / rel} is {(src / rel).resolve()}", file=out
             )

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -538,6 +539,46 @@ def test_source_that_is_also_the_output_is_refused(source, tmp_path):
         r, errors = cli(source, out, "--overwrite")
         assert r.exit_code == 1 and len(errors) == 1 and "outside the source" in errors[0], (out, r.output)
     assert tree_digest(source) == before
+
+
+def test_source_reached_through_a_bind_mount_is_refused(source, ckpt_copy, tmp_path, monkeypatch):
+    """A bind mount reaches the source's folder by a path no resolve() relates to it: OUT = the mount point
+    passed the "outside the source" check and --overwrite emptied the source. The folders' (device, inode)
+    decide; here a plain folder reports the identity a mount of the source (or of its parent) would have."""
+    from glm_pack.convert import convert as convert_module
+
+    src = ckpt_copy(source)
+    before = tree_digest(src)
+    real = convert_module._identity
+    for mounted, out in (
+        (src, tmp_path / "mnt"),  # OUT is the source
+        (src, tmp_path / "mnt" / "glm-out"),  # OUT inside it
+        (src.parent, tmp_path / "mnt"),  # OUT contains it
+    ):
+        (tmp_path / "mnt").mkdir(exist_ok=True)
+        (tmp_path / "mnt" / "keep.txt").write_text("mine")
+        alias = tmp_path / "mnt"
+        monkeypatch.setattr(convert_module, "_identity", lambda p, m=mounted, a=alias: real(m if p == a else p))
+        r, errors = cli(src, out, "--overwrite")
+        assert r.exit_code == 1 and len(errors) == 1 and "outside the source" in errors[0], (out, r.output)
+        assert (tmp_path / "mnt" / "keep.txt").read_text() == "mine" and tree_digest(src) == before
+
+
+def test_source_bind_mounted_as_out_is_refused(source, ckpt_copy, tmp_path):
+    """The same through a real bind mount, where this machine lets a private mount namespace make one."""
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no private mount namespace here (unshare -m needs root or user namespaces)")
+    src = ckpt_copy(source)
+    before = tree_digest(src)
+    (tmp_path / "mnt").mkdir()
+    script = 'mount --bind "$1" "$2" && exec "$3" -m glm_pack.convert.cli convert "$1" "$2" --overwrite --workers 1'
+    r = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, "sh", str(src), str(tmp_path / "mnt"), sys.executable],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1 and "must be outside the source" in r.stderr + r.stdout, (r.returncode, r.stderr)
+    assert tree_digest(src) == before
 
 
 def test_out_holding_the_files_behind_a_snapshot_is_refused(source, tmp_path):
