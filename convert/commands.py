@@ -17,7 +17,7 @@ from rich.table import Table
 
 from glm_pack.packing import manifest as mf
 from glm_pack.packing.absorb import POLICIES
-from glm_pack.packing.errors import VerifyError
+from glm_pack.packing.errors import PlanError, VerifyError
 
 from . import state
 from .convert import ConvertOptions, ConvertReport, convert, output_leftovers
@@ -267,6 +267,13 @@ def demo_command(workdir, layers):
     except OSError as err:  # a temp folder that is full, read-only or not this user's (or none usable)
         raise OutputError(f"cannot create the demo's work folder: {err.strerror or err}", file=err.filename) from err
     src, out = root / "glm-5-small", root / "glm-5-small-gfx950"
+    for folder in (src, out):  # replaced below: through a link, the folder it points to would be emptied
+        if folder.is_symlink():
+            raise PlanError(
+                f"{folder} is a symlink (to {os.readlink(folder)}); the demo replaces this folder and does not "
+                "write through links: remove the link or choose another WORKDIR",
+                file=folder,
+            )
     console.print(f"[bold]1/4 synthesize[/bold] GLM-5 (true MLA geometry, small everything else) -> {escape(str(src))}")
     synthesize(src, card="glm-5", layers=layers, experts=4, fmt="bf16", profile="small", seed=0, overwrite=True)
     console.print(f"[bold]2/4 convert[/bold] -> {escape(str(out))}")

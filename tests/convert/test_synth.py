@@ -112,6 +112,36 @@ def test_demo_refuses_no_layers_by_its_own_option(tmp_path, layers):
     assert "1/4" not in r.output and not (tmp_path / "d").exists()
 
 
+def test_demo_runs_twice_in_one_workdir_and_keeps_the_rest(tmp_path):
+    """The quick start: exit 0, each step printed, the output verified, and the runtime's error against unabsorbed
+    float MLA below the README's first-order bound (about 0.67 for all-MXFP4 GLM-5 layers), MXFP4 activations
+    adding error to bf16 ones; run again in the same WORKDIR it replaces its two folders and nothing else."""
+    (tmp_path / "mine.txt").write_text("mine")
+    for _ in range(2):
+        r = CliRunner().invoke(main, ["demo", str(tmp_path), "--layers", "1"])
+        assert r.exit_code == 0, r.output
+        assert all(f"{step}/4" in r.output for step in range(1, 5)), r.output
+        errors = [float(e) for e in re.findall(r"output rel error ([0-9.]+) vs unabsorbed float MLA", r.output)]
+        assert len(errors) == 2 and 0 < errors[1] < errors[0] < 0.67, errors
+        assert verify(tmp_path / "glm-5-small-gfx950").ok
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["glm-5-small", "glm-5-small-gfx950", "mine.txt"]
+    assert (tmp_path / "mine.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("folder", ["glm-5-small", "glm-5-small-gfx950"])
+def test_demo_does_not_write_through_a_linked_folder(tmp_path, folder):
+    """A WORKDIR whose demo folder is a link elsewhere: the demo emptied the folder the link points to (it replaces
+    its two folders). One line naming the link; the target's files stay."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("mine")
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / folder).symlink_to(victim)
+    r = CliRunner().invoke(main, ["demo", str(tmp_path / "w"), "--layers", "1"])
+    assert r.exit_code == 1 and f"{tmp_path / 'w' / folder} is a symlink (to {victim})" in r.output, r.output
+    assert "1/4" not in r.output and [p.name for p in victim.iterdir()] == ["keep.txt"]
+
+
 def test_values_are_realistic(synth_ckpt):
     ck = open_checkpoint(synth_ckpt("glm-5", "bf16"))
     w = ck.read_float("model.layers.0.self_attn.kv_b_proj.weight")
