@@ -97,17 +97,28 @@ def _load_json(store: LocalStore, rel: str) -> dict:
 
 def walk_files(root: Path, keep, error: type[GlmPackError], what: str) -> list[Path]:
     """Sorted paths of the entries under ``root`` that are no folder (files, links to files, broken links) whose parts
-    relative to it ``keep`` accepts; only folders it accepts are entered, linked ones never. A folder that cannot be
-    listed (a permission, an I/O error) raises ``error`` naming it and ``what`` holds it (skipped, its files would
-    be silently missing from what is made of the listing)."""
+    relative to it ``keep`` accepts; only folders it accepts are entered, linked ones too (their files are part of
+    the checkpoint, as a linked file's are). A folder that cannot be listed (a permission, an I/O error), or a
+    folder link leading back to a folder it lies in (the walk would never end), raises ``error`` naming it and
+    ``what`` holds it (skipped, its files would be silently missing from what is made of the listing)."""
 
     def unlisted(err: OSError):
         raise error(f"cannot list this folder of {what}: {err.strerror or err}", file=err.filename)
 
     paths = []
-    for folder, dirs, files in os.walk(root, onerror=unlisted):
+    chains = {os.fspath(root): (os.path.realpath(root),)}  # folder -> the real paths of it and the folders above it
+    for folder, dirs, files in os.walk(root, onerror=unlisted, followlinks=True):
+        chain = chains.pop(folder)
         parts = Path(folder).relative_to(root).parts
         dirs[:] = [d for d in dirs if keep((*parts, d))]
+        for d in dirs:
+            real = os.path.realpath(os.path.join(folder, d))
+            if real in chain:
+                raise error(
+                    f"a folder link in {what} leads back to a folder it lies in ({real}); remove the link",
+                    file=os.path.join(folder, d),
+                )
+            chains[os.path.join(folder, d)] = (*chain, real)
         paths += [Path(folder, name) for name in files if keep((*parts, name))]
     return sorted(paths)
 

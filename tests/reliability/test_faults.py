@@ -651,17 +651,36 @@ def test_a_source_folder_that_cannot_be_entered_or_listed_is_refused(
     assert not out.exists()
 
 
-def test_a_link_to_a_folder_in_the_source_is_no_broken_link(source, ckpt_copy, tmp_path):
-    """Only a link that resolves to nothing is refused: one to an existing folder (notes kept elsewhere) is not
-    taken for an unfinished download."""
+@pytest.mark.parametrize("files", ["none", "copy", "link"])
+def test_a_linked_folder_in_the_source_is_placed_like_a_real_one(source, ckpt_copy, tmp_path, files):
+    """A link to an existing folder (notes kept elsewhere) is no unfinished download; its files are the source's
+    like a linked file's: placed in OUT as a real folder (the walk did not enter it: with --files copy / link OUT
+    silently lacked them and verify passed)."""
     src = ckpt_copy(source)
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "eval.md").write_text("results")
     (src / "notes").symlink_to(tmp_path / "notes", target_is_directory=True)
     out = tmp_path / "out"
-    r, errors = cli(src, out, "--files", "none")
+    r, errors = cli(src, out, "--files", files)
     assert r.exit_code == 0 and errors == [], r.output
     assert verify(out).ok
+    if files != "none":
+        assert not (out / "notes").is_symlink() and (out / "notes" / "eval.md").read_text() == "results"
+        (out / "notes" / "eval.md").unlink()
+        assert any("notes/eval.md" in p for p in verify(out).problems)
+
+
+def test_a_folder_link_looping_back_is_refused(source, ckpt_copy, tmp_path):
+    """A folder link to the source itself (or a folder above it): following it never ends. One line naming it."""
+    src = ckpt_copy(source)
+    (src / "nested").mkdir()
+    (src / "nested" / "again").symlink_to(src, target_is_directory=True)
+    before = tree_digest(source)
+    out = tmp_path / "out"
+    r, errors = cli(src, out, "--files", "copy")
+    phrase = f"a folder link in the source leads back to a folder it lies in ({src})"
+    assert_failed_cleanly(r, errors, out, source, before, phrase)
+    assert f"file {src / 'nested' / 'again'}" in errors[0] and not out.exists()
 
 
 def test_symlinks_in_out_are_replaced_never_written_through(source, ckpt_copy, tmp_path):
