@@ -227,6 +227,11 @@ class Card:
     def expert_templates(self) -> list[TensorTemplate]:
         return [t for t in self.tensors if t.scope == "expert"]
 
+    def routed_experts(self, config: dict) -> int:
+        """Routed experts per MoE layer per config.json (``n_routed_experts``; 0 where it has none)."""
+        text = self.text_config(config)
+        return config_value(text.get("n_routed_experts"), "n_routed_experts", int, minimum=0, default=0)
+
     def expert_weights(self, layer: int, num_experts: int) -> list[str]:
         """Routed-expert module weights of ``layer``, expert-major (e.g. ``...mlp.experts.3.up_proj.weight``)."""
         prefix = self.layer_prefix(layer)
@@ -252,7 +257,7 @@ class Card:
         globals first, then layer by layer (experts expert-major within their layer)."""
         text = self.text_config(config)
         plan = self.layer_plan(config)
-        n_experts = config_value(text.get("n_routed_experts"), "n_routed_experts", int, minimum=0, default=0)
+        n_experts = self.routed_experts(config)
         in_scope = {
             "layer": set(plan.all),
             "mla": set(plan.mla),

@@ -64,6 +64,40 @@ def expert_groups(ckpt: Checkpoint) -> dict[int, list[str]]:
     return groups
 
 
+def _check_expert_set(ckpt: Checkpoint, layer: int, mxfp4_names: list[str]) -> None:
+    """PlanError unless ``mxfp4_names`` (a layer's MXFP4 routed-expert weights) is every routed-expert weight
+    config.json gives that layer, none missing, none in another format, none beyond ``n_routed_experts``: aiter's
+    fused MoE reads a layer's experts as one set, and an incomplete overlay would verify against its source."""
+    n = ckpt.card.routed_experts(ckpt.config)
+    expected = ckpt.card.expert_weights(layer, n)
+    where = str(ckpt.index_path or ckpt.root)
+    known = set(expected)
+    extra = [name for name in mxfp4_names if name not in known]
+    if extra:
+        raise PlanError(
+            f"--repack-experts: layer {layer} has a routed-expert weight beyond config.json's n_routed_experts {n}",
+            file=where,
+            tensor=extra[0],
+        )
+    missing = [name for name in expected if name not in ckpt]
+    if missing:
+        raise PlanError(
+            f"--repack-experts: layer {layer} lacks {len(missing)} of its {len(expected)} routed-expert weights "
+            f"(config.json: n_routed_experts {n}); aiter's fused MoE reads every expert of a layer",
+            file=where,
+            tensor=missing[0],
+        )
+    mxfp4 = set(mxfp4_names)
+    other = [name for name in expected if name not in mxfp4]
+    if other:
+        raise PlanError(
+            f"--repack-experts: layer {layer} mixes MXFP4 and {ckpt.weight_format(other[0])} routed-expert weights; "
+            "aiter's fused MoE reads a layer's experts in one format",
+            file=where,
+            tensor=other[0],
+        )
+
+
 def plan_items(ckpt: Checkpoint, repack_experts: str = "none", file_bytes: int = EXPERT_FILE_BYTES) -> list[WorkItem]:
     """MLA items (one per MLA layer), then expert items (per layer, split to stay under ``file_bytes``); PlanError
     when the checkpoint holds no MLA layer."""
@@ -83,6 +117,7 @@ def plan_items(ckpt: Checkpoint, repack_experts: str = "none", file_bytes: int =
             "--repack-experts aiter-a4w4: the checkpoint has no MXFP4 routed-expert weights", file=ckpt.root
         )
     for layer, names in sorted(groups.items()):
+        _check_expert_set(ckpt, layer, names)
         part: list[str] = []
         size = 0
         for name in names:
