@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from glm_pack.packing import mxfp4
-from glm_pack.packing.errors import CheckpointError, FormatError, GlmPackError
+from glm_pack.packing.errors import CheckpointError, FormatError, GlmPackError, NonFiniteError
 from glm_pack.packing.manifest import INDEX_NAME, OVERLAY_DIR, SINGLE_NAME
 from glm_pack.packing.mla import MlaGeometry
 
@@ -303,7 +303,28 @@ class Checkpoint:
         scale = self.read_scale(fmt) if fmt.scale else None
         weight = self.read_raw(fmt.weight)
         _record_digests(digests, ((fmt.weight, weight), (fmt.scale, scale)))
-        return formats.dequantize(fmt, weight, scale), ((weight, scale) if fmt.name == "mxfp4" else None)
+        dequantized = formats.dequantize(fmt, weight, scale)
+        if scale is not None:
+            self._check_scaled(fmt, weight, dequantized)
+        return dequantized, ((weight, scale) if fmt.name == "mxfp4" else None)
+
+    def _check_scaled(self, fmt: formats.WeightFormat, weight: torch.Tensor, dequantized: torch.Tensor) -> None:
+        """NonFiniteError naming the scale tensor and its shard where finite stored weight values times their finite
+        scales overflow float32 (a scale out of range: 1e38, E8M0 2^127); a weight holding NaN/Inf itself is left
+        to the caller's check, which names the weight."""
+        try:
+            mxfp4.check_finite(dequantized, "the scaled weight")
+        except GlmPackError as err:
+            if fmt.name != "mxfp4":  # e2m1 codes are always finite
+                try:
+                    mxfp4.check_finite(weight)
+                except GlmPackError:
+                    return
+            raise NonFiniteError(
+                f"this scale overflows float32 when applied: {err}",
+                file=self.store.where(self.info(fmt.scale).file),
+                tensor=fmt.scale,
+            ) from None
 
     def read_mxfp4(
         self, weight_name: str, *, digests: dict[str, str] | None = None

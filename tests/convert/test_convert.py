@@ -568,6 +568,10 @@ def _set_first(value):
         ("fp8-block", "model.layers.0.self_attn.kv_b_proj.weight_scale_inv", float("nan"), "scale holds 1"),
         ("fp8-channel", "model.layers.0.self_attn.kv_b_proj.weight_scale", float("inf"), "scale holds 1"),
         ("mxfp4-attn", "model.layers.0.self_attn.kv_b_proj.weight_scale", 0xFF, "E8M0 scale (byte 0xFF is NaN)"),
+        # finite scales the weight's values overflow float32 with (it named the weight, kv_b_proj)
+        ("fp8-block", "model.layers.0.self_attn.kv_b_proj.weight_scale_inv", 1e38, "this scale overflows float32"),
+        ("fp8-channel", "model.layers.0.self_attn.kv_b_proj.weight_scale", 1e38, "this scale overflows float32"),
+        ("mxfp4-attn", "model.layers.0.self_attn.kv_b_proj.weight_scale", 254, "this scale overflows float32"),
     ],
 )
 def test_non_finite_scale_is_named_with_its_own_shard(
