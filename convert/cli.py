@@ -1,8 +1,8 @@
 """The ``glm-pack`` command line. Each verb lives in its own module and registers here.
 
 Every :class:`~glm_pack.packing.errors.GlmPackError` becomes one line on stderr and exit code 1;
-``--debug`` shows the traceback instead. Ctrl-C ends any command with one line and exit code 130 (``convert``
-says there what the interrupted run left; ``push``, how many files it committed).
+``--debug`` shows the traceback instead. Ctrl-C ends any command with one line and exit code 130, SIGTERM the same
+way with exit code 143 (``convert`` says there what the interrupted run left; ``push``, how many files it committed).
 """
 
 from __future__ import annotations
@@ -13,19 +13,24 @@ import click
 
 from glm_pack.packing.errors import GlmPackError
 
+from .interrupts import sigterm_as_interrupt, stopped_how
+
 
 class _Group(click.Group):
     def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            with sigterm_as_interrupt():
+                return super().invoke(ctx)
         except GlmPackError as err:
             if ctx.params.get("debug"):
                 raise
             click.echo(f"glm-pack: error: {err}", err=True)
-            sys.exit(130 if isinstance(err.__context__, KeyboardInterrupt) else 1)  # push's error for a Ctrl-C
-        except KeyboardInterrupt:  # click's own handling says 'Aborted!' and exits 1
-            click.echo(f"glm-pack: interrupted; {ctx.invoked_subcommand or 'the command'} did not finish", err=True)
-            sys.exit(130)
+            stop = err.__context__  # push's error for a Ctrl-C or SIGTERM
+            sys.exit(stopped_how(stop)[1] if isinstance(stop, KeyboardInterrupt) else 1)
+        except KeyboardInterrupt as err:  # click's own handling says 'Aborted!' and exits 1
+            word, code = stopped_how(err)
+            click.echo(f"glm-pack: {word}; {ctx.invoked_subcommand or 'the command'} did not finish", err=True)
+            sys.exit(code)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

@@ -22,6 +22,7 @@ from glm_pack.packing.errors import PlanError, VerifyError
 from . import state
 from .convert import ConvertOptions, ConvertReport, convert, output_leftovers
 from .humanize import counted, size_text
+from .interrupts import stopped_how
 from .items import REPACK_MODES
 from .machine import default_workers, usable_cores, use_threads
 from .modelcard import error_cells, fmt_error, source_error_text, worst_head_text
@@ -196,7 +197,8 @@ def convert_command(src, out, quiet, **option_values):
             console.print(f"--resume: {out} holds no interrupted conversion; converting from the start")
     try:
         run_convert(src, out, options, quiet)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
+        word, code = stopped_how(err)
         if (now := _file_identity(manifest)) is not None and now == before:  # stopped before OUT was touched
             what = f"{out} was not changed: it still holds its earlier conversion"
         elif now is not None:  # stopped after this run's manifest was written
@@ -205,8 +207,8 @@ def convert_command(src, out, quiet, **option_values):
             what = f"finished layers are kept: rerun the same command with --resume to complete {out}"
         else:  # e.g. while --overwrite emptied OUT
             what = f"nothing of this run is finished: rerun the same command to convert into {out}"
-        click.echo(f"glm-pack: interrupted; {what}", err=True)
-        raise SystemExit(130) from None
+        click.echo(f"glm-pack: {word}; {what}", err=True)
+        raise SystemExit(code) from None
 
 
 def _file_identity(path: Path) -> tuple[int, int, int] | None:

@@ -47,6 +47,7 @@ from .hub_common import (
     resolve_endpoint,
     unreachable,
 )
+from .interrupts import Terminated
 from .modelcard import SOURCE_README, require_originals, write_card_unlocked
 from .state import OutputLock
 from .writer import OutputError
@@ -374,8 +375,9 @@ def _push_held(
             report.uploaded_bytes += sum(u.file.size for u in commit)
             if progress is not None:
                 progress(report.uploaded_files, total, report.uploaded_bytes)
-    except KeyboardInterrupt:
-        raise HubError(_interrupted(report, "interrupted by the user")) from None
+    except KeyboardInterrupt as err:
+        cause = "terminated by SIGTERM" if isinstance(err, Terminated) else "interrupted by the user"
+        raise HubError(_interrupted(report, cause)) from None
     except Exception as err:
         raise hub_error(err, repo_id, endpoint, options.revision, report) from err
     return report

@@ -11,6 +11,7 @@ import importlib.metadata
 import json
 import os
 import shutil
+import time
 
 import click
 import pytest
@@ -1138,6 +1139,25 @@ def test_summary_names_the_quantized_layers_of_a_mixed_source(synth_ckpt, tmp_pa
     text = " ".join(r.output.split())
     assert "The source `kv_b_proj` of layers 0-1 is already quantized (mxfp4): " in text, text
     assert "w_vc of layers 0-1 keeps the source's MXFP4 bytes" in text, text
+
+
+def test_sigterm_in_any_command_is_one_line_and_exit_143(monkeypatch, tmp_path):
+    """SIGTERM (a real one, sent to this process) during verify: one line and 128 + 15, as a shell reports it; it was
+    Python's default, death without a word. The handler is the CLI's only while a command runs."""
+    import signal
+
+    from glm_pack.convert import commands
+
+    def terminated(*_):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)  # the handler raises in this thread before the sleep ends
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(commands, "verify", terminated)
+    r = CliRunner().invoke(main, ["verify", str(tmp_path)])
+    assert r.exit_code == 143 and r.stdout == "", r.output
+    assert r.stderr.splitlines() == ["glm-pack: terminated; verify did not finish"]
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_ctrl_c_in_any_command_is_one_line_and_exit_130(monkeypatch, tmp_path):

@@ -10,9 +10,11 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -832,20 +834,26 @@ def test_commit_bound_must_be_finite_and_positive(hub, out, bound):
     assert "Traceback" not in result.output and hub.requests == []  # refused before any call
 
 
-def test_ctrl_c_during_the_upload_exits_130_with_its_one_line(hub, out, monkeypatch):
-    """README: Ctrl-C ends every command with one line and exit code 130. push turned a Ctrl-C between commits into
-    a HubError, which exited 1 like a failure."""
+@pytest.mark.parametrize(
+    "stop, code, why", [("ctrl-c", 130, "interrupted by the user"), ("sigterm", 143, "terminated by SIGTERM")]
+)
+def test_a_stop_during_the_upload_is_its_one_line_and_exit_code(hub, out, monkeypatch, stop, code, why):
+    """README: Ctrl-C ends every command with one line and exit code 130, SIGTERM (a real one, to this process) with
+    143. push turned a Ctrl-C between commits into a HubError, which exited 1 like a failure."""
     real, calls = HfApi.create_commit, []
 
     def commit(self, *args, **kwargs):
         calls.append(args)
         if len(calls) == 2:  # the first commit landed
-            raise KeyboardInterrupt
+            if stop == "ctrl-c":
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # the handler raises in this thread before the sleep ends
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(HfApi, "create_commit", commit)
     result = CliRunner().invoke(main, ["push", str(out), REPO, "--max-commit-gib", str(SMALL_COMMIT_GIB)])
-    assert result.exit_code == 130, result.output
+    assert result.exit_code == code, result.output
     assert len(result.stderr.splitlines()) == 1, result.stderr
-    assert "upload interrupted (interrupted by the user) after " in result.stderr
+    assert f"upload interrupted ({why}) after " in result.stderr
     assert "run the same command again to upload the rest" in result.stderr

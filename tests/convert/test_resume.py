@@ -113,6 +113,26 @@ KILL_A_WORKER = textwrap.dedent(
     """
 )
 
+# The CLI with two workers, pausing in the main process once the first overlay file is journalled: it writes the
+# flag file sys.argv[3] and sleeps, so that the test's SIGTERM lands mid-run.
+PAUSE_AFTER_ONE = textwrap.dedent(
+    """
+    import pathlib, sys, time
+    from glm_pack.convert import state
+    from glm_pack.convert.cli import main
+    real_append = state.Journal.append
+
+    def append(self, entry):
+        real_append(self, entry)
+        pathlib.Path(sys.argv[3]).write_text("journalled")
+        time.sleep(60)
+
+    state.Journal.append = append
+    main(["convert", sys.argv[1], sys.argv[2], "--files", "copy", "--workers", "2", "--repack-experts", "aiter-a4w4",
+          "--quiet"], prog_name="glm-pack")
+    """
+)
+
 
 def overlay(out):
     return {p.name: p.read_bytes() for p in sorted((out / "glm-pack").glob("*.safetensors"))}
@@ -872,6 +892,32 @@ def test_a_killed_worker_gives_one_line_and_a_resumable_out(converted, tmp_path)
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
     assert "a worker process died" in lines[0] and "--resume" in lines[0], lines[0]
     assert "--workers below 2 if memory ran out" in lines[0], lines[0]  # KILL_A_WORKER runs 2
+    convert(src, out, ConvertOptions(files="copy", resume=True, repack_experts="aiter-a4w4"))
+    assert overlay(out) == overlay(clean) and verify(out).ok
+
+
+def test_sigterm_stops_convert_like_ctrl_c_with_exit_143(converted, tmp_path):
+    """`kill PID` (a scheduler's stop, a container's shutdown) ended convert with exit code 143 and not a word, its
+    workers left to finish. Now it stops as a Ctrl-C does: one line saying what is kept, no temp files, no manifest,
+    and --resume finishes byte-identical to a clean run."""
+    src, clean = converted
+    out, flag = tmp_path / "out", tmp_path / "journalled"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PAUSE_AFTER_ONE, str(src), str(out), str(flag)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while not flag.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, (proc.returncode, stderr)
+    assert stderr.splitlines() == [
+        f"glm-pack: terminated; finished layers are kept: rerun the same command with --resume to complete {out}"
+    ]
+    assert not (out / "glm-pack" / "manifest.json").exists() and list(out.rglob(".*.tmp")) == []
     convert(src, out, ConvertOptions(files="copy", resume=True, repack_experts="aiter-a4w4"))
     assert overlay(out) == overlay(clean) and verify(out).ok
 
