@@ -221,6 +221,15 @@ class Card:
     def layer_prefix(self, layer: int) -> str:
         return f"{self.prefix}.{layer}"
 
+    def layer_of(self, name: str) -> int | None:
+        """The layer id in a tensor name under the card's layer prefix (``model.layers.5.mlp...`` -> 5), else None."""
+        m = self._layer_name.match(name)
+        return int(m[1]) if m else None
+
+    @functools.cached_property
+    def _layer_name(self) -> re.Pattern:
+        return re.compile(rf"^{re.escape(self.prefix)}\.(\d+)\.")
+
     def kv_b_proj(self, layer: int) -> str:
         return f"{self.layer_prefix(layer)}.self_attn.kv_b_proj.weight"
 

@@ -363,7 +363,40 @@ class Checkpoint:
         """Tensor name -> (logical shape from config.json, is a Linear weight) for every tensor the card knows."""
         return {name: (shape, t.is_linear) for name, t, shape in self.card.iter_tensors(self.config)}
 
+    def missing_tensors(self) -> list[str]:
+        """Tensors config.json implies (through the card) that the checkpoint lacks, in the card's order. An MTP
+        layer left out altogether (exports often drop it; none of its layers is converted then) is not counted."""
+        held = {self.card.layer_of(name) for name in self.weight_map}
+        mtp = set(self.layer_plan.mtp)
+        return [
+            name
+            for name in self.expected_shapes()
+            if name not in self.weight_map and self.card.layer_of(name) not in mtp - held
+        ]
+
+    def _check_layers_held(self) -> None:
+        """CheckpointError naming a tensor of a layer config.json does not have (a layer count that contradicts the
+        weights: the extra layer would be neither converted nor served)."""
+        plan, spec = self.layer_plan, self.card.layers_spec
+        known, stray = set(plan.all), {}  # layer -> its first tensor
+        for name in self.weight_map:
+            layer = self.card.layer_of(name)
+            if layer is not None and layer not in known:
+                stray.setdefault(layer, name)
+        if stray:
+            layer = min(stray)
+            counts = f"{spec['count_key']} {plan.num_layers}"
+            if spec.get("mtp_count_key"):
+                counts += f", {spec['mtp_count_key']} {len(plan.mtp)}"
+            raise CheckpointError(
+                f"the checkpoint holds layer {layer}, which config.json does not have ({counts}): the config and "
+                "the weights disagree",
+                file=str(self.index_path or self.root),
+                tensor=stray[layer],
+            )
+
     def _check_against_card(self) -> None:
+        self._check_layers_held()
         for layer in self.layer_plan.mla:
             name = self.card.kv_b_proj(layer)
             if name not in self.weight_map and layer not in self.layer_plan.mtp:

@@ -22,6 +22,8 @@ JSON output (``--json``; schema ``glm-pack.inspect/1``, keys are stable; sizes i
 ``mla``            ``[{"layer", "tensor", "format", "dtype", "shape", "files"}]``: each kv_b_proj, its stored
                    dtype/shape and the shard(s) holding it and its scale
 ``experts``        ``[{"layer", "count", "formats"}]``: routed experts found per MoE layer and their formats
+``missing_tensors`` ``{"count", "first"}``: tensors config.json implies that the checkpoint lacks (an MTP layer
+                   left out altogether aside), and the first 10 of their names in the card's order
 ``plan``           what ``convert`` would produce with the given options: ``card``, ``geometry``,
                    ``quant_mode``, ``mla_precision``, ``k_multiple``, ``k_stored``, ``route``,
                    ``kernel_configs`` ({arch: {op: {bucket: config}}}), ``files_mode``, ``jobs`` (per MLA layer:
@@ -77,6 +79,7 @@ def inspect_checkpoint(
         ckpt.weight_format(name) for name, t, _ in card.iter_tensors(ckpt.config) if t.is_linear and name in ckpt
     )
     qc = ckpt.quant_config
+    missing = ckpt.missing_tensors()
     return {
         "schema": SCHEMA,
         "source": f"hf://{ckpt.root}" if is_hub(ckpt) else str(ckpt.root),
@@ -101,6 +104,7 @@ def inspect_checkpoint(
         "formats": dict(sorted(counts.items())),
         "mla": [_mla_entry(ckpt, layer) for layer in ckpt.mla_layers()],
         "experts": _experts(ckpt),
+        "missing_tensors": {"count": len(missing), "first": missing[:10]},
         "plan": {
             **make_plan(ckpt, quant_mode=quant_mode, k_pad=k_pad, mla_precision=mla_precision, files=files).to_dict(),
             **_expert_plan(ckpt, repack_experts),
@@ -186,6 +190,12 @@ def render(report: dict, console: Console) -> None:
         f"{counted(len(report['files']), 'file')}, {counted(report['num_tensors'], 'tensor')}, "
         f"{size_text(report['total_bytes'])}; {fmts}"
     )
+    if missing := report["missing_tensors"]["count"]:
+        console.print(
+            f"[yellow]config.json implies {counted(missing, 'tensor')} the checkpoint lacks, first "
+            f"{escape(report['missing_tensors']['first'][0])}: an engine builds the model from config.json and "
+            "will not load these weights as they are[/]"
+        )
     table = Table(title="MLA layers (kv_b_proj -> w_kc / w_vc)")
     for col in ("layer", "source", "stored", "shard", "w_kc", "w_vc", "overlay"):
         table.add_column(col)

@@ -31,6 +31,7 @@ KEYS = {
     "formats",
     "mla",
     "experts",
+    "missing_tensors",
     "plan",
     "hub",
 }
@@ -55,6 +56,7 @@ def test_inspect_json_reads_headers_only(synth_ckpt, monkeypatch):
     assert report["layers"]["mla"] == [0, 1, 2] and report["layers"]["mtp"] == [2]
     assert [m["format"] for m in report["mla"]] == ["mxfp4", "mxfp4", "bf16"]
     assert report["experts"] == [{"layer": 2, "count": 2, "formats": {"bf16": 6}}]
+    assert report["missing_tensors"] == {"count": 0, "first": []}
     assert report["quantization"]["quant_method"] == "quark"
     sizes = {p.name: p.stat().st_size for p in path.glob("*.safetensors")}
     assert {f["name"]: f["bytes"] for f in report["files"]} == sizes and report["total_bytes"] == sum(sizes.values())
@@ -210,3 +212,44 @@ def test_inspect_plans_the_expert_files_convert_writes(converted):
 def test_inspect_refuses_repack_experts_where_convert_would(synth_ckpt):
     r = CliRunner().invoke(main, ["inspect", str(synth_ckpt("glm-5", "bf16")), "--repack-experts", "aiter-a4w4"])
     assert r.exit_code == 1 and "has no MXFP4 routed-expert weights" in r.output, r.output
+
+
+def _rewrite_index(src, keep):
+    """Keep only the index entries ``keep(name)`` accepts; the index (a link into a shared checkpoint) is replaced."""
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if keep(k)}
+    (src / "model.safetensors.index.json").unlink()
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_inspect_reports_tensors_the_config_implies_and_the_checkpoint_lacks(synth_ckpt, ckpt_copy):
+    """An export missing a layer's MLP weights converts (glm-pack touches MLA only), but an engine building the model
+    from config.json cannot load it: inspect says so, counting every missing name, an MTP layer dropped whole
+    aside (exports often leave it out)."""
+    src = ckpt_copy(synth_ckpt("glm-5", "bf16"))
+    gone = {f"model.layers.1.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    _rewrite_index(src, lambda name: name not in gone and not name.startswith("model.layers.2."))
+    report = json.loads(CliRunner().invoke(main, ["inspect", str(src), "--json"]).stdout)
+    assert report["missing_tensors"]["count"] == 3 and set(report["missing_tensors"]["first"]) == gone
+    assert report["layers"]["mla"] == [0, 1]  # the MTP layer 2 is not there and not counted missing
+    r = CliRunner().invoke(main, ["inspect", str(src)], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "config.json implies 3 tensors the checkpoint lacks, first model.layers.1.mlp." in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("key, value, layer", [("num_hidden_layers", 1, 2), ("num_nextn_predict_layers", 0, 2)])
+def test_a_layer_the_config_does_not_have_is_refused(synth_ckpt, ckpt_copy, tmp_path, key, value, layer):
+    """Weights of more layers than config.json counts (a wrong num_hidden_layers, an MTP count of 0 over MTP weights):
+    the extra layer was silently neither converted nor checked (with one decoder layer fewer, decoder layer 1 was
+    converted as the MTP layer). One line naming the layer, its first tensor and the config's counts."""
+    src = ckpt_copy(synth_ckpt("glm-5", "bf16"))
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").unlink()
+    (src / "config.json").write_text(json.dumps({**config, key: value}))
+    for command in (["inspect", str(src)], ["convert", str(src), str(tmp_path / "o")]):
+        r = CliRunner().invoke(main, command)
+        assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+        assert f"the checkpoint holds layer {layer}, which config.json does not have (num_hidden_layers" in r.output
+        assert f"{key} {value}" in r.output and "): the config and the weights disagree" in r.output, r.output
+        assert f"tensor model.layers.{layer}." in r.output, r.output
+    assert not (tmp_path / "o").exists()
