@@ -409,10 +409,14 @@ def _check_layer(report: VerifyReport, ckpt, layer: mf.MlaLayer, geom, overlay: 
         if proj.scale:
             stored.append(_load_overlay_tensor(overlay, tensors[proj.scale]))
         derived = [expected.weight] + ([expected.scale] if expected.scale is not None else [])
-        if len(stored) != len(derived) or not all(torch.equal(a, b) for a, b in zip(stored, derived, strict=True)):
-            report.problems.append(
-                f"{proj.weight}: stored bytes differ from those re-derived from {layer.source_tensor}"
-            )
+        differ = f"stored bytes differ from those re-derived from {layer.source_tensor}"
+        if len(stored) != len(derived):  # a scale where the source gives none, or none where it gives one
+            report.problems.append(f"{proj.weight}: {differ}")
+        else:  # name the tensor that differs: the weight, its scale or both
+            names = [proj.weight, proj.scale][: len(stored)]
+            report.problems += [
+                f"{name}: {differ}" for name, a, b in zip(names, stored, derived, strict=True) if not torch.equal(a, b)
+            ]
         if proj.quant_mode != expected.quant_mode:
             report.problems.append(
                 f"{proj.weight}: recorded scale rule {proj.quant_mode!r}, but the source gives {expected.quant_mode!r}"

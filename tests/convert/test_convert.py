@@ -762,10 +762,32 @@ def test_verify_catches_missing_file_and_edited_manifest(converted):
 
 
 def test_verify_catches_changed_index_and_source(converted):
+    """OUT's index edited (one space); then, the index restored, the shard holding layer 0's kv_b_proj grown by 8 bytes
+    and then moved away: each is named by its path."""
     index = converted / "model.safetensors.index.json"
     text = index.read_text()
     index.write_text(text.replace("{", "{ ", 1))
-    assert any("index" in p for p in verify(converted).problems)
+    problems = verify(converted).problems
+    assert problems == [
+        f"{index} differs from the model.safetensors.index.json the overlay was made from",
+        f"{index} has {len(text.encode()) + 1} bytes, the original {len(text.encode())}",
+    ], problems
+    index.write_text(text)
+    assert verify(converted).ok
+    shard = converted / json.loads(text)["weight_map"][manifest(converted)["mla"][0]["source"]["tensor"]]
+    data = shard.read_bytes()
+    shard.unlink()  # a new file: whatever OUT's copy shares its bytes with stays as it is
+    shard.write_bytes(data + bytes(8))  # as a copy or download gone wrong leaves it
+    problems = verify(converted).problems
+    assert problems == [
+        f"{shard} has {len(data) + 8} bytes, the original {len(data)}",
+        f"cannot open the source at {converted}: corrupt: 8 trailing bytes after the last tensor (file {shard})",
+    ], problems
+    shard.rename(shard.with_name("moved.safetensors"))
+    problems = verify(converted).problems
+    assert len(problems) == 2 and problems[0] == f"{shard} is missing although the originals were placed in OUT"
+    missing = f"cannot open the source at {converted}: shard named by the index is missing (file {shard}, tensor "
+    assert problems[1].startswith(missing), problems
 
 
 def test_verify_reports_interrupted_output_incomplete(converted):

@@ -149,12 +149,18 @@ def test_finite_values_that_round_to_inf_in_bf16_are_refused_naming_the_projecti
 
 
 def test_mxfp4_source_vc_bytes_kept():
-    w = kv_b()
-    codes, scales = quantize(w, mode="even")  # kv_b_proj grouped along kv_lora, as Quark stores it
-    from glm_pack.packing.mla import split_kv_b_mxfp4_vc
+    """w_vc of an MXFP4 source is its bytes, not a requantization of its values: the source is quantized with the
+    roundup rule, whose bytes the run's even rule does not give back from the dequantized values (checked below), so
+    keeping the bytes and requantizing tell apart (an even-quantized source requantizes to its own bytes)."""
+    from glm_pack.packing.mla import split_kv_b, split_kv_b_mxfp4_vc
 
+    w = kv_b()
+    codes, scales = quantize(w, mode="roundup")  # kv_b_proj grouped along kv_lora, as Quark stores it
     src = split_kv_b_mxfp4_vc(codes, scales, GEOM)
-    _, vc = absorb_layer(dequantize(codes, scales), GEOM, k_stored=128, vc_mxfp4_source=src)
+    values = dequantize(codes, scales)
+    requantized = quantize(split_kv_b(values, GEOM)[1], mode="even", axis=-1)
+    assert not torch.equal(requantized[0], src[0]) and not torch.equal(requantized[1], src[1])  # the premise
+    _, vc = absorb_layer(values, GEOM, k_stored=128, quant_mode="even", vc_mxfp4_source=src)
     per = GEOM.qk_nope_head_dim + GEOM.v_head_dim
     for h in range(GEOM.num_heads):
         rows = slice(h * per + GEOM.qk_nope_head_dim, (h + 1) * per)

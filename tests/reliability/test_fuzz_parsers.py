@@ -176,10 +176,11 @@ OPEN_MUTATIONS = 30
 
 
 def test_fuzz_safetensors_bytes():
-    """Byte-level mutations of a valid file written by the reference library (seeded, reproducible)."""
+    """Byte-level mutations of a valid file written by the reference library (seeded, reproducible); enough of them
+    are accepted (and then read back whole) that a reader refusing everything would fail here."""
     rng = random.Random(11)
-    for _ in range(BYTE_MUTATIONS):
-        safetensors_target(mutate_bytes(VALID, rng))
+    accepted = sum(safetensors_target(mutate_bytes(VALID, rng)) is not None for _ in range(BYTE_MUTATIONS))
+    assert accepted >= 300, accepted  # measured: 441 of the 20,000
 
 
 def test_valid_file_parses_and_extreme_cases_are_refused():
@@ -213,8 +214,8 @@ def test_base_manifest_is_accepted(base_manifest):
 def test_fuzz_manifest_readers(base_manifest):
     text = json.dumps(base_manifest)
     rng = random.Random(11)
-    for _ in range(MANIFEST_MUTATIONS):
-        manifest_target(mutate_manifest(text, rng))
+    accepted = sum(manifest_target(mutate_manifest(text, rng)) is not None for _ in range(MANIFEST_MUTATIONS))
+    assert accepted >= 400, accepted  # measured: 570 of the 4,000 (readers refusing everything would pass without it)
 
 
 @fuzz(300)

@@ -17,9 +17,11 @@ from safetensors.torch import load_file, save_file
 
 from glm_pack import runtime
 from glm_pack.convert.cli import main
-from glm_pack.convert.verify import verify
+from glm_pack.convert.verify import stored_to_float, verify
 from glm_pack.packing import manifest as mf
+from glm_pack.packing.absorb import rel_errors
 from glm_pack.packing.errors import GlmPackError, ManifestError, VerifyError
+from glm_pack.packing.mla import split_kv_b
 
 
 @pytest.fixture
@@ -201,6 +203,45 @@ def test_a_consistent_overlay_with_other_expert_bytes_is_caught(out):
     write_manifest(out, m)
     problems = verify(out).problems
     assert problems == [f"{name}: unshuffled bytes differ from the source tensor"], problems
+
+
+@pytest.mark.parametrize("proj", ["w_kc", "w_vc"])
+def test_a_consistent_overlay_with_other_mla_scale_bytes_is_caught(out, proj):
+    """One MXFP4 scale byte of layer 1's w_kc / w_vc raised by one (one block at twice its scale; the weight's bytes
+    as converted), its file rewritten and every hash the manifest records for it updated to match, and the errors
+    it records recomputed from what is now stored: only re-deriving the layer from the source and comparing the
+    scale's bytes tells, and it names the scale (it named the weight). runtime.open(verify=True) checks the hashes
+    alone and opens it."""
+    m = manifest(out)
+    entry = next(e for e in m["mla"] if e["layer"] == 1)
+    stored = entry[proj]
+    name, file = stored["scale"], m["tensors"][stored["scale"]]["file"]
+    path = out / mf.OVERLAY_DIR / file
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(path)
+    assert stored["precision"] == "mxfp4" and tensors[name][0, 0, 0] < 0xFE  # e8m0 0xFF is NaN
+    tensors[name][0, 0, 0] += 1  # head 0, row 0, the first block of K (never padding)
+    path.unlink()
+    save_file(tensors, path, metadata=metadata)
+    data = path.read_bytes()
+    m["files"][file].update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    m["tensors"][name]["sha256"] = hashlib.sha256(tensors[name].numpy().tobytes()).hexdigest()
+    # the stored tensor's errors vs the (BF16) source split: recorded as they now are, they cannot tell either
+    kv_b = entry["source"]["tensor"]
+    assert entry["source"]["format"] == "bf16"
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(out / weight_map[kv_b], framework="pt") as f:
+        ref = dict(zip(mf.PROJECTIONS, split_kv_b(f.get_tensor(kv_b).float(), mf.parse_geometry(m)), strict=True))
+    layer = next(layer for layer in mf.parse_mla(m) if layer.layer == 1)
+    now = stored_to_float(getattr(layer, proj), out / mf.OVERLAY_DIR, mf.parse_tensors(m))
+    err, head_err = rel_errors(now, ref[proj])
+    assert err != stored["rel_error"]  # the block's values did change
+    stored.update(rel_error=err, max_head_rel_error=head_err)
+    write_manifest(out, m)
+    problems = verify(out).problems
+    assert problems == [f"{name}: stored bytes differ from those re-derived from {kv_b}"], problems  # the scale
+    runtime.open(out, backend="torch", verify=True).mla(1)
 
 
 def test_a_source_shard_swapped_for_another_revision(out, synth_ckpt):

@@ -8,6 +8,7 @@ import builtins
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -326,11 +327,96 @@ def test_a_vllm_before_0_16_is_refused_when_the_plugin_loads(monkeypatch):
         vllm.register()
 
 
-def test_plugin_is_inert_without_the_variable(fake_vllm, monkeypatch):
-    monkeypatch.delenv(common.ENV, raising=False)
+# GLM_PACK_OVERLAY's values (common.py's docstring, README "Serving"): off, the overlay beside the served checkpoint, or
+# the directory that holds glm-pack/; the words are read stripped and in any case, a directory as it is (stripped).
+OVERLAY_OFF = ["", "0", "false", "off", "no", " Off ", "FALSE", "\t0\n"]
+OVERLAY_BESIDE = ["1", "true", "on", "yes", "auto", " Yes ", "TRUE", "Auto"]
+OVERLAY_DIRECTORY = [
+    ("/models/GLM-5-packed", "/models/GLM-5-packed"),
+    (" /models/Packed \n", "/models/Packed"),  # stripped, its case kept
+    ("./auto", "./auto"),  # a folder named like a word
+    ("packed", "packed"),
+    ("2", "2"),  # no word: a directory
+]
+
+
+def set_env(monkeypatch, name, value):
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize(
+    "value, setting",
+    [(None, None), *((v, None) for v in OVERLAY_OFF), *((v, "beside") for v in OVERLAY_BESIDE), *OVERLAY_DIRECTORY],
+)
+def test_overlay_variable_selects_off_beside_or_a_directory(monkeypatch, tmp_path, value, setting):
+    assert common.overlay_setting({} if value is None else {common.ENV: value}) == setting
+    set_env(monkeypatch, common.ENV, value)
+    assert common.overlay_setting() == setting  # from the process environment, as the adapters read it
+    served = tmp_path / "served"
+    if setting == "beside":
+        assert common.overlay_root(setting, served) == served
+    elif setting is not None:
+        assert common.overlay_root(setting, served) == Path(value.strip())
+
+
+@pytest.mark.parametrize("value", [None, *OVERLAY_OFF])
+def test_plugin_is_inert_without_the_variable(fake_vllm, monkeypatch, value):
+    set_env(monkeypatch, common.ENV, value)
     original = fake_vllm.process_weights_after_loading
     vllm.register()
     assert fake_vllm.process_weights_after_loading is original
+
+
+@pytest.mark.parametrize("value", [*OVERLAY_BESIDE, *(v for v, _ in OVERLAY_DIRECTORY)])
+def test_plugin_routes_the_weights_through_the_overlay_when_the_variable_selects_one(fake_vllm, monkeypatch, value):
+    monkeypatch.setenv(common.ENV, value)
+    original = fake_vllm.process_weights_after_loading
+    vllm.register()
+    assert fake_vllm.process_weights_after_loading is vllm._process_weights_after_loading is not original
+
+
+CHECK_LEVELS = [(None, "full"), ("", "full"), (" ", "full"), ("full", "full"), ("Full", "full")]
+CHECK_LEVELS += [("fast", "fast"), (" FAST\n", "fast")]
+
+
+@pytest.mark.parametrize("value, level", CHECK_LEVELS)
+def test_check_variable_levels(monkeypatch, value, level):
+    """GLM_PACK_OVERLAY_CHECK: full (the default: unset or empty) or fast, stripped and in any case."""
+    assert common.check_level({} if value is None else {common.ENV_CHECK: value}) == level
+    set_env(monkeypatch, common.ENV_CHECK, value)
+    assert common.check_level() == level
+
+
+@pytest.mark.parametrize("value", ["slow", "none", "0", "off", "fast,full"])
+def test_check_variable_refuses_any_other_value(monkeypatch, value):
+    """No value turns the check off or is taken for another: one line naming the variable, its value and the choices."""
+    monkeypatch.setenv(common.ENV_CHECK, value)
+    with pytest.raises(GlmPackError) as err:
+        common.check_level()
+    assert str(err.value) == f"GLM_PACK_OVERLAY_CHECK={value!r} is not one of full, fast"
+
+
+@pytest.mark.parametrize("check", ["full", "fast", "slow"])
+def test_the_check_variable_reaches_the_plugin(tmp_path, fake_vllm, monkeypatch, check):
+    """A served kv_b_proj changed after conversion: under `full` the source hash refuses it when the overlay opens,
+    under `fast` (no hashing) the comparison with the engine's loaded slice; any other value stops the load."""
+    weights = make_served(tmp_path)
+    from safetensors.torch import save_file
+
+    changed = dict(weights)
+    changed[kv_b_name(1)] = (weights[kv_b_name(1)].float() * -1).bfloat16()
+    save_file(changed, str(tmp_path / "model-00001-of-00001.safetensors"))
+    monkeypatch.setenv(common.ENV, "1")
+    monkeypatch.setenv(common.ENV_CHECK, check)
+    vllm.register()
+    (_, layer) = plugin_layers(fake_vllm, changed, tmp_path)
+    says = {"full": "tensor differs", "fast": "layer 1 w_kc", "slow": "GLM_PACK_OVERLAY_CHECK='slow' is not one of"}
+    with pytest.raises(VerifyError if check != "slow" else GlmPackError, match=says[check]):
+        layer.process_weights_after_loading(torch.bfloat16)
+    assert getattr(layer, "W_K", None) is None and vllm_mla.REBUILDS == []
 
 
 def test_plugin_loads_overlay_layers_and_rebuilds_the_rest(tmp_path, fake_vllm, monkeypatch):
