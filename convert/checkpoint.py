@@ -228,6 +228,11 @@ class Checkpoint:
         self._check_against_card()
 
     # ---- names and infos -----------------------------------------------------------------------
+    @property
+    def map_file(self) -> str:
+        """Where the tensor names come from, for errors about them: the index, or the folder without one."""
+        return str(self.index_path or self.root)
+
     def names(self) -> list[str]:
         return list(self.weight_map)
 
@@ -238,7 +243,7 @@ class Checkpoint:
         rel = self.weight_map.get(name)
         if rel is None:
             raise CheckpointError(
-                "no such tensor in the checkpoint", file=str(self.index_path or self.root), tensor=name
+                "no such tensor in the checkpoint", file=self.map_file, tensor=name
             )
         e = self.headers[rel].tensors[name]
         return TensorInfo(name, e.dtype, e.shape, e.begin, e.end, file=rel)
@@ -391,7 +396,7 @@ class Checkpoint:
             raise CheckpointError(
                 f"the checkpoint holds layer {layer}, which config.json does not have ({counts}): the config and "
                 "the weights disagree",
-                file=str(self.index_path or self.root),
+                file=self.map_file,
                 tensor=stray[layer],
             )
 
@@ -402,7 +407,7 @@ class Checkpoint:
             if name not in self.weight_map and layer not in self.layer_plan.mtp:
                 raise CheckpointError(
                     f"MLA layer {layer} has no kv_b_proj (card {self.card.name})",
-                    file=str(self.index_path or self.root),
+                    file=self.map_file,
                     tensor=name,
                 )
         for name, (shape, linear) in self.expected_shapes().items():

@@ -70,13 +70,12 @@ def _check_expert_set(ckpt: Checkpoint, layer: int, mxfp4_names: list[str]) -> N
     fused MoE reads a layer's experts as one set, and an incomplete overlay would verify against its source."""
     n = ckpt.card.routed_experts(ckpt.config)
     expected = ckpt.card.expert_weights(layer, n)
-    where = str(ckpt.index_path or ckpt.root)
     known = set(expected)
     extra = [name for name in mxfp4_names if name not in known]
     if extra:
         raise PlanError(
             f"--repack-experts: layer {layer} has a routed-expert weight beyond config.json's n_routed_experts {n}",
-            file=where,
+            file=ckpt.map_file,
             tensor=extra[0],
         )
     missing = [name for name in expected if name not in ckpt]
@@ -84,7 +83,7 @@ def _check_expert_set(ckpt: Checkpoint, layer: int, mxfp4_names: list[str]) -> N
         raise PlanError(
             f"--repack-experts: layer {layer} lacks {len(missing)} of its {len(expected)} routed-expert weights "
             f"(config.json: n_routed_experts {n}); aiter's fused MoE reads every expert of a layer",
-            file=where,
+            file=ckpt.map_file,
             tensor=missing[0],
         )
     mxfp4 = set(mxfp4_names)
@@ -93,7 +92,7 @@ def _check_expert_set(ckpt: Checkpoint, layer: int, mxfp4_names: list[str]) -> N
         raise PlanError(
             f"--repack-experts: layer {layer} mixes MXFP4 and {ckpt.weight_format(other[0])} routed-expert weights; "
             "aiter's fused MoE reads a layer's experts in one format",
-            file=where,
+            file=ckpt.map_file,
             tensor=other[0],
         )
 

@@ -61,6 +61,21 @@ def refuse(monkeypatch):
 
 
 @pytest.fixture
+def edit_index():
+    """``edit(ckpt_dir, change)``: replace the index's weight_map with ``change(weight_map)``. The index file is
+    replaced (unlinked, then written), never written through, so a linked or hard-linked original stays as it is."""
+
+    def edit(ckpt: Path, change) -> None:
+        path = ckpt / "model.safetensors.index.json"
+        index = json.loads(path.read_text())
+        index["weight_map"] = change(index["weight_map"])
+        path.unlink()
+        path.write_text(json.dumps(index))
+
+    return edit
+
+
+@pytest.fixture
 def edit_tensor():
     """``edit(ckpt_dir, name, change) -> shard path``: replace one tensor of a sharded safetensors checkpoint
     with ``change(tensor)``. The shard file is replaced (unlinked, then written with its metadata), never

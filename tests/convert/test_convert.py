@@ -670,38 +670,28 @@ def test_nan_scale_of_a_repacked_expert_is_refused(synth_ckpt, tmp_path, ckpt_co
     assert not (tmp_path / "o" / "glm-pack" / "manifest.json").exists()
 
 
-def _edit_index(src, drop=(), add=None):
-    """Drop tensor names from ``src``'s index and add ``{name: shard}``; the index, a link into the shared
-    checkpoint, is replaced, never written through."""
-    index_path = src / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    for name in drop:
-        del index["weight_map"][name]
-    index["weight_map"].update(add or {})
-    index_path.unlink()
-    index_path.write_text(json.dumps(index))
-
-
 @pytest.mark.parametrize("case", ["missing", "beyond", "bf16"])
-def test_an_incomplete_set_of_experts_is_not_repacked(synth_ckpt, ckpt_copy, edit_tensor, tmp_path, case):
+def test_an_incomplete_set_of_experts_is_not_repacked(
+    synth_ckpt, ckpt_copy, edit_tensor, edit_index, tmp_path, case
+):
     """A layer's routed experts are repacked only as the whole set config.json gives it (aiter's fused MoE reads them
     as one): an expert weight missing from the index, one beyond n_routed_experts, one stored in BF16 among MXFP4
     ones. Each wrote an overlay lacking or mixing experts that verify passed (it compares with the same source)."""
     src = ckpt_copy(synth_ckpt("glm-5", "mxfp4-quark", layers=4, experts=2))
     victim = "model.layers.3.mlp.experts.1.up_proj.weight"
     if case == "missing":
-        _edit_index(src, drop=(victim, victim + "_scale"))
+        edit_index(src, lambda wm: {k: v for k, v in wm.items() if k not in (victim, victim + "_scale")})
         says = "layer 3 lacks 1 of its 6 routed-expert weights (config.json: n_routed_experts 2)"
     elif case == "beyond":  # a stray expert 2 in a shard of its own, listed in the index
         victim = "model.layers.3.mlp.experts.2.up_proj.weight"
         ckpt = open_checkpoint(src)
         stray = {t: ckpt.read_raw(t.replace(".2.", ".1.")) for t in (victim, victim + "_scale")}
         save_file(stray, src / "stray.safetensors")
-        _edit_index(src, add=dict.fromkeys(stray, "stray.safetensors"))
+        edit_index(src, lambda wm: {**wm, **dict.fromkeys(stray, "stray.safetensors")})
         says = "layer 3 has a routed-expert weight beyond config.json's n_routed_experts 2"
     else:
         edit_tensor(src, victim, lambda t: torch.zeros(t.shape[0], 2 * t.shape[1], dtype=torch.bfloat16))
-        _edit_index(src, drop=(victim + "_scale",))
+        edit_index(src, lambda wm: {k: v for k, v in wm.items() if k != victim + "_scale"})
         says = "layer 3 mixes MXFP4 and bf16 routed-expert weights"
     r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "o"), "--repack-experts", "aiter-a4w4"])
     assert r.exit_code == 1 and "Traceback" not in r.output, r.output

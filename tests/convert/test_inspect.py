@@ -214,21 +214,13 @@ def test_inspect_refuses_repack_experts_where_convert_would(synth_ckpt):
     assert r.exit_code == 1 and "has no MXFP4 routed-expert weights" in r.output, r.output
 
 
-def _rewrite_index(src, keep):
-    """Keep only the index entries ``keep(name)`` accepts; the index (a link into a shared checkpoint) is replaced."""
-    index = json.loads((src / "model.safetensors.index.json").read_text())
-    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if keep(k)}
-    (src / "model.safetensors.index.json").unlink()
-    (src / "model.safetensors.index.json").write_text(json.dumps(index))
-
-
-def test_inspect_reports_tensors_the_config_implies_and_the_checkpoint_lacks(synth_ckpt, ckpt_copy):
+def test_inspect_reports_tensors_the_config_implies_and_the_checkpoint_lacks(synth_ckpt, ckpt_copy, edit_index):
     """An export missing a layer's MLP weights converts (glm-pack touches MLA only), but an engine building the model
     from config.json cannot load it: inspect says so, counting every missing name, an MTP layer dropped whole
     aside (exports often leave it out)."""
     src = ckpt_copy(synth_ckpt("glm-5", "bf16"))
     gone = {f"model.layers.1.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
-    _rewrite_index(src, lambda name: name not in gone and not name.startswith("model.layers.2."))
+    edit_index(src, lambda wm: {k: v for k, v in wm.items() if k not in gone and not k.startswith("model.layers.2.")})
     report = json.loads(CliRunner().invoke(main, ["inspect", str(src), "--json"]).stdout)
     assert report["missing_tensors"]["count"] == 3 and set(report["missing_tensors"]["first"]) == gone
     assert report["layers"]["mla"] == [0, 1]  # the MTP layer 2 is not there and not counted missing
