@@ -174,11 +174,20 @@ class PackedModel:
         path = self.root / mf.OVERLAY_DIR / entry.file
         try:
             with safe_open(path, framework="pt") as f:
-                t = f.get_slice(name)[self.heads.start : self.heads.stop]
+                stored = f.get_slice(name)
+                shape, dtype = tuple(stored.get_shape()), stored.get_dtype()
+                if shape != tuple(entry.shape) or dtype != entry.dtype:
+                    raise ManifestError(
+                        f"overlay tensor disagrees with the manifest: stored {dtype} {list(shape)}, "
+                        f"manifest {entry.dtype} {list(entry.shape)}",
+                        file=path,
+                        tensor=name,
+                    )
+                t = stored[self.heads.start : self.heads.stop]
+        except ManifestError:
+            raise
         except Exception as err:
             raise GlmPackError(f"cannot read overlay tensor: {err}", file=path, tensor=name) from err
-        if tuple(t.shape[1:]) != entry.shape[1:] or str(t.dtype) != str(_DTYPES[entry.dtype]):
-            raise ManifestError("overlay tensor disagrees with the manifest's shape/dtype", file=path, tensor=name)
         return t.to(self.device)
 
     def _projection(self, p: mf.Projection) -> ProjectionWeights:
@@ -210,9 +219,6 @@ def _integer(value, name: str) -> int:
         except TypeError:
             pass
     raise GlmPackError(f"{name} must be an integer, got {value!r}")
-
-
-_DTYPES = {"U8": torch.uint8, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 def _check_config(root: Path, manifest: dict, geometry: MlaGeometry) -> None:

@@ -431,10 +431,17 @@ def test_a_gpu_device_without_a_gpu_is_refused_at_open(packed_dirs, backend):
         runtime.open(out, device="cpu:x", backend=backend)
 
 
-@pytest.mark.parametrize("change", ["dtype", "shape"])
-def test_an_overlay_tensor_unlike_its_manifest_entry_is_refused_at_load(packed_dirs, tmp_path, change):
+@pytest.mark.parametrize(
+    "change, tp_size, tp_rank",
+    [("dtype", 1, 0), ("k", 1, 0), ("fewer heads", 1, 0), ("fewer heads", 2, 1), ("more heads", 2, 0)],
+)
+def test_an_overlay_tensor_unlike_its_manifest_entry_is_refused_at_load(
+    packed_dirs, tmp_path, change, tp_size, tp_rank
+):
     """Without verify, a layer's file whose w_kc is not the manifest's U8 [H, kv_lora, k_stored/2] (another
-    dtype, or K cut to 192/2) is refused when the layer loads, naming file and tensor."""
+    dtype, K cut to 192/2, half or twice the heads) is refused when the layer loads, naming file and tensor,
+    whatever this rank's slice of the heads (the head axis went unchecked: a short file gave rank 1 no heads and
+    the torch bmm a raw error, a long one gave rank 0 the first heads of a longer tensor without a word)."""
     _, out = packed_dirs("glm-5")
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
@@ -442,13 +449,20 @@ def test_an_overlay_tensor_unlike_its_manifest_entry_is_refused_at_load(packed_d
     path = bad / "glm-pack" / "layer-000.safetensors"
     tensors = load_file(path)
     w = tensors[name]
-    tensors[name] = w.view(torch.int8) if change == "dtype" else w[..., :96].contiguous()
+    heads = w.shape[0]
+    tensors[name] = {
+        "dtype": w.view(torch.int8),
+        "k": w[..., :96].contiguous(),
+        "fewer heads": w[: heads // 2].contiguous(),
+        "more heads": torch.cat([w, w]),
+    }[change]
     path.unlink()
     save_file(tensors, path)
-    model = runtime.open(bad, backend="torch")
-    with pytest.raises(ManifestError, match="disagrees with the manifest's shape/dtype") as err:
+    model = runtime.open(bad, backend="torch", tp_size=tp_size, tp_rank=tp_rank)
+    with pytest.raises(ManifestError, match="disagrees with the manifest: stored ") as err:
         model.mla(0)
     assert err.value.tensor == name and err.value.file == str(path)
+    assert f"manifest U8 [{heads}, " in str(err.value)
 
 
 def tiny_layer(backend: Backend, vc_k_stored: int = 64) -> MlaLayer:
