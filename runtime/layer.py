@@ -74,15 +74,21 @@ class MlaLayer:
         self.backend = backend
         self.device = w_kc.weight.device  # where the weights are; every tensor argument must be there too
 
-    def _check_device(self, t: torch.Tensor, name: str) -> None:
+    def _check_tensor(self, t: torch.Tensor, name: str) -> None:
         """``t`` is a tensor on the layer's device (no backend checks it before its kernels run: the torch backend
-        raised deep inside an op, or returned zeros for a cache on the meta device)."""
+        raised deep inside an op, or returned zeros for a cache on the meta device) that asks for no gradient while
+        autograd records (the ops have no backward: the torch backend's output claimed one and gave zeros)."""
         if not isinstance(t, torch.Tensor):
             raise BackendError(f"layer {self.layer}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.device != self.device:
             raise BackendError(
                 f"layer {self.layer}: {name} is on {t.device}, but the layer's weights are on {self.device} "
                 "(the device given to open())"
+            )
+        if t.requires_grad and torch.is_grad_enabled():
+            raise BackendError(
+                f"layer {self.layer}: {name} requires grad, but these operations are inference-only (no backward): "
+                f"call them under torch.inference_mode() or torch.no_grad(), or pass {name}.detach()"
             )
 
     def _on_device(self) -> contextlib.AbstractContextManager:
@@ -100,7 +106,7 @@ class MlaLayer:
 
     def _check_act(self, t: torch.Tensor, name: str, width: int | None = None) -> None:
         g = self.geometry
-        self._check_device(t, name)
+        self._check_tensor(t, name)
         if t.dim() != 3 or t.shape[1] != g.num_heads or t.dtype != torch.bfloat16:
             raise BackendError(
                 f"layer {self.layer}: {name} must be bf16 [T, {g.num_heads}, ...], got {t.dtype} {tuple(t.shape)}"
@@ -123,6 +129,22 @@ class MlaLayer:
             except BackendError as err:
                 self._name_layer(err, op)
                 raise
+
+    def _check_out(self, out: torch.Tensor, shape: tuple[int, ...]) -> None:
+        """``out`` can take a ``shape`` bf16 result: each element its own memory, writable in this mode."""
+        self._check_tensor(out, "out")
+        if tuple(out.shape) != shape or out.dtype != torch.bfloat16:
+            raise BackendError(f"layer {self.layer}: out must be bf16 {shape}, got {out.dtype} {tuple(out.shape)}")
+        strides = out.stride()
+        if 0 in strides and any(st == 0 and n > 1 for n, st in zip(out.shape, strides, strict=True)):
+            raise BackendError(
+                f"layer {self.layer}: out has elements sharing memory (strides {strides}, as from expand): "
+                "each output element needs its own"
+            )
+        if out.is_inference() and not torch.is_inference_mode_enabled():
+            raise BackendError(
+                f"layer {self.layer}: out was made under torch.inference_mode() and cannot be written outside it"
+            )
 
     def k_input(self, q: torch.Tensor) -> torch.Tensor:
         """The x the K-up kernel gets (K == k_stored) from q ``[T, H, P]`` or ``[T, H, P+R]``: q itself when it has
@@ -160,9 +182,7 @@ class MlaLayer:
         self._check_act(latent, "latent", g.kv_lora_rank)
         shape = (latent.shape[0], g.num_heads, g.v_head_dim)
         if out is not None:
-            self._check_device(out, "out")
-            if tuple(out.shape) != shape or out.dtype != torch.bfloat16:
-                raise BackendError(f"layer {self.layer}: out must be bf16 {shape}, got {out.dtype} {tuple(out.shape)}")
+            self._check_out(out, shape)
         # an out sharing latent's memory is not written directly: a kernel's programs would read others' results
         direct = out is not None and not _spans_overlap(out, latent)
         y = out if direct else torch.empty(shape, dtype=torch.bfloat16, device=latent.device)
@@ -196,14 +216,15 @@ class MlaLayer:
         elif q_rope is not None:
             raise BackendError(f"layer {self.layer}: this model is rope-free; q_rope must be None")
         for name, t in (("kv_cache", kv_cache), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
-            self._check_device(t, name)
+            self._check_tensor(t, name)
         if kv_cache.dtype != torch.bfloat16:
             raise BackendError(
                 f"layer {self.layer}: kv_cache must be bf16 (FP8 caches are not supported yet), got {kv_cache.dtype}"
             )
-        if kv_cache.shape[-1] != g.cache_row:
+        if kv_cache.dim() not in (2, 3, 4) or kv_cache.shape[-1] != g.cache_row:
             raise BackendError(
-                f"layer {self.layer}: kv_cache rows must be {g.cache_row} wide, got {kv_cache.shape[-1]}"
+                f"layer {self.layer}: kv_cache must be [slots, {g.cache_row}], [blocks, block, {g.cache_row}] or "
+                f"[slots, 1, 1, {g.cache_row}], got {tuple(kv_cache.shape)}"
             )
         for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
             if t.dtype != torch.int32:  # e.g. torch.topk's int64 ids

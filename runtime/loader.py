@@ -233,7 +233,7 @@ def _check_config(root: Path, manifest: dict, geometry: MlaGeometry) -> None:
     expected = geometry.as_dict()
     wrong = {k: (found[k], expected[k]) for k in found if found[k] != expected[k]}
     if wrong:
-        detail = ", ".join(f"{k}: config {a} vs manifest {b}" for k, (a, b) in wrong.items())
+        detail = ", ".join(f"{k}: config {a!r} vs manifest {b!r}" for k, (a, b) in wrong.items())
         raise ManifestError(f"the manifest's geometry contradicts config.json ({detail})", file=config_path)
 
 
@@ -271,6 +271,8 @@ def open_packed(
     ``verify=True`` also checks every overlay file's sha256 and, where the original files are reachable (in OUT or
     at the recorded source path), that the source tensors still hash as recorded.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise ManifestError(f"path must be a str or os.PathLike folder, got {type(path).__name__}: {path!r:.80}")
     root = Path(path)
     manifest_path = root / mf.OVERLAY_DIR / mf.MANIFEST_NAME
     try:
@@ -301,6 +303,8 @@ def open_packed(
         device = torch.empty(0, device=device).device  # "cuda" without a GPU, a missing index, a typo
     except Exception as err:
         raise BackendError(f"device {device!r} cannot be used here: {err}") from err
+    if device.type == "meta":  # its tensors hold no data: the ops would return empty results or fail inside torch
+        raise BackendError(f"device {str(device)!r} cannot be used here: meta tensors hold no data to compute with")
     configs = (manifest.get("kernel_configs") or {}).get("configs", {})
     chosen = select_backend(backend, device, configs)
     return PackedModel(root, manifest, device, chosen, tp_rank, tp_size)

@@ -55,7 +55,7 @@ def sparse_mla(
     """Sparse MLA over selected latent rows.
 
     q_latent ``[T, H, L]`` bf16 (L = kv_lora), q_rope ``[T, H, R]`` or None (rope-free), kv_cache bf16 with last
-    dim ``L + R`` (any leading dims, flattened to global slots), kv_indptr ``[T+1]`` int32, kv_indices flat
+    dim ``L + R`` (the layouts :func:`cache_rows` views as global slots), kv_indptr ``[T+1]`` int32, kv_indices flat
     int32 global slot ids (-1 = skip). Any other id outside the cache, or a kv_indptr that falls or leaves
     ``[0, len(kv_indices)]``, raises BackendError here (and on aiter, :func:`check_sparse_indices`); the Triton
     kernel, without a host sync, cannot: it skips
@@ -64,7 +64,7 @@ def sparse_mla(
     ``[T, H]`` float32 natural log (-inf and a zero output for a token with no valid row).
     """
     T, H, L = q_latent.shape
-    rows = kv_cache.reshape(-1, kv_cache.shape[-1]).float()
+    rows = cache_rows(kv_cache, "torch sparse MLA").float()  # the layouts the GPU kernels read, no others
     out = torch.zeros(T, H, L, dtype=torch.float32, device=q_latent.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q_latent.device)
     indptr, _ = check_sparse_indices(kv_indptr, kv_indices, rows.shape[0])
@@ -107,9 +107,9 @@ def check_sparse_indices(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, slot
 
 
 def cache_rows(kv_cache: torch.Tensor, who: str) -> torch.Tensor:
-    """kv_cache ``[slots, W]``, ``[blocks, block, W]`` or ``[slots, 1, 1, W]`` as a ``[slots, W]`` view, for a
-    kernel that reads each row unit-stride at one row stride; BackendError naming kv_cache (and ``who``) for a
-    layout no such view has: a copy would detach the kernel from the engine's cache."""
+    """kv_cache ``[slots, W]``, ``[blocks, block, W]`` or ``[slots, 1, 1, W]`` as a ``[slots, W]`` view, as the
+    kernels read it (each row unit-stride, one row stride) and so the reference too; BackendError naming kv_cache
+    (and ``who``) for a layout no such view has: a copy would detach a kernel from the engine's cache."""
     width = kv_cache.shape[-1]
     if kv_cache.dim() == 4 and tuple(kv_cache.shape[1:3]) != (1, 1):
         raise BackendError(

@@ -229,6 +229,9 @@ def test_open_refusals(packed_dirs, tmp_path):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ManifestError, match="kv_lora_rank: config 256 vs manifest 512"):
         runtime.open(bad)
+    (bad / "config.json").write_text(json.dumps({**config, "kv_lora_rank": "512"}))  # a string: told apart
+    with pytest.raises(ManifestError, match="kv_lora_rank: config '512' vs manifest 512"):
+        runtime.open(bad)
     (bad / "config.json").write_text(json.dumps({**config, "kv_lora_rank": 512, "text_config": "x"}))
     runtime.open(bad)  # a text_config that is no object is not where the geometry is
     for text in ("[1, 2]", "null", "[" * 100_000, "\udcff"):  # nesting past the parser's depth: a RecursionError
@@ -579,7 +582,7 @@ def test_backend_calls_run_with_the_layers_gpu_current(monkeypatch):
     assert seen == [("k_up", 0), ("v_up", 0), ("attend", 0)]
     seen.clear()
     monkeypatch.setattr(layer, "device", torch.device("cuda", 1))
-    monkeypatch.setattr(layer, "_check_device", lambda t, name: None)  # the inputs stay on the CPU here
+    monkeypatch.setattr(layer, "_check_tensor", lambda t, name: None)  # the inputs stay on the CPU here
     calls()
     assert seen == [("k_up", 1), ("v_up", 1), ("attend", 1)] and current == [0]
     seen.clear()
@@ -653,7 +656,7 @@ def test_attend_checks(packed_dirs):
         layer.attend(latent, cache, indptr, indices, 0.1)
     with pytest.raises(BackendError, match="FP8 caches are not supported"):
         layer.attend(latent, cache.float(), indptr, indices, 0.1, q_rope=q[..., 192:])
-    with pytest.raises(BackendError, match="576 wide"):
+    with pytest.raises(BackendError, match=r"kv_cache must be \[slots, 576\], .* got \(96, 512\)"):
         layer.attend(latent, cache[:, :512], indptr, indices, 0.1, q_rope=q[..., 192:])
     with pytest.raises(BackendError, match="q_rope has 5 tokens, q_latent 3"):
         layer.attend(latent, cache, indptr, indices, 0.1, q_rope=torch.cat([q, q[:2]])[..., 192:])
@@ -703,6 +706,68 @@ def test_tensors_off_the_layers_device_are_refused_by_name(packed_dirs):
         layer.k_up(q.float().numpy())
     with pytest.raises(BackendError, match="layer 0: kv_cache must be a torch.Tensor, got list"):
         layer.attend(latent, [cache], indptr, indices, 0.1, q_rope=q[..., 192:])
+
+
+def test_arguments_the_ops_cannot_honour_are_refused_by_name(packed_dirs):
+    """What the ops cannot honour is refused naming the layer and argument, on every backend alike (each was a raw
+    IndexError / RuntimeError from inside torch, or a silent answer): a cache of a layout no backend reads (0-D;
+    1-D, taken as one slot; 4-D other than [slots, 1, 1, W] and strided rows, which the GPU backends refused but
+    the torch one read), an out whose elements share memory, an inference-mode out outside that mode, and inputs or
+    an out asking for a gradient while autograd records (the torch backend's output claimed a gradient, and
+    backward gave q zeros)."""
+    _, out = packed_dirs("glm-5")
+    layer = runtime.open(out, backend="torch").mla(0)
+    q, cache, indptr, indices = inputs(layer.geometry)
+    latent = layer.k_up(q)
+    rope = q[..., 192:]
+    shapes = r"kv_cache must be \[slots, 576\], \[blocks, block, 576\] or \[slots, 1, 1, 576\], got "
+    for bad, shape in (
+        (cache[0, 0], r"\(\)"),
+        (cache[0], r"\(576,\)"),
+    ):
+        with pytest.raises(BackendError, match="layer 0: " + shapes + shape):
+            layer.attend(latent, bad, indptr, indices, 0.1, q_rope=rope)
+    for bad, says in (  # what the GPU backends refuse, the torch backend refuses too
+        (cache.view(48, 2, 1, 576), r"a 4-D kv_cache must be \[slots, 1, 1, 576\]"),
+        (torch.stack([cache, cache], dim=-1)[..., 0], r"kv_cache rows must be contiguous"),
+    ):
+        with pytest.raises(BackendError, match="layer 0: torch sparse MLA: " + says):
+            layer.attend(latent, bad, indptr, indices, 0.1, q_rope=rope)
+    expanded = torch.empty(1, 64, 256, dtype=torch.bfloat16).expand(3, 64, 256)
+    with pytest.raises(BackendError, match=r"layer 0: out has elements sharing memory \(strides \(0, 256, 1\)"):
+        layer.v_up(latent, out=expanded)
+    with torch.inference_mode():
+        frozen = torch.empty(3, 64, 256, dtype=torch.bfloat16)
+    with pytest.raises(BackendError, match=r"layer 0: out was made under torch.inference_mode\(\)"):
+        layer.v_up(latent, out=frozen)
+    with torch.inference_mode():  # inside the mode it is written
+        assert torch.equal(layer.v_up(latent, out=frozen), layer.v_up(latent))
+    grad = {
+        "q": lambda: layer.k_up(q.clone().requires_grad_()),
+        "latent": lambda: layer.v_up(latent.clone().requires_grad_()),
+        "out": lambda: layer.v_up(latent, out=torch.empty(3, 64, 256, dtype=torch.bfloat16, requires_grad=True)),
+        "q_latent": lambda: layer.attend(latent.clone().requires_grad_(), cache, indptr, indices, 0.1, q_rope=rope),
+        "q_rope": lambda: layer.attend(latent, cache, indptr, indices, 0.1, q_rope=rope.clone().requires_grad_()),
+        "kv_cache": lambda: layer.attend(latent, cache.clone().requires_grad_(), indptr, indices, 0.1, q_rope=rope),
+    }
+    for name, call in grad.items():
+        with pytest.raises(BackendError, match=rf"layer 0: {name} requires grad, but these operations are inference"):
+            call()
+        with torch.no_grad():  # where autograd records nothing, the same tensors are fine
+            call()
+    assert torch.equal(layer.k_up(q.clone().requires_grad_().detach()), latent)
+
+
+def test_open_refuses_the_meta_device_and_a_path_of_another_type(packed_dirs):
+    """The meta device holds no data (k_up returned empty meta tensors, attend raised from inside torch); a path
+    must be a str or os.PathLike (None and bytes raised a raw TypeError)."""
+    _, out = packed_dirs("glm-5")
+    for backend in ("auto", "torch"):
+        with pytest.raises(BackendError, match="device 'meta' cannot be used here: meta tensors hold no data"):
+            runtime.open(out, device="meta", backend=backend)
+    for path in (None, bytes(out)):
+        with pytest.raises(ManifestError, match=f"path must be a str or os.PathLike folder, got {type(path).__name__}"):
+            runtime.open(path)
 
 
 def test_a_tensor_on_another_gpu_than_the_layers_is_refused(monkeypatch):
