@@ -1,6 +1,7 @@
 """FP8 (E4M3) weights with float32 scales, dequantized in float32 (the exact product rounded once: at most 2**-24
-relative): per 2-D block (DeepSeek-V3 / zai-org
-``weight_scale_inv``) or per output channel (Quark ``weight_scale``). Pure tensor math, no I/O."""
+relative where the product is in float32's normal range, below 2**-126 to the subnormal grid of 2**-149): per 2-D
+block (DeepSeek-V3 / zai-org ``weight_scale_inv``) or per output channel (Quark ``weight_scale``). Pure tensor
+math, no I/O."""
 
 from __future__ import annotations
 
