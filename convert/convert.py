@@ -46,6 +46,7 @@ from .items import (
     worker_init,
 )
 from .machine import usable_cores
+from .modelcard import holds_card
 from .plan import check_files_mode, kernel_route, resolve_k_up
 from .writer import OutputError, clear_directory, fsync_path, is_temp, list_folder, remove, temp_path, write_text
 
@@ -495,7 +496,9 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOpti
         if not hub and source_stats(ckpt.root, originals) != stats:
             raise source_changed(ckpt.root)
         ordered = [results[i.file] for i in items]
-        manifest = build_manifest(ckpt, options, k_multiple, settings, ordered, stats)
+        # a source that is itself a glm-pack output brings its card, which `card` replaces without keeping it
+        cards = {"README.md"} if options.files != "none" and holds_card(out / "README.md") else set()
+        manifest = build_manifest(ckpt, options, k_multiple, settings, ordered, stats, cards)
         mf.parse_mla(manifest)  # never write a manifest the runtime would refuse
         write_text(overlay / mf.MANIFEST_NAME, mf.dumps(manifest))
         state.clear_run(overlay)
@@ -531,7 +534,10 @@ def _experts_section(entries) -> dict:
     return {"experts": {**moe_layout_description(), "groups": groups}} if groups else {}
 
 
-def build_manifest(ckpt: Checkpoint, options: ConvertOptions, k_multiple, settings: Settings, entries, stats) -> dict:
+def build_manifest(
+    ckpt: Checkpoint, options: ConvertOptions, k_multiple, settings: Settings, entries, stats, cards: set[str]
+) -> dict:
+    """The manifest; ``cards``: the originals placed in OUT that are glm-pack model cards."""
     geom = ckpt.geometry
     route = kernel_route(settings.k_kc, geom.qk_nope_head_dim)
     source_tensors: dict[str, str] = {}
@@ -551,7 +557,10 @@ def build_manifest(ckpt: Checkpoint, options: ConvertOptions, k_multiple, settin
             "revision": ckpt.store.sha if is_hub(ckpt) else None,  # the resolved commit: immutable
             "config_sha256": store_sha256(ckpt.store, "config.json"),
             "index_sha256": store_sha256(ckpt.store, INDEX_NAME) if ckpt.index_path else None,
-            "files": {name: {"size": size} for name, (size, _) in sorted(stats.items())},
+            "files": {
+                name: {"size": size, **({"glm_pack_card": True} if name in cards else {})}
+                for name, (size, _) in sorted(stats.items())
+            },
             "tensors": dict(sorted(source_tensors.items())),
         },
         "model": {

@@ -66,6 +66,11 @@ def is_generated(text: str) -> bool:
     return CARD_MARKER in text
 
 
+def holds_card(path: Path) -> bool:
+    """Whether ``path`` is a file holding a model card glm-pack wrote (OutputError where it cannot be read)."""
+    return path.is_file() and is_generated(_read_card(path))
+
+
 def card_base_model(path: Path) -> str | list | None:
     """The base_model the glm-pack card at ``path`` names (what ``--base-model`` or the manifest's source repo
     set), else None (no such file, not a glm-pack card, or none named)."""

@@ -32,7 +32,7 @@ from glm_pack.packing.mxfp4 import MODES, dequantize
 from .checkpoint import INDEX_NAME
 from .convert import file_sha256, store_sha256
 from .humanize import counted
-from .modelcard import SOURCE_README
+from .modelcard import SOURCE_README, holds_card
 from .safetensors_io import LocalFile, parse_header, read_tensor
 from .state import OutputLock
 from .writer import OutputError, sha256_tensor
@@ -196,7 +196,8 @@ def _changed_tensors(overlay: Path, file: str, tensors) -> list[str]:
 def _check_out_metadata(report: VerifyReport, out: Path, manifest: dict) -> None:
     """OUT's own config.json and index, which the runtime and engines read whatever ``--files`` was, must be those
     the overlay was made from; with the originals placed in OUT every one of them must be there, of its size
-    (the source's README.md as README.source.md once a glm-pack card took its place)."""
+    (the source's README.md as README.source.md once a glm-pack card took its place; none for a source's README.md
+    that is itself a glm-pack card, which ``card`` replaces)."""
     for name, key in (("config.json", "config_sha256"), (INDEX_NAME, "index_sha256")):
         path, recorded = out / name, manifest["source"].get(key)
         try:
@@ -206,14 +207,20 @@ def _check_out_metadata(report: VerifyReport, out: Path, manifest: dict) -> None
             report.problems.append(str(err))
     if manifest["options"].get("files") == "none":
         return
-    for name, info in sorted(manifest["source"].get("files", {}).items()):
+    originals = manifest["source"].get("files", {})
+    for name, info in sorted(originals.items()):
         path = out / name
-        if name == "README.md" and (out / SOURCE_README).is_file():
-            path = out / SOURCE_README  # `card` / `push` moved the source's card aside for glm-pack's own
         try:
+            if name == "README.md" and info.get("glm_pack_card") and holds_card(path):
+                continue  # a source's glm-pack card (it was a glm-pack output): `card` replaces it with OUT's own
+            if name == "README.md" and SOURCE_README not in originals and (out / SOURCE_README).is_file():
+                path = out / SOURCE_README  # `card` / `push` moved the source's card aside for glm-pack's own
             size = path.stat().st_size if path.is_file() else None
         except OSError as err:  # in a folder this user may list but not enter (chmod -R 644), an I/O error
             report.problems.append(f"cannot read {path}: {err.strerror or err}")
+            continue
+        except OutputError as err:  # the card named by holds_card
+            report.problems.append(str(err))
             continue
         if size is None:
             report.problems.append(f"{path} is missing although the originals were placed in OUT")

@@ -6,7 +6,8 @@ Top-level keys (schema ``glm-pack/manifest`` version 1)::
 
     schema, schema_version, tool {name, version}, created (ISO time; the only non-deterministic field)
     source   {kind "local"|"hub", path, repo_id, revision, config_sha256, index_sha256,
-              files {name: {size}}, tensors {source tensor name: sha256 of its stored bytes}}
+              files {name: {size, glm_pack_card: true where
+              the original is a glm-pack model card}}, tensors {source tensor name: sha256 of its stored bytes}}
     model    {card, architectures, model_type, geometry {num_heads, kv_lora_rank, qk_nope_head_dim,
               qk_rope_head_dim, v_head_dim}}
     options  {quant_mode, k_pad, mla_precision, max_rel_error, files, repack_experts}

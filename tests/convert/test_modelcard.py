@@ -90,6 +90,34 @@ def test_an_out_whose_source_card_was_moved_aside_still_verifies(out):
     assert verify(out).problems == [f"{card} has {card.stat().st_size} bytes, the original {len(SOURCE_README)}"]
 
 
+@pytest.mark.parametrize("source_card", [True, False])
+def test_an_out_converted_from_a_glm_pack_output_takes_a_new_card_and_verifies(out, tmp_path, source_card):
+    """A glm-pack output converted again (with other options) brings its card along as an original README.md;
+    `card` replaces it with the new output's own, and verify accepts that (it reported the card's size against the
+    old one's and failed, refusing every push), while a README.md no glm-pack card in its place is still a problem.
+    With the first output's README.source.md (the model's own card) placed too, the new card keeps that one."""
+    from glm_pack.convert.convert import ConvertOptions, convert
+
+    write_card(out)  # the first output as it would be published: glm-pack's card, the source's kept aside
+    if not source_card:
+        (out / "README.source.md").unlink()
+    again = tmp_path / "again"
+    convert(out, again, ConvertOptions(k_pad="none"))
+    old_card = (out / "README.md").read_bytes()
+    assert (again / "README.md").read_bytes() == old_card
+    assert _manifest(again)["source"]["files"]["README.md"] == {"size": len(old_card), "glm_pack_card": True}
+    assert verify(again).ok
+    write_card(again)
+    new_card = (again / "README.md").read_bytes()
+    assert b"No K padding." in new_card and b"No K padding." not in old_card
+    assert (again / "README.source.md").exists() == source_card
+    report = verify(again)
+    assert report.ok, report.problems
+    (again / "README.md").unlink()
+    (again / "README.md").write_bytes(b"# someone's notes\n")
+    assert verify(again).problems == [f"{again / 'README.md'} has 18 bytes, the original {len(old_card)}"]
+
+
 def test_source_readme_kept_and_source_untouched(out, converted):
     source_readme = (out / "README.md").read_bytes()
     assert source_readme == SOURCE_README  # before: the original, hard-linked from the source
