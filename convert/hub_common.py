@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import os
+from urllib.parse import urlsplit
+
+from glm_pack.packing.errors import HubError
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 
 
 def resolve_endpoint(endpoint: str | None) -> str:
-    """``--endpoint``, else ``HF_ENDPOINT`` (read now, not at import), else the public Hub."""
-    return (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+    """``--endpoint``, else ``HF_ENDPOINT`` (read now, not at import), else the public Hub; HubError naming where it
+    came from for one that is no http(s) URL with a host (the client failed on it with a misleading error)."""
+    given = "--endpoint" if endpoint else "HF_ENDPOINT" if os.environ.get("HF_ENDPOINT") else None
+    raw = endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT
+    try:
+        parts = urlsplit(raw)
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a port that is no number or out of range (parts.port raises)
+        valid = False
+    if not valid:
+        raise HubError(f"{given} must be an http(s) URL such as {DEFAULT_ENDPOINT}, got {raw!r}")
+    return raw.rstrip("/")
 
 
 def exception_chain(err: BaseException):

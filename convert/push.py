@@ -257,9 +257,7 @@ def _check_out(out: Path, overlay_only: bool) -> None:
     if not report.ok:
         first = report.problems[0] if report.problems else "unknown problem"
         more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
-        raise VerifyError(
-            f"refusing to push {out}: verify rejects it: {first}{more}; run `glm-pack verify {out}`"
-        )
+        raise VerifyError(f"refusing to push {out}: verify rejects it: {first}{more}; run `glm-pack verify {out}`")
     if not overlay_only:
         require_originals(out, read_manifest(out), "push it")
 
@@ -338,9 +336,7 @@ def _push_held(
     card = write_card_unlocked(out, overlay_only=options.overlay_only, base_model=options.base_model, repo_id=repo_id)
     api = HfApi(endpoint=endpoint, token=token)
     files = local_files(out, options.overlay_only)
-    report = PushReport(
-        plan=PushPlan(repo_id, options.revision), dry_run=options.dry_run, endpoint=endpoint, card=card
-    )
+    report = PushReport(plan=PushPlan(repo_id, options.revision), dry_run=options.dry_run, endpoint=endpoint, card=card)
     what = "glm-pack overlay" if options.overlay_only else "glm-pack converted checkpoint"
     message = options.commit_message or f"Upload {what}"
     try:
@@ -419,6 +415,9 @@ def _moved(report: PushReport, repo_id: str, revision: str) -> str:
 
 
 def _interrupted(report: PushReport, why: str) -> str:
+    """The line for a connection that failed: before the first commit, that no commit was made."""
+    if report.uploaded_files == 0:
+        return f"{why} before any file was committed (no commit was made); run the same command again"
     total = len(report.plan.uploads)
     return (
         f"upload interrupted ({why}) after {report.uploaded_files} of {total} files were committed; "
@@ -463,5 +462,3 @@ def hub_error(err: Exception, repo_id: str, endpoint: str, revision: str, report
         if isinstance(e, ValueError) and "Invalid metadata in README.md" in str(e):
             return HubError(f"the Hub rejected the model card metadata: {first_line(e, skip=1)}")
     return HubError(f"push to {repo_id} at {endpoint} failed: {type(err).__name__}: {first_line(err)}")
-
-

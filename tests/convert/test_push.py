@@ -704,7 +704,7 @@ CLI_NO_RETRY_WAIT = (
 RETRIED = {
     "preupload 429": (lambda hub: hub.fail("preupload", 429), "preupload", "rate limited (429)"),
     "lfs batch 503": (lambda hub: hub.fail("lfs_batch", 503), "lfs_batch", "the Hub answered 503"),
-    "lfs put dropped": (lambda hub: hub.fail("lfs_put", drop=True), "lfs_put", "upload interrupted"),
+    "lfs put dropped": (lambda hub: hub.fail("lfs_put", drop=True), "lfs_put", "lost before any file was committed"),
 }
 
 
@@ -758,6 +758,46 @@ def test_a_folder_of_out_that_cannot_be_listed_is_refused(hub, out, refuse):
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
     assert f"cannot list this folder of the output: Permission denied (file {out / 'original'})" in r.output, r.output
     assert not hub.kinds("commit")
+
+
+@pytest.mark.parametrize("committed", [0, 1])
+def test_a_connection_lost_says_whether_anything_was_committed(committed):
+    """A connection lost or timed out before the first commit changed nothing on the Hub, and is not worded as an
+    interrupted upload of "0 of 0 files" (a dry run said that); after one, what is kept and to rerun."""
+    uploads = [_upload(f"f{i}", 1) for i in range(3)]
+    report = PushReport(PushPlan(REPO, "main", uploads=uploads), False, "http://hub.test", uploaded_files=committed)
+    for err, why in (
+        (ConnectionResetError(104, "reset"), "connection to http://hub.test lost"),
+        (TimeoutError("read"), "timed out talking to http://hub.test"),
+    ):
+        line = str(hub_error(err, REPO, "http://hub.test", "main", report))
+        assert line == (
+            f"{why} before any file was committed (no commit was made); run the same command again"
+            if committed == 0
+            else f"upload interrupted ({why}) after 1 of 3 files were committed; run the same command again to "
+            "upload the rest"
+        )
+
+
+@pytest.mark.parametrize("endpoint", ["notaurl", "ftp://hub.test", "http://", "https://hub.test:99999", "http://h:x"])
+@pytest.mark.parametrize("given", ["--endpoint", "HF_ENDPOINT"])
+def test_an_endpoint_that_is_no_url_is_refused_by_name(hub, out, tmp_path, monkeypatch, endpoint, given):
+    """An endpoint that is no http(s) URL with a host is refused naming the option or variable and the value, before
+    any request, by push and by a Hub source (the client's error said "upload interrupted (connection to notaurl
+    lost) after 0 of 0 files")."""
+    args = ["--endpoint", endpoint] if given == "--endpoint" else []
+    if given == "HF_ENDPOINT":
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    commands = [["push", str(out), REPO, "--dry-run", *args]]
+    if given == "HF_ENDPOINT":
+        commands.append(["convert", REPO, str(tmp_path / "new")])
+    for command in commands:
+        r = CliRunner().invoke(main, command)
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+        assert r.stderr == (
+            f"glm-pack: error: {given} must be an http(s) URL such as https://huggingface.co, got {endpoint!r}\n"
+        )
+    assert hub.requests == [] and not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("committed", [0, 1])
