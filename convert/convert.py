@@ -35,6 +35,7 @@ from glm_pack.packing.experts import moe_layout_description
 
 from . import space, state
 from .checkpoint import INDEX_NAME, Checkpoint, hub_spec, open_checkpoint
+from .hub_common import NO_LOCAL_DIRECTORY
 from .items import (
     Settings,
     is_entry_of,
@@ -141,7 +142,8 @@ def files_mode(src: str | os.PathLike, files: str | None) -> str:
     check_files_mode(files)
     if spec and files == "link":
         raise PlanError(
-            "--files link needs a local source: a Hub repo has no local files to link; use --files copy "
+            f"--files link needs a local source: {src} is taken for a Hub repo {NO_LOCAL_DIRECTORY}, which has no "
+            "local files to link; use --files copy "
             "(downloads the originals into the Hugging Face cache and links them into OUT) or --files none "
             "(overlay only)"
         )

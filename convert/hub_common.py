@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 from glm_pack.packing.errors import HubError
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
+NO_LOCAL_DIRECTORY = "(and no local directory of that name)"  # where a mistyped folder was taken for a Hub repo id
 
 
 def resolve_endpoint(endpoint: str | None) -> str:
@@ -77,9 +78,9 @@ def auth_failed(endpoint: str, err: BaseException) -> str:
     )
 
 
-def unreachable(endpoint: str) -> str:
-    """The line for a connection that could not be made."""
-    return f"cannot connect to {endpoint}: connection refused or unreachable"
+def unreachable(endpoint: str, what: str = "") -> str:
+    """The line for a connection that could not be made (``what``: for what, e.g. " for org/name")."""
+    return f"cannot connect to {endpoint}{what}: connection refused or unreachable"
 
 
 def answered(status: int, repo_id: str, endpoint: str, err: BaseException) -> str:

@@ -30,6 +30,7 @@ from glm_pack.packing.errors import CheckpointError, GlmPackError, HubError
 
 from .checkpoint import INDEX_NAME, is_original, walk_files
 from .hub_common import (
+    NO_LOCAL_DIRECTORY,
     answered,
     auth_failed,
     exception_chain,
@@ -106,7 +107,7 @@ class HubStore:
         if not isinstance(found, str):
             raise HubError(
                 f"HF_HUB_OFFLINE is set and the local Hugging Face cache has no {self.repo_id}@{self.requested} "
-                "(config.json): run once online, or unset HF_HUB_OFFLINE"
+                f"(config.json) {NO_LOCAL_DIRECTORY}: run once online, or unset HF_HUB_OFFLINE"
             )
         snapshot = Path(found).parent
         sizes = {}
@@ -317,7 +318,7 @@ def hub_read_error(err: BaseException, store: HubStore, rel: str | None) -> HubE
             )
         if isinstance(e, RepositoryNotFoundError):
             return HubError(
-                f"repository {repo} not found at {endpoint} (and no local directory of that name), "
+                f"repository {repo} not found at {endpoint} {NO_LOCAL_DIRECTORY}, "
                 "or it is private/gated and the token cannot see it"
             )
         if isinstance(e, RevisionNotFoundError):
@@ -341,8 +342,8 @@ def hub_read_error(err: BaseException, store: HubStore, rel: str | None) -> HubE
                     f"rate limited (429) by {endpoint}; wait and run the same command again{hub_says(e)}", file=file
                 )
             return HubError(answered(status, repo, endpoint, e), file=file)
-        if is_kind(e, "ConnectError", "ConnectionRefusedError"):
-            return HubError(unreachable(endpoint), file=file)
+        if is_kind(e, "ConnectError", "ConnectionRefusedError"):  # at the first request: maybe a mistyped folder
+            return HubError(unreachable(endpoint, "" if file else f" for {repo} {NO_LOCAL_DIRECTORY}"), file=file)
         if is_kind(e, "TimeoutException", "TimeoutError"):
             return HubError(f"timed out reading from {endpoint} (after retries)", file=file)
         if is_kind(e, "TransportError", "ConnectionError"):

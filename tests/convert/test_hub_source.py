@@ -302,9 +302,9 @@ def test_link_refused_for_hub_source_before_any_request(hub, tmp_path):
         result = run_cli(*command, "--files", "link")
         assert result.exit_code == 1, result.output
         assert result.stderr.strip().splitlines() == [
-            "glm-pack: error: --files link needs a local source: a Hub repo has no local files to link; "
-            "use --files copy (downloads the originals into the Hugging Face cache and links them into OUT) or "
-            "--files none (overlay only)"
+            f"glm-pack: error: --files link needs a local source: {command[1]} is taken for a Hub repo (and no local "
+            "directory of that name), which has no local files to link; use --files copy (downloads the originals "
+            "into the Hugging Face cache and links them into OUT) or --files none (overlay only)"
         ]
     with pytest.raises(PlanError):
         convert(REPO, tmp_path / "api", ConvertOptions(files="link"))
@@ -489,6 +489,8 @@ def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("glm-pack: error: ") and expected in lines[0], lines
     assert hub.token not in result.output
+    if case in ("no-repo", "refused", "offline-empty-cache"):  # at the first request SRC may be a mistyped folder
+        assert "(and no local directory of that name)" in lines[0], lines
     if case == "rate-limited":
         assert lines[0].endswith("; the Hub says: Too many requests: retry in 5 minutes"), lines
     if case == "unavailable":
