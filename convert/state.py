@@ -25,7 +25,7 @@ from pathlib import Path
 from glm_pack.packing.errors import PlanError
 from glm_pack.packing.manifest import OVERLAY_DIR
 
-from .writer import OutputError, _write_all, atomic_write, fsync, read_bytes
+from .writer import OutputError, _write_all, atomic_write, fsync, make_folder, read_bytes
 
 LOCK_NAME = ".glm-pack.lock"
 RUN_NAME = ".run.json"
@@ -59,9 +59,9 @@ class OutputLock:
         mode = os.O_RDONLY if self.shared else os.O_RDWR  # a reader writes nothing: a read-only file will do
         if not (self.create or os.path.lexists(self.path) or os.path.isdir(self.path.parent / OVERLAY_DIR)):
             return self
+        if self.create:
+            make_folder(self.path.parent, "the output folder")
         try:
-            if self.create:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, mode | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # never write through a link
         except OSError as err:
             if not self.create and err.errno in _UNLOCKABLE:

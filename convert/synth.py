@@ -44,7 +44,7 @@ from .cards import Card, load_card
 from .checkpoint import INDEX_NAME
 from .humanize import counted, size_text
 from .safetensors_io import DTYPES, byte_size, encode_header
-from .writer import OutputError, atomic_write, clear_directory, tensor_bytes, write_text
+from .writer import OutputError, atomic_write, clear_directory, make_folder, tensor_bytes, write_text
 
 FORMATS = ("bf16", "fp8-block", "mxfp4-quark", "mxfp4-attn", "fp8-channel")
 PROFILES = ("full", "small")
@@ -291,9 +291,9 @@ def synthesize(
             writes.check(space.freed_bytes(leftovers), out)
         if leftovers:
             clear_directory(out)
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:  # a file where a folder should be, a read-only file system, no permission
-        raise OutputError(f"cannot create the output folder: {err.strerror or err}", file=out) from err
+    except OSError as err:  # a folder that cannot be listed or emptied (no permission, a read-only file system)
+        raise OutputError(f"cannot prepare the output folder: {err.strerror or err}", file=out) from err
+    make_folder(out, "the output folder")
     shards = _shards(entries, shard_bytes or SHARD_BYTES[profile])
     weight_map, cache = {}, {}
     for i, shard in enumerate(shards):

@@ -190,6 +190,25 @@ def read_bytes(path: Path, what: str) -> bytes:
         raise OutputError(f"cannot read {what}: {err.strerror or err}", file=path) from err
 
 
+def make_folder(path: Path, what: str) -> None:
+    """``mkdir -p path``; OutputError naming ``what`` and what is in the way where it cannot be made (a symlink to
+    nothing, a file in its place or in a folder's above it; else the system's reason, e.g. a permission)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OutputError(f"cannot create {what}: {_in_the_way(path) or err.strerror or err}", file=path) from err
+
+
+def _in_the_way(path: Path) -> str | None:
+    """What keeps folder ``path`` from being made: a symlink to nothing or a file, at it or a folder above it."""
+    for p in (path, *path.parents):
+        if os.path.islink(p) and not os.path.exists(p):
+            return f"{p} is a symlink to {os.readlink(p)}, which does not exist; create that folder or remove the link"
+        if os.path.lexists(p) and not os.path.isdir(p):
+            return f"{p} is a file, not a folder"
+    return None
+
+
 def list_folder(path: Path) -> list[Path]:
     """The entries of folder ``path``, sorted; OutputError naming it where it cannot be listed (a permission, an I/O
     error)."""

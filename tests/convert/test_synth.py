@@ -56,14 +56,24 @@ def test_a_non_empty_out_is_refused_and_overwrite_never_writes_through_hard_link
 
 
 def test_an_out_that_cannot_be_created_is_one_line(tmp_path):
+    """An OUT under a file, or a symlink to nothing: one line naming what is in the way, for every command that makes
+    OUT (they said "Not a directory" naming OUT, or convert "cannot create the output lock: File exists")."""
     (tmp_path / "afile").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
     args = ["--card", "glm-5", "--layers", "1", "--experts", "2", "--format", "bf16"]
-    for cmd in (["synth", str(tmp_path / "afile" / "s"), *args], ["demo", str(tmp_path / "afile" / "d")]):
-        r = CliRunner().invoke(main, cmd)
-        errors = [line for line in r.output.splitlines() if line.startswith("glm-pack: error:")]
-        assert r.exit_code == 1 and "Traceback" not in r.output and len(errors) == 1, r.output
-        assert "cannot create the output folder: Not a directory (file " in errors[0], r.output
-    assert (tmp_path / "afile").read_text() == "x"
+    src = synth.synthesize(tmp_path / "src", card="glm-5", layers=1, experts=2, fmt="bf16")
+    afile, dangling = tmp_path / "afile", tmp_path / "dangling"
+    for out, says in (
+        (afile / "o", f"cannot create the output folder: {afile} is a file, not a folder"),
+        (dangling, f"cannot create the output folder: {dangling} is a symlink to {tmp_path / 'gone'}, which does not "
+         "exist; create that folder or remove the link"),
+    ):  # fmt: skip
+        for cmd in (["synth", str(out), *args], ["demo", str(out)], ["convert", str(src), str(out)]):
+            r = CliRunner().invoke(main, cmd)
+            errors = [line for line in r.output.splitlines() if line.startswith("glm-pack: error:")]
+            assert r.exit_code == 1 and "Traceback" not in r.output and len(errors) == 1, r.output
+            assert errors[0].startswith(f"glm-pack: error: {says}"), (cmd, r.output)
+    assert (tmp_path / "afile").read_text() == "x" and not (tmp_path / "gone").exists()
 
 
 @pytest.mark.parametrize("fault", ["unreadable", "latin-1"])
