@@ -155,7 +155,7 @@ def plan_option(name: str, help_text: str):
 )
 @click.option(
     "--workers",
-    type=int,
+    type=click.IntRange(min=1),
     default=default_workers,
     show_default="one per core glm-pack may use, at most one per GiB of memory it may take",
     envvar="GLM_PACK_WORKERS",

@@ -315,8 +315,10 @@ def assumptions(card: str, *, mtp: bool = True) -> dict[str, str]:
 @click.command("synth")
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--card", "card_name", required=True, help="Model family card, e.g. glm-5, glm-5.2, glm-5.3-flash.")
-@click.option("--layers", type=int, required=True, help="Decoder layers (the MTP layer comes on top).")
-@click.option("--experts", type=int, required=True, help="Routed experts per MoE layer.")
+@click.option(
+    "--layers", type=click.IntRange(min=1), required=True, help="Decoder layers (the MTP layer comes on top)."
+)
+@click.option("--experts", type=click.IntRange(min=1), required=True, help="Routed experts per MoE layer.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), required=True, help="Source format to imitate.")
 @click.option(
     "--profile",

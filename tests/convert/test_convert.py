@@ -484,8 +484,12 @@ def test_refusals(synth_ckpt, tmp_path):
             assert r.exit_code == 1 and r.output.splitlines() == [
                 f"glm-pack: error: not a checkpoint directory: the path {why} (file {path})"
             ], r.output
-    r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o"), "--workers", "0"])
-    assert r.exit_code == 1 and "--workers must be at least 1, got 0" in r.output and not (tmp_path / "o").exists()
+    for args, env in ((["--workers", "0"], {}), ([], {"GLM_PACK_WORKERS": "0"})):  # a usage error, as README says
+        r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o"), *args], env=env)
+        assert r.exit_code == 2 and not (tmp_path / "o").exists(), r.output
+        assert "Invalid value for '--workers' (env var: 'GLM_PACK_WORKERS'): 0 is not in the range x>=1" in r.output
+    with pytest.raises(PlanError, match="--workers must be at least 1, got 0"):  # the API's own check
+        convert(src, tmp_path / "o", ConvertOptions(workers=0))
 
 
 def test_workers_default_comes_from_glm_pack_workers_else_the_machine(synth_ckpt, tmp_path, monkeypatch):

@@ -122,6 +122,20 @@ def test_demo_refuses_no_layers_by_its_own_option(tmp_path, layers):
     assert "1/4" not in r.output and not (tmp_path / "d").exists()
 
 
+@pytest.mark.parametrize("option", ["--layers", "--experts"])
+def test_synth_refuses_a_count_below_one_as_a_usage_error(tmp_path, option):
+    """README: numbers out of range are click's usage errors, exit 2 (`synth --layers 0` exited 1); the API says it
+    in its own words."""
+    counts = {"--layers": "1", "--experts": "1", option: "0"}
+    numbers = [x for kv in counts.items() for x in kv]
+    r = CliRunner().invoke(main, ["synth", str(tmp_path / "s"), "--card", "glm-5", "--format", "bf16", *numbers])
+    assert r.exit_code == 2 and f"Invalid value for '{option}': 0 is not in the range x>=1" in r.output, r.output
+    assert not (tmp_path / "s").exists()
+    with pytest.raises(PlanError, match=f"need at least one layer and one expert, got layers={counts['--layers']}"):
+        synth.synthesize(tmp_path / "s", card="glm-5", layers=int(counts["--layers"]),
+                         experts=int(counts["--experts"]), fmt="bf16")  # fmt: skip
+
+
 def test_demo_runs_twice_in_one_workdir_and_keeps_the_rest(tmp_path):
     """The quick start: exit 0, each step printed, the output verified, and the runtime's error against unabsorbed
     float MLA below the README's first-order bound (about 0.67 for all-MXFP4 GLM-5 layers), MXFP4 activations
