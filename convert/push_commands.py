@@ -183,7 +183,9 @@ def push_command(
     )
     with _quiet_hub():  # its bars and retry warnings would bury the one-line error on stderr
         report = push(out, repo_id, options, progress=None if as_json else _progress)
-    if as_json:
+    if as_json:  # stdout holds the JSON alone; the note goes to stderr
+        if note := _no_base_model_note(report.card):
+            click.echo(note, err=True)
         click.echo(json.dumps(_report_json(report, repo_id), indent=2))
     else:
         _print_report(report, repo_id)

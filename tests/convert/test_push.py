@@ -500,6 +500,9 @@ def test_push_of_a_card_without_a_base_model_says_so(hub, out):
     note = f"note: the card {out / 'README.md'} names no base model: pass --base-model REPO"
     result = run_cli("push", out, REPO, "--dry-run")
     assert result.exit_code == 0 and result.output.splitlines()[0].startswith(note), result.output
+    result = run_cli("push", out, REPO, "--dry-run", "--json")  # the note on stderr, stdout the JSON alone
+    assert result.exit_code == 0 and result.stderr.startswith(note), result.output  # --json dropped it
+    assert json.loads(result.stdout)["dry_run"] is True
     for flags in (["--base-model", "zai-org/GLM-5"], []):
         result = run_cli("push", out, REPO, *flags)
         assert result.exit_code == 0 and "note:" not in result.output, result.output

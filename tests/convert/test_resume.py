@@ -497,6 +497,20 @@ def test_second_concurrent_run_is_refused(converted, tmp_path):
         assert r.exit_code == 1 and f"pid {os.getpid()}" in r.output and "another glm-pack run" in r.output
 
 
+def test_json_reports_and_errors_keep_to_their_streams(converted, tmp_path):
+    """README: with --json stdout holds the report alone. verify prints one for every verdict (FAILED for a missing
+    OUT too); an error that stops a command first (OUT locked by a writer, a SRC that is no checkpoint) leaves stdout
+    empty and says it in one line on stderr."""
+    src, out = converted
+    r = CliRunner().invoke(main, ["verify", str(tmp_path / "missing"), "--json"])
+    assert r.exit_code == 1 and r.stderr == "" and json.loads(r.stdout)["ok"] is False, r.output
+    with OutputLock(out):
+        r = CliRunner().invoke(main, ["verify", str(out), "--json"])
+    assert r.exit_code == 1 and r.stdout == "" and "is writing this output" in r.stderr, r.output
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "missing"), "--json"])
+    assert r.exit_code == 1 and r.stdout == "" and r.stderr.startswith("glm-pack: error: not a checkpoint"), r.output
+
+
 def test_stale_lock_of_a_killed_process_is_recovered(converted, tmp_path, lock_holder):
     src, _ = converted
     out = tmp_path / "out"
