@@ -263,6 +263,10 @@ def _check_out(out: Path, overlay_only: bool) -> None:
 
 
 def _ensure_target(api, repo_id: str, options: PushOptions) -> None:
+    """Create the repo and the branch where missing; not for a pull request's ``refs/pr/N``, which needs both to
+    exist (a new repo has no pull request: the push would create it, then be refused)."""
+    if PR_REF.fullmatch(options.revision):
+        return
     # private=False would send visibility "public" and override a namespace that makes new repos private
     api.create_repo(repo_id, private=True if options.private else None, exist_ok=True)
     if _creates_branch(options.revision):
@@ -292,11 +296,11 @@ def _dry_run_base(api, repo_id: str, revision: str) -> str | None:
     for candidate in (revision, "main") if _creates_branch(revision) else (revision,):
         try:
             return _head(api, repo_id, candidate)
-        except RepositoryNotFoundError:
-            return None
-        except RevisionNotFoundError:
-            if PR_REF.fullmatch(candidate):  # a pull request that is not open: the push is refused, so is its plan
+        except (RepositoryNotFoundError, RevisionNotFoundError) as err:
+            if PR_REF.fullmatch(candidate):  # no such repo or open pull request: the push is refused, so is its plan
                 raise
+            if isinstance(err, RepositoryNotFoundError):
+                return None
     return None
 
 

@@ -277,6 +277,13 @@ def test_push_into_an_open_pull_request(hub, out):
         assert result.exit_code == 1 and result.stderr.strip().splitlines() == [
             f"glm-pack: error: revision 'refs/pr/2' not found in {REPO} at {hub.endpoint}"
         ], result.output
+    for dry_run in (["--dry-run"], []):  # no such repo: no pull request either (the dry run planned a success, and
+        # the push created the repo before its commit was refused)
+        result = CliRunner().invoke(main, ["push", str(out), "org/none", "--revision", "refs/pr/1", *dry_run])
+        assert result.exit_code == 1 and result.stderr.strip().splitlines() == [
+            f"glm-pack: error: repository org/none not found at {hub.endpoint}, or the token cannot see it"
+        ], result.output
+    assert "org/none" not in hub.repos and not hub.kinds("create")
 
 
 def test_interrupted_push_resumes_and_uploads_only_the_rest(hub, out):
