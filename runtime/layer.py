@@ -8,7 +8,6 @@ Shapes (H = this rank's heads, T = tokens, L = kv_lora, P = nope, R = rope, V = 
 from __future__ import annotations
 
 import contextlib
-import math
 import numbers
 from dataclasses import dataclass
 
@@ -33,6 +32,7 @@ class ProjectionWeights:
     rel_error: float
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max  # the attention scores are float32
 _ALREADY_CURRENT = contextlib.nullcontext()  # one reusable no-op block: a new one per call costs ~0.3 us
 
 
@@ -59,6 +59,33 @@ def _spans_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         if not (a0 < b1 and b0 < a1):
             return False
     return True
+
+
+def _may_overlap(t: torch.Tensor) -> bool:
+    """Whether ``t``'s strides may map two of its elements to one place: unless each dimension's stride (smallest
+    first) passes the reach of the smaller ones, as in any contiguous tensor, a permuted view or a slice of one
+    (a stride 0 of ``expand`` is caught, and so are exotic layouts that happen not to collide)."""
+    if t.is_contiguous():  # the common case, decided in C
+        return False
+    reach = 0
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def _float32_scale(value) -> float | None:
+    """``value`` as a float when it is a real number (no bool) in ``(0, float32 max]``, else None."""
+    if type(value) is float:  # the common case
+        return value if 0 < value <= _FLOAT32_MAX else None
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return None
+    try:
+        scale = float(value)
+    except (OverflowError, TypeError, ValueError):  # 10**400; a Real type whose float() fails
+        return None
+    return scale if 0 < scale <= _FLOAT32_MAX else None
 
 
 class MlaLayer:
@@ -135,11 +162,10 @@ class MlaLayer:
         self._check_tensor(out, "out")
         if tuple(out.shape) != shape or out.dtype != torch.bfloat16:
             raise BackendError(f"layer {self.layer}: out must be bf16 {shape}, got {out.dtype} {tuple(out.shape)}")
-        strides = out.stride()
-        if 0 in strides and any(st == 0 and n > 1 for n, st in zip(out.shape, strides, strict=True)):
+        if _may_overlap(out):
             raise BackendError(
-                f"layer {self.layer}: out has elements sharing memory (strides {strides}, as from expand): "
-                "each output element needs its own"
+                f"layer {self.layer}: out's strides {out.stride()} can give two elements one memory location (as "
+                "from expand or as_strided): each output element needs its own"
             )
         if out.is_inference() and not torch.is_inference_mode_enabled():
             raise BackendError(
@@ -202,7 +228,8 @@ class MlaLayer:
         q_latent ``[T, H, L]`` bf16 (``k_up``'s output); q_rope ``[T, H, R]`` bf16, rope applied (None when rope-free);
         kv_cache bf16 ``[slots, L+R]`` (also paged ``[blocks, block, L+R]`` or ``[slots, 1, 1, L+R]``), each row
         ``[latent | k_rope]``; token t attends to the slots ``kv_indices[kv_indptr[t]:kv_indptr[t+1]]``: kv_indptr
-        ``[T+1]`` int32, kv_indices flat int32 global slot ids (-1: skip); softmax_scale the model's, a float > 0."""
+        ``[T+1]`` int32, kv_indices flat int32 global slot ids (-1: skip); softmax_scale the model's, a real number in
+        (0, float32 max]."""
         g = self.geometry
         self._check_act(q_latent, "q_latent", g.kv_lora_rank)
         if g.qk_rope_head_dim:
@@ -233,13 +260,16 @@ class MlaLayer:
             raise BackendError(
                 f"layer {self.layer}: kv_indices must be flat (1-D) global slot ids, got {tuple(kv_indices.shape)}"
             )
-        real = isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
-        if not real or not math.isfinite(softmax_scale) or softmax_scale <= 0:  # 0 would flatten every softmax
+        scale = _float32_scale(softmax_scale)
+        if scale is None:  # 0 would flatten every softmax; beyond float32's range the float32 scores are inf or NaN
             tensor = isinstance(softmax_scale, torch.Tensor)
             hint = " (a tensor, not a number: pass float(softmax_scale))" if tensor else ""
             raise BackendError(
-                f"layer {self.layer}: softmax_scale must be a finite positive number, got {softmax_scale!r}{hint}"
+                f"layer {self.layer}: softmax_scale must be a positive number within float32's range, got "
+                f"{softmax_scale!r:.80}{hint}"
             )
+        if not isinstance(return_lse, bool):  # "no" would be truthy
+            raise BackendError(f"layer {self.layer}: return_lse must be True or False, got {return_lse!r}")
         if kv_indptr.shape != (q_latent.shape[0] + 1,):
             raise BackendError(
                 f"layer {self.layer}: kv_indptr must be [T+1] = [{q_latent.shape[0] + 1}], got {tuple(kv_indptr.shape)}"
@@ -247,7 +277,7 @@ class MlaLayer:
         with self._on_device():
             try:
                 out, lse = self.backend.sparse_mla(
-                    q_latent, q_rope, kv_cache, kv_indptr, kv_indices, softmax_scale, return_lse=return_lse
+                    q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, return_lse=return_lse
                 )
             except BackendError as err:
                 self._name_layer(err)

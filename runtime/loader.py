@@ -212,8 +212,9 @@ class PackedModel:
 
 
 def _integer(value, name: str) -> int:
-    """``value`` as an int (a Python or numpy integer, a 0-d integer tensor); bools and floats are refused."""
-    if not isinstance(value, bool) and getattr(value, "dtype", None) != torch.bool:
+    """``value`` as an int (a Python or numpy integer, a 0-d integer tensor); bools, floats and tensors of more
+    dimensions (one element or not) are refused."""
+    if not isinstance(value, bool) and getattr(value, "dtype", None) != torch.bool and getattr(value, "ndim", 0) == 0:
         try:
             return operator.index(value)
         except TypeError:
@@ -238,15 +239,19 @@ def _check_config(root: Path, manifest: dict, geometry: MlaGeometry) -> None:
 
 
 def _verify_source(root: Path, manifest: dict) -> None:
-    """The source tensors the overlay was made from still hash as recorded (OUT's originals, else the source)."""
+    """The source tensors the overlay was made from still hash as recorded: OUT's originals where convert placed
+    them and OUT holds them (its config.json; VerifyError naming OUT's index or single file where that is gone: the
+    source elsewhere would stand in for the originals an engine loads), else (``--files none``, or the overlay
+    folder alone copied) the recorded source where it is reachable."""
     source = manifest["source"]
-    for base in (root, Path(source["path"]) if source.get("path") else None):
-        files = tensor_files(base) if base is not None else {}
-        if files:
-            break
-    else:
-        return  # overlay-only output of an unreachable source: nothing to compare with
-    check_source_tensors(files, source["tensors"])
+    placed = manifest["options"].get("files") != "none" and os.path.isfile(root / "config.json")
+    base = root if placed else Path(source["path"]) if source.get("path") else None
+    files = tensor_files(base) if base is not None else {}
+    if placed and not files:
+        gone = root / (mf.INDEX_NAME if source.get("index_sha256") else mf.SINGLE_NAME)
+        raise VerifyError("the originals were placed in OUT, but this file of them is missing", file=gone)
+    if files:  # else an overlay-only output of an unreachable source: nothing to compare with
+        check_source_tensors(files, source["tensors"])
 
 
 def _verify_files(root: Path, manifest: dict) -> None:
@@ -296,6 +301,8 @@ def open_packed(
     if geometry.num_heads % tp_size:
         raise GlmPackError(f"{geometry.num_heads} heads cannot be split evenly over tp_size={tp_size}")
     _check_config(root, manifest, geometry)
+    if not isinstance(verify, bool):  # "no" would be truthy
+        raise GlmPackError(f"verify must be True or False, got {verify!r}")
     if verify:
         _verify_files(root, manifest)
         _verify_source(root, manifest)

@@ -11,6 +11,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -210,6 +211,11 @@ def test_open_refusals(packed_dirs, tmp_path):
         runtime.open(out, tp_rank=True, tp_size=2)
     with pytest.raises(GlmPackError, match=r"tp_rank must be an integer, got tensor\(True\)"):
         runtime.open(out, tp_rank=torch.tensor(True), tp_size=2)
+    for rank in (torch.tensor([1]), np.array([[1]])):  # one element, not a number (it was taken as 1)
+        with pytest.raises(GlmPackError, match="tp_rank must be an integer, got "):
+            runtime.open(out, tp_rank=rank, tp_size=2)
+    with pytest.raises(GlmPackError, match="verify must be True or False, got 'no'"):  # "no" was truthy: it verified
+        runtime.open(out, verify="no")
     model = runtime.open(out, tp_rank=torch.tensor(1), tp_size=np.int64(2))  # integer types of other libraries
     assert (model.tp_rank, model.tp_size) == (1, 2) and type(model.tp_size) is int
     with pytest.raises(GlmPackError, match="layer must be an integer, got '0'"):
@@ -668,9 +674,18 @@ def test_attend_checks(packed_dirs):
         layer.attend(latent, cache, indptr, indices.long(), 0.1, q_rope=q[..., 192:])
     with pytest.raises(BackendError, match="layer 0: kv_indptr must be int32, got torch.int64"):
         layer.attend(latent, cache, indptr.long(), indices, 0.1, q_rope=q[..., 192:])
-    for scale in (float("nan"), float("inf"), None, "0.1", 0.0, -0.1, True):  # 0: every row weighs the same
-        with pytest.raises(BackendError, match="softmax_scale must be a finite positive number"):
+    # 0: every row weighs the same; past float32's range (1e39, 10**400: a raw OverflowError) the float32 scores are
+    # inf and the output NaN
+    for scale in (float("nan"), float("inf"), None, "0.1", 0.0, -0.1, True, 1e39, 10**400):
+        with pytest.raises(BackendError, match="softmax_scale must be a positive number within float32's range"):
             layer.attend(latent, cache, indptr, indices, scale, q_rope=q[..., 192:])
+    # any real number will do, a Fraction too (it reached torch as one: a raw TypeError)
+    assert torch.equal(
+        layer.attend(latent, cache, indptr, indices, Fraction(1, 16), q_rope=q[..., 192:]),
+        layer.attend(latent, cache, indptr, indices, 0.0625, q_rope=q[..., 192:]),
+    )
+    with pytest.raises(BackendError, match="return_lse must be True or False, got 'no'"):  # "no" was truthy
+        layer.attend(latent, cache, indptr, indices, 0.1, q_rope=q[..., 192:], return_lse="no")
     with pytest.raises(BackendError) as err:  # a 0-d tensor (a scale computed in torch) is a number only in looks
         layer.attend(latent, cache, indptr, indices, torch.tensor(0.1), q_rope=q[..., 192:])
     assert str(err.value).endswith("got tensor(0.1000) (a tensor, not a number: pass float(softmax_scale))")
@@ -733,9 +748,15 @@ def test_arguments_the_ops_cannot_honour_are_refused_by_name(packed_dirs):
     ):
         with pytest.raises(BackendError, match="layer 0: torch sparse MLA: " + says):
             layer.attend(latent, bad, indptr, indices, 0.1, q_rope=rope)
+    # an out of overlapping elements (expand, or as_strided: that one was silently wrong) is refused
     expanded = torch.empty(1, 64, 256, dtype=torch.bfloat16).expand(3, 64, 256)
-    with pytest.raises(BackendError, match=r"layer 0: out has elements sharing memory \(strides \(0, 256, 1\)"):
-        layer.v_up(latent, out=expanded)
+    overlapping = torch.empty(3 * 64 * 256, dtype=torch.bfloat16).as_strided((3, 64, 256), (64 * 256, 1, 1))
+    for bad, strides in ((expanded, r"\(0, 256, 1\)"), (overlapping, r"\(16384, 1, 1\)")):
+        with pytest.raises(BackendError, match=rf"layer 0: out's strides {strides} can give two elements one memory"):
+            layer.v_up(latent, out=bad)
+    bf16 = torch.bfloat16
+    for good in (torch.empty(64, 3, 256, dtype=bf16).transpose(0, 1), torch.empty(3, 64, 512, dtype=bf16)[..., ::2]):
+        assert torch.equal(layer.v_up(latent, out=good), layer.v_up(latent))  # permuted and sliced views are fine
     with torch.inference_mode():
         frozen = torch.empty(3, 64, 256, dtype=torch.bfloat16)
     with pytest.raises(BackendError, match=r"layer 0: out was made under torch.inference_mode\(\)"):
@@ -799,6 +820,11 @@ def test_open_verify_detects_a_changed_source_tensor(packed_dirs, tmp_path, edit
     with pytest.raises(VerifyError, match="source tensor differs") as err:
         runtime.open(bad, verify=True)
     assert err.value.tensor == name and shard.name in str(err.value)
+    index = bad / "model.safetensors.index.json"
+    index.unlink()  # OUT's originals unlisted: the untouched source must not stand in for them (it passed)
+    with pytest.raises(VerifyError, match="the originals were placed in OUT, but this file of them is missing") as err:
+        runtime.open(bad, verify=True)
+    assert err.value.file == str(index)
 
 
 def test_cache_rows_views_every_layout_with_one_row_stride():
