@@ -48,6 +48,7 @@ from .items import (
 )
 from .machine import usable_cores
 from .modelcard import holds_card
+from .mounts import Mount, fs_location, read_mounts
 from .plan import check_files_mode, kernel_route, resolve_k_up
 from .writer import OutputError, clear_directory, fsync_path, is_temp, list_folder, remove, temp_path, write_text
 
@@ -163,24 +164,31 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return found.st_dev, found.st_ino
 
 
-def _within(path: Path, folder: Path) -> bool:
-    """``path`` is ``folder`` or lies inside it: by resolved path, or by identity (a bind mount reaches one folder
-    by two paths that no path comparison relates)."""
+def _within(path: Path, folder: Path, mounts: list[Mount]) -> bool:
+    """``path`` is ``folder`` or lies inside it: by resolved path, by identity (a bind mount of ``folder`` or of a
+    folder above it reaches it by a path no path comparison relates), or by the location inside one filesystem
+    the mount table gives (a bind mount of a folder inside ``folder``, which shares no identity with it)."""
     path, folder = path.resolve(), folder.resolve()
     if path == folder or folder in path.parents:
         return True
     target = _identity(folder)
-    return target is not None and any(_identity(p) == target for p in (path, *path.parents))
+    if target is not None and any(_identity(p) == target for p in (path, *path.parents)):
+        return True
+    inner, outer = fs_location(path, mounts), fs_location(folder, mounts)
+    return inner is not None and outer is not None and inner[0] == outer[0] and (
+        inner[1] == outer[1] or outer[1] in inner[1].parents
+    )
 
 
 def check_locations(src: Path, out: Path, files: Iterable[Path] = (), what: str = "the source") -> None:
     """Refuse an OUT that is ``src``, inside it, contains it, or contains the file behind one of the source ``files``
     (a HF cache snapshot's links point into ``blobs/``, which ``--overwrite`` would empty), by path or through a
     bind mount. For a Hub source ``src`` is the repo's folder in the local HF cache, ``what`` says so."""
-    if _within(out, src) or _within(src, out):
+    mounts = read_mounts()
+    if _within(out, src, mounts) or _within(src, out, mounts):
         raise PlanError(f"output {out} must be outside {what} {src} (and not contain it)", file=out)
     for rel in files:
-        if _within(src / rel, out):
+        if _within(src / rel, out, mounts):
             raise PlanError(
                 f"output {out} must not hold the source's files: {src / rel} is {(src / rel).resolve()}", file=out
             )

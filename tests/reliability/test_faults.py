@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -564,8 +565,64 @@ def test_source_reached_through_a_bind_mount_is_refused(source, ckpt_copy, tmp_p
         assert (tmp_path / "mnt" / "keep.txt").read_text() == "mine" and tree_digest(src) == before
 
 
+def test_mount_table_gives_a_paths_place_in_its_filesystem():
+    """Hand-made mountinfo lines (the kernel's format, octal escapes included): a path's location is its deepest
+    mount's root joined with the rest, the later of two mounts at one point winning."""
+    from pathlib import PurePosixPath as P
+
+    from glm_pack.convert.mounts import fs_location, parse_mountinfo
+
+    table = parse_mountinfo(
+        "22 1 0:21 / / rw - overlay overlay rw\n"
+        "30 22 0:30 / /tmp rw - tmpfs tmpfs rw\n"
+        "31 30 0:30 /data/models /tmp/my\\040models rw - tmpfs tmpfs rw\n"
+        "32 30 0:30 /other /tmp/my\\040models rw - tmpfs tmpfs rw\n"
+        "short line\n"
+    )
+    assert table[2] == (P("/tmp/my models"), "0:30", P("/data/models")) and len(table) == 4
+    assert fs_location(P("/usr/lib"), table) == ("0:21", P("/usr/lib"))
+    assert fs_location(P("/tmp/a/b"), table) == ("0:30", P("/a/b"))
+    assert fs_location(P("/tmp/my models/x"), table) == ("0:30", P("/other/x"))  # the later mount covers the earlier
+    assert fs_location(P("/tmp/my models/x"), table[:3]) == ("0:30", P("/data/models/x"))
+    assert fs_location(P("/tmp"), []) is None
+
+
+@pytest.mark.parametrize("layout", ["source inside a mount of a folder of OUT", "OUT inside a mount of a folder of it"])
+def test_a_bind_mount_of_a_folder_inside_the_other_is_refused(source, tmp_path, monkeypatch, layout):
+    """A bind mount of a folder *inside* OUT (or inside the source) shares no identity with OUT (or the source)
+    itself: `convert MNT/src OUT --overwrite` with MNT a mount of OUT/sub deleted the source and everything in OUT
+    (a container mounting /data/models at /models and /data/models/GLM-5 at /src); `convert SRC MNT/out` with MNT
+    a mount of SRC/sub wrote the output into the source. The mount table relates them; here a made-up table says
+    tmp/mnt is a mount of the folder the layout names, and the files at both paths are copies."""
+    from glm_pack.convert import convert as convert_module
+    from glm_pack.convert.mounts import parse_mountinfo
+
+    mnt = tmp_path / "mnt"
+    if layout.startswith("source inside"):
+        out = tmp_path / "outdir"
+        real_src = shutil.copytree(source, out / "sub" / "src")
+        src = shutil.copytree(source, mnt / "src")  # what the mount would show
+        mounted = out / "sub"
+        (out / "keep.txt").write_text("mine")
+    else:
+        src = real_src = shutil.copytree(source, tmp_path / "src")
+        mounted = src / "sub"
+        mounted.mkdir()
+        out = mnt / "out"
+        mnt.mkdir()
+    table = f"1 0 0:99 / / rw - overlay o rw\n2 1 0:99 {mounted} {mnt} rw - overlay o rw\n"
+    monkeypatch.setattr(convert_module, "read_mounts", lambda: parse_mountinfo(table))
+    before = tree_digest(real_src)
+    r, errors = cli(src, out, "--overwrite")
+    assert r.exit_code == 1 and len(errors) == 1 and "outside the source" in errors[0], r.output
+    assert tree_digest(real_src) == before and not (out / "glm-pack").exists()
+    if layout.startswith("source inside"):
+        assert (out / "keep.txt").read_text() == "mine"
+
+
 def test_source_bind_mounted_as_out_is_refused(source, ckpt_copy, tmp_path):
-    """The same through a real bind mount, where this machine lets a private mount namespace make one."""
+    """The same through a real bind mount, where this machine lets a private mount namespace make one: of the source
+    as OUT, and of a folder of OUT holding the source."""
     if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
         pytest.skip("no private mount namespace here (unshare -m needs root or user namespaces)")
     src = ckpt_copy(source)
@@ -579,6 +636,18 @@ def test_source_bind_mounted_as_out_is_refused(source, ckpt_copy, tmp_path):
     )
     assert r.returncode == 1 and "must be outside the source" in r.stderr + r.stdout, (r.returncode, r.stderr)
     assert tree_digest(src) == before
+    # a mount of a folder inside OUT holding the source (it deleted the source with everything else in OUT)
+    out = tmp_path / "outdir"
+    real_src = shutil.copytree(source, out / "sub" / "src")
+    (out / "keep.txt").write_text("mine")
+    script = 'mount --bind "$1" "$2" && exec "$3" -m glm_pack.convert.cli convert "$2/src" "$4" --overwrite --workers 1'
+    r = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, "sh", str(out / "sub"), str(tmp_path / "mnt"), sys.executable, str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1 and "must be outside the source" in r.stderr + r.stdout, (r.returncode, r.stderr)
+    assert tree_digest(real_src) == before and (out / "keep.txt").read_text() == "mine"
 
 
 def test_out_holding_the_files_behind_a_snapshot_is_refused(source, tmp_path):
