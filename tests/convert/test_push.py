@@ -317,9 +317,9 @@ def test_interrupted_push_of_a_changed_out_leaves_no_old_manifest(hub, out, conv
     assert local[layer] != hub.files(REPO)[layer] and local[manifest] != hub.files(REPO)[manifest]
     pushed = len(hub.repos[REPO].commits)
     dry = run_cli("push", new, REPO, *flags, "--dry-run", "--json")
-    assert dry.exit_code == 0 and json.loads(dry.output)["deletes"] == [manifest], dry.output
+    assert dry.exit_code == 0 and json.loads(dry.stdout)["deletes"] == [manifest], dry.output
     assert "deleted first" in run_cli("push", new, REPO, *flags, "--dry-run").output
-    rows = sorted([(manifest, "1"), *numbered(json.loads(dry.output)["commits"])])  # deleted first, then uploaded
+    rows = sorted([(manifest, "1"), *numbered(json.loads(dry.stdout)["commits"])])  # deleted first, then uploaded
     assert dry_run_rows(new, *flags) == rows
     hub.fail("commit", drop=True, after_files=hub.committed_files + 1)  # the first commit lands, the next is dropped
     result = run_cli("push", new, REPO, *flags)
@@ -343,9 +343,9 @@ def test_stale_overlay_files_go_in_the_last_commit(hub, out, overlay_only):
     flags = ["--overlay-only"] if overlay_only else []
     hub.seed(REPO, {**STALE, "notes.txt": b"the user's own file"})
     dry = run_cli("push", out, REPO, *flags, "--max-commit-gib", SMALL_COMMIT_GIB, "--dry-run", "--json")
-    assert dry.exit_code == 0 and json.loads(dry.output)["stale"] == sorted(STALE), dry.output
+    assert dry.exit_code == 0 and json.loads(dry.stdout)["stale"] == sorted(STALE), dry.output
     assert "deleted: stale" in run_cli("push", out, REPO, *flags, "--dry-run").output
-    commits = json.loads(dry.output)["commits"]
+    commits = json.loads(dry.stdout)["commits"]
     rows = dry_run_rows(out, *flags, "--max-commit-gib", SMALL_COMMIT_GIB)
     assert rows == sorted(numbered(commits) + [(p, str(len(commits))) for p in STALE])  # stale: the last commit
     assert hub.files(REPO).keys() == {*STALE, "notes.txt"}  # the dry run deleted nothing

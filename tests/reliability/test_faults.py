@@ -450,7 +450,7 @@ def test_output_in_a_folder_that_cannot_be_entered(source, tmp_path, monkeypatch
     before = tree_digest(source)
     r, errors = cli(source, closed / "out")
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
-    assert len(errors) == 1 and f"Permission denied (file {closed / 'out' / state.LOCK_NAME})" in errors[0], r.output
+    assert len(errors) == 1 and f"output folder: Permission denied (file {closed / 'out'})" in errors[0], r.output
     monkeypatch.undo()
     assert tree_digest(source) == before and list(closed.iterdir()) == []
 
