@@ -199,13 +199,16 @@ def check_locations(src: Path, out: Path, files: Iterable[Path] = (), what: str 
 def run_differences(previous: dict, run: dict) -> list[str]:
     """What differs between an interrupted run's record and this run's: options, source, tool, source files."""
 
-    def show(value) -> str:
+    def show(key: str, value) -> str:
+        if key == "--k-pad" and value is None:  # the recorded K multiple; --k-pad none records none
+            return "none"
         return value if isinstance(value, str) else json.dumps(value)
 
     before = previous.get("options") or {}
-    pairs = [(key, before.get(key), run["options"].get(key)) for key in sorted(before.keys() | run["options"].keys())]
+    options = sorted(before.keys() | run["options"].keys())
+    pairs = [("--" + key.replace("_", "-"), before.get(key), run["options"].get(key)) for key in options]
     pairs += [(key, previous.get(key), run[key]) for key in ("source", "tool")]
-    found = [f"{key}: {show(a)} (interrupted run) vs {show(b)} (this run)" for key, a, b in pairs if a != b]
+    found = [f"{key}: {show(key, a)} (interrupted run) vs {show(key, b)} (this run)" for key, a, b in pairs if a != b]
     if not found:  # same options and source: its files changed since
         stats = previous.get("stats") or {}
         changed = sorted(f for f in stats.keys() | run["stats"].keys() if stats.get(f) != run["stats"].get(f))

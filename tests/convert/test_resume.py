@@ -316,8 +316,8 @@ def test_resume_with_other_options_is_refused_naming_each_difference(converted, 
     )
     r = CliRunner().invoke(main, ["convert", str(src), str(out), "--resume"])  # README's line, without the options
     assert r.exit_code == 1, r.output
-    assert "repack_experts: aiter-a4w4 (interrupted run) vs none (this run)" in r.stderr
-    assert "files: copy (interrupted run) vs link (this run)" in r.stderr and "quant_mode" not in r.stderr
+    assert "--repack-experts: aiter-a4w4 (interrupted run) vs none (this run)" in r.stderr  # as typed, not recorded
+    assert "--files: copy (interrupted run) vs link (this run)" in r.stderr and "quant-mode" not in r.stderr
     assert "rerun with the interrupted run's options and --resume to finish it" in r.stderr
     assert "or with --overwrite instead of --resume to start over" in r.stderr  # --resume --overwrite: refused too
     again = CliRunner().invoke(main, ["convert", str(src), str(out), "--resume", "--overwrite"])
@@ -342,7 +342,11 @@ def test_run_differences_name_options_either_run_lacks_and_never_come_back_empty
 
     run = {"tool": "0.1.0", "options": {"quant_mode": "even"}, "source": "/s", "stats": {"a": [1, 2]}}
     older = {**run, "options": {"quant_mode": "even", "k_multiple": 64}}  # a key this build does not record
-    assert run_differences(older, run) == ["k_multiple: 64 (interrupted run) vs null (this run)"]
+    assert run_differences(older, run) == ["--k-multiple: 64 (interrupted run) vs null (this run)"]
+    padded = {**run, "options": {"quant_mode": "even", "k_pad": 256}}  # --k-pad card or 256; --k-pad none records null
+    assert run_differences(padded, {**run, "options": {"quant_mode": "even", "k_pad": None}}) == [
+        "--k-pad: 256 (interrupted run) vs none (this run)"
+    ]
     odd = {**run, "extra": 1}  # differs only outside options, source, tool and stats
     assert run_differences(odd, run) == ["its run record (glm-pack/.run.json) differs from this run's"]
 
