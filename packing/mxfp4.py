@@ -7,8 +7,9 @@ Layout of the outputs, for an input ``x`` of shape ``[..., L, ...]`` grouped alo
 * ``scales``: uint8 E8M0, shape of ``x`` with ``L -> L/32``; value ``2**(byte - 127)``.
 
 Scale modes (``notes/mxfp4.md``): ``even`` (AMD Quark / aiter Triton), ``floor`` (OCP text), ``roundup``
-(next power of two >= amax/6) and ``mse`` (best of e-1, e, e+1 around the even choice, per block; equal errors
-keep e, then prefer e+1 over e-1).
+(the smallest power of two >= amax/6; aiter's RoundUp, HIP and torch reference, differs only for
+amax <= 6 * 2**-127, where it writes byte 1 and this byte 0) and ``mse`` (best of e-1, e, e+1 around the even
+choice, per block; equal errors keep e, then prefer e+1 over e-1).
 Elements round to nearest with ties to the even code and saturate at 6; the sign bit is kept (-0.0 and
 negatives rounding to zero give code 8).
 
@@ -19,7 +20,9 @@ negatives rounding to zero give code 8).
 ``2**-e`` in float32 round to nearest, ties to even, saturating at 6.
 
 A block holding NaN/Inf (only reachable with ``check_finite_input=False``) gets exponent 127 in every
-mode, as aiter's even rule gives Inf; Inf elements become +-6 and NaN +-0 (aiter: +-1.5).
+mode; Inf elements become +-6 and NaN +-0. For Inf that is aiter's even rule too; for NaN it is a deliberate
+difference: aiter's ``tl.max`` leaves NaN out of amax, so its block keeps the scale of its finite elements and the
+NaN becomes +-1.5.
 
 This module holds the public API and the obvious vectorised torch reference; ``_mxfp4_fast`` holds the
 compiled (numba) fast path, which agrees with the reference bit for bit and is used for CPU tensors when
