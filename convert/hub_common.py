@@ -26,6 +26,23 @@ def resolve_endpoint(endpoint: str | None) -> str:
     return raw.rstrip("/")
 
 
+def offline_variable() -> str:
+    """The variable that put huggingface_hub offline, read as it reads them: ``HF_HUB_OFFLINE`` when set, else
+    ``TRANSFORMERS_OFFLINE`` (which engine images often set)."""
+    return "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
+
+
+def token_or_none() -> str | None:
+    """The token huggingface_hub would send now, None without one; its lookup's own failure (an OIDC exchange,
+    ``HF_OIDC_RESOURCE``) as one HubError line."""
+    from huggingface_hub import get_token
+
+    try:
+        return get_token()
+    except Exception as err:
+        raise HubError(f"could not get a Hugging Face token: {type(err).__name__}: {first_line(err)}") from err
+
+
 def exception_chain(err: BaseException):
     """``err`` and its causes/contexts, each once (client errors wrap transport errors)."""
     seen = set()

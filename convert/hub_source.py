@@ -37,6 +37,7 @@ from .hub_common import (
     first_line,
     hub_says,
     is_kind,
+    offline_variable,
     resolve_endpoint,
     unreachable,
 )
@@ -106,8 +107,8 @@ class HubStore:
         found = try_to_load_from_cache(self.repo_id, "config.json", revision=self.requested)
         if not isinstance(found, str):
             raise HubError(
-                f"HF_HUB_OFFLINE is set and the local Hugging Face cache has no {self.repo_id}@{self.requested} "
-                f"(config.json) {NO_LOCAL_DIRECTORY}: run once online, or unset HF_HUB_OFFLINE"
+                f"{offline_variable()} is set and the local Hugging Face cache has no {self.repo_id}@{self.requested} "
+                f"(config.json) {NO_LOCAL_DIRECTORY}: run once online, or unset {offline_variable()}"
             )
         snapshot = Path(found).parent
         sizes = {}
@@ -199,8 +200,8 @@ class HubStore:
 
     def _not_cached(self, rel: str) -> HubError:
         return HubError(
-            "not in the local Hugging Face cache and HF_HUB_OFFLINE is set: run once online "
-            "(e.g. convert --files copy, or `hf download`), or unset HF_HUB_OFFLINE",
+            f"not in the local Hugging Face cache and {offline_variable()} is set: run once online "
+            f"(e.g. convert --files copy, or `hf download`), or unset {offline_variable()}",
             file=self.where(rel),
         )
 
@@ -236,8 +237,8 @@ class HubStore:
         from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
 
         url = hf_hub_url(self.repo_id, rel, revision=self.sha, endpoint=self.endpoint)
-        headers = {**build_hf_headers(), "range": RANGE_CHECK}
         with self._errors(rel):
+            headers = {**build_hf_headers(), "range": RANGE_CHECK}
             with http_stream_backoff("GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as answer:
                 hf_raise_for_status(answer)
                 status = answer.status_code  # the body is left unread: a whole file's must not be downloaded
@@ -358,7 +359,7 @@ def refuse_copy_offline(repo_id: str, revision: str | None) -> None:
 
     if constants.is_offline_mode():
         raise HubError(
-            f"--files copy needs the full file list of {repo_id}@{revision or 'main'}, and HF_HUB_OFFLINE is set: the "
-            "local Hugging Face cache holds only the files downloaded so far, not the repo's listing; run online "
-            "(unset HF_HUB_OFFLINE), or use --files none (overlay only)"
+            f"--files copy needs the full file list of {repo_id}@{revision or 'main'}, and {offline_variable()} is "
+            "set: the local Hugging Face cache holds only the files downloaded so far, not the repo's listing; run "
+            f"online (unset {offline_variable()}), or use --files none (overlay only)"
         )

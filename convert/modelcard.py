@@ -377,7 +377,6 @@ def _audience_fields(name: str, overlay_only: bool, overlay: str) -> dict:
             "engines_text": "## Stock engines\nNothing outside `glm-pack/` was changed: vLLM, SGLang and"
             " transformers keep loading the original weights exactly as before (they read only the files"
             " `model.safetensors.index.json` names).",
-            "allow_patterns": ', allow_patterns=["glm-pack/*", "config.json"]',
         }
     return {
         "intro": f"**{name}** with its original weights unchanged, plus a kernel-ready overlay in `glm-pack/`"
@@ -385,7 +384,6 @@ def _audience_fields(name: str, overlay_only: bool, overlay: str) -> dict:
         "engines_text": "## Stock engines\nThe original files and `model.safetensors.index.json` are"
         " byte-identical to the source: vLLM, SGLang and transformers load this repository exactly like the"
         " base model and ignore `glm-pack/` (they read only the files the index names).",
-        "allow_patterns": "",
     }
 
 
@@ -410,7 +408,18 @@ def _experts_text(manifest: dict) -> str:
     )
 
 
-def _body_fields(manifest: dict, overlay_only: bool, has_source_readme: bool, repo_id: str | None) -> dict:
+def _download_args(repo_id: str | None, revision: str | None, overlay_only: bool) -> str:
+    """The loading example's ``snapshot_download`` arguments: the repo, the revision where it is not main (the
+    client's default), and for an overlay-only card the overlay and config.json alone."""
+    args = f'"{repo_id or "<this repo>"}"'
+    if revision and revision != "main":
+        args += f', revision="{revision}"'
+    return args + (', allow_patterns=["glm-pack/*", "config.json"]' if overlay_only else "")
+
+
+def _body_fields(
+    manifest: dict, overlay_only: bool, has_source_readme: bool, repo_id: str | None, revision: str | None
+) -> dict:
     layers = mf.parse_mla(manifest)
     geom = mf.parse_geometry(manifest)
     options, source = manifest["options"], manifest["source"]
@@ -424,7 +433,7 @@ def _body_fields(manifest: dict, overlay_only: bool, has_source_readme: bool, re
     tensors = mf.parse_tensors(manifest)
     return {
         "marker": CARD_MARKER,
-        "repo_id": repo_id or "<this repo>",
+        "download_args": _download_args(repo_id, revision, overlay_only),
         "title": f"{name} — glm-pack {_stored_label(layers)} MLA overlay for gfx950",
         "n_layers": len(layers),
         "layer_list": compact_ranges([lay.layer for lay in layers]),
@@ -474,7 +483,12 @@ def _template() -> Template:
 
 
 def render_card(
-    out: str | Path, *, overlay_only: bool = False, base_model: str | None = None, repo_id: str | None = None
+    out: str | Path,
+    *,
+    overlay_only: bool = False,
+    base_model: str | None = None,
+    repo_id: str | None = None,
+    revision: str | None = None,
 ) -> str:
     """The card text (``---`` YAML ``---`` + body) of a converted OUT; reads only the manifest and cards.
 
@@ -492,12 +506,17 @@ def render_card(
         manifest, source_metadata(source_text), overlay_only=overlay_only, base_model=base_model
     )
     has_source = not overlay_only and source_text is not None
-    body = _template().substitute(_body_fields(manifest, overlay_only, has_source, repo_id))
+    body = _template().substitute(_body_fields(manifest, overlay_only, has_source, repo_id, revision))
     return f"---\n{data.to_yaml()}\n---\n{body.rstrip()}\n"
 
 
 def write_card(
-    out: str | Path, *, overlay_only: bool = False, base_model: str | None = None, repo_id: str | None = None
+    out: str | Path,
+    *,
+    overlay_only: bool = False,
+    base_model: str | None = None,
+    repo_id: str | None = None,
+    revision: str | None = None,
 ) -> Path:
     """Write (or refresh) the card; in full mode first keep a source README.md as README.source.md (the card,
     rendered before anything is written, already names it).
@@ -507,16 +526,23 @@ def write_card(
     writes OUT or a verify reads it.
     """
     with OutputLock(Path(out), create=False):
-        return write_card_unlocked(out, overlay_only=overlay_only, base_model=base_model, repo_id=repo_id)
+        return write_card_unlocked(
+            out, overlay_only=overlay_only, base_model=base_model, repo_id=repo_id, revision=revision
+        )
 
 
 def write_card_unlocked(
-    out: str | Path, *, overlay_only: bool = False, base_model: str | None = None, repo_id: str | None = None
+    out: str | Path,
+    *,
+    overlay_only: bool = False,
+    base_model: str | None = None,
+    repo_id: str | None = None,
+    revision: str | None = None,
 ) -> Path:
     """:func:`write_card` without taking OUT's lock: for a caller that holds it (push)."""
     out = Path(out)
     target = card_path(out, overlay_only)
-    text = render_card(out, overlay_only=overlay_only, base_model=base_model, repo_id=repo_id)
+    text = render_card(out, overlay_only=overlay_only, base_model=base_model, repo_id=repo_id, revision=revision)
     if not overlay_only:
         readme, kept = out / "README.md", out / SOURCE_README
         if readme.is_file():

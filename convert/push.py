@@ -44,7 +44,9 @@ from .hub_common import (
     first_line,
     hub_says,
     is_kind,
+    offline_variable,
     resolve_endpoint,
+    token_or_none,
     unreachable,
 )
 from .interrupts import Terminated
@@ -244,12 +246,6 @@ def stale_manifest(plan: PushPlan) -> list[str]:
     return [MANIFEST_PATH] if changed and len(plan.commits) > 1 else []
 
 
-def _token() -> str | None:
-    from huggingface_hub import get_token
-
-    return get_token()
-
-
 def _check_out(out: Path, overlay_only: bool) -> None:
     from .verify import read_manifest, verify_unlocked
 
@@ -322,7 +318,7 @@ def push(
     from huggingface_hub import constants
 
     if constants.is_offline_mode():
-        raise HubError("HF_HUB_OFFLINE is set: unset it to push")
+        raise HubError(f"{offline_variable()} is set: unset it to push")
     with OutputLock(out, create=False):
         return _push_held(out, repo_id, options, endpoint, progress)
 
@@ -334,11 +330,16 @@ def _push_held(
     from huggingface_hub import HfApi
 
     _check_out(out, options.overlay_only)
-    token = _token()
-    if token is None and not options.dry_run:  # before the card: a push refused at once leaves OUT as it was
+    if token_or_none() is None and not options.dry_run:  # before the card: a push refused at once leaves OUT as it was
         raise HubError("no Hugging Face token: set HF_TOKEN or run `hf auth login`")
-    card = write_card_unlocked(out, overlay_only=options.overlay_only, base_model=options.base_model, repo_id=repo_id)
-    api = HfApi(endpoint=endpoint, token=token)
+    card = write_card_unlocked(
+        out,
+        overlay_only=options.overlay_only,
+        base_model=options.base_model,
+        repo_id=repo_id,
+        revision=options.revision,
+    )
+    api = HfApi(endpoint=endpoint)  # no token pinned: the client looks it up per request, refreshing short-lived ones
     files = local_files(out, options.overlay_only)
     report = PushReport(plan=PushPlan(repo_id, options.revision), dry_run=options.dry_run, endpoint=endpoint, card=card)
     what = "glm-pack overlay" if options.overlay_only else "glm-pack converted checkpoint"

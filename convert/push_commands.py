@@ -222,7 +222,12 @@ def _progress(done: int, total: int, nbytes: int) -> None:
 )
 @click.option("--base-model", default=None, help=BASE_MODEL_HELP)
 @click.option("--repo-id", default=None, help="The repo the card will live in (used in the loading example).")
-def card_command(out, overlay_only, base_model, repo_id):
+@click.option(
+    "--revision",
+    default=None,
+    help="The branch or refs/pr/N the card will live on (used in the loading example; push sets it itself).",
+)
+def card_command(out, overlay_only, base_model, repo_id, revision):
     """Write or refresh the model card of a converted OUT without pushing.
 
     The root README.md becomes the glm-pack card; a source model card found there is kept as
@@ -234,7 +239,7 @@ def card_command(out, overlay_only, base_model, repo_id):
       glm-pack card /models/GLM-5-gfx950 --base-model zai-org/GLM-5
       glm-pack card /models/GLM-5-gfx950 --overlay-only
     """
-    path = write_card(out, overlay_only=overlay_only, base_model=base_model, repo_id=repo_id)
+    path = write_card(out, overlay_only=overlay_only, base_model=base_model, repo_id=repo_id, revision=revision)
     console.print(f"model card written: {path}", markup=False)
     if note := _no_base_model_note(path):
         console.print(note, markup=False)

@@ -452,6 +452,7 @@ def _closed_port() -> int:
         ("range-denied", f"permission denied (403) reading {REPO} at http://127.0.0.1:"),  # from the range check
         ("offline-empty-cache", "HF_HUB_OFFLINE is set and the local Hugging Face cache has no org/glm-5-small"),
         ("offline-shards-not-cached", "not in the local Hugging Face cache and HF_HUB_OFFLINE is set"),
+        ("offline-by-transformers", "TRANSFORMERS_OFFLINE is set and the local Hugging Face cache has no org/glm"),
     ],
 )
 def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected):
@@ -481,6 +482,10 @@ def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected
         assert run_cli("inspect", REPO).exit_code == 0
         set_offline(monkeypatch, True)
         hub.reset_requests()
+    elif case == "offline-by-transformers":  # huggingface_hub goes offline on either variable (constants.py)
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+        monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     else:
         set_offline(monkeypatch, True)
     args = [command, src, "--json"]
@@ -489,7 +494,9 @@ def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("glm-pack: error: ") and expected in lines[0], lines
     assert hub.token not in result.output
-    if case in ("no-repo", "refused", "offline-empty-cache"):  # at the first request SRC may be a mistyped folder
+    if case == "offline-by-transformers":  # the variable the user set is the one named, and only it
+        assert "HF_HUB_OFFLINE" not in lines[0] and lines[0].endswith("or unset TRANSFORMERS_OFFLINE"), lines
+    if case in ("no-repo", "refused", "offline-empty-cache", "offline-by-transformers"):  # SRC: maybe a mistyped folder
         assert "(and no local directory of that name)" in lines[0], lines
     if case == "rate-limited":
         assert lines[0].endswith("; the Hub says: Too many requests: retry in 5 minutes"), lines

@@ -6,9 +6,11 @@ Xet is disabled so uploads take the Hub's regular (inline) and LFS (batch + PUT)
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,11 +20,12 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import huggingface_hub
 import pytest
 from click.testing import CliRunner
 from fake_hub import Blob as FakeBlob
 from fake_hub import FakeHub
-from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants, snapshot_download
 from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
 
 from glm_pack.convert import push as push_module
@@ -230,6 +233,70 @@ def test_push_to_a_private_repo_branch(hub, out):
     assert hub.repos[REPO].private
     assert hub.files(REPO, "main") == {}
     assert set(hub.files(REPO, "gfx950")) == set(published(out, overlay_only=True))
+
+
+@pytest.mark.parametrize("revision", ["main", "gfx950"])
+def test_the_cards_loading_example_downloads_the_pushed_overlay(hub, out, tmp_path, revision):
+    """The card's loading example, run as written against the Hub pushed to, downloads the overlay: pushed to a
+    branch, its snapshot_download names that revision (it named none, so it read main, which has no glm-pack/)."""
+    hub.seed(REPO, {"config.json": b"{}"})  # main holds the original checkpoint alone
+    result = run_cli("push", out, REPO, "--overlay-only", "--revision", revision)
+    assert result.exit_code == 0, result.output
+    card = hub.files(REPO, revision)["glm-pack/README.md"].decode()
+    (call,) = re.findall(r"^path = (snapshot_download\(.*\))$", card, re.MULTILINE)
+    download = functools.partial(snapshot_download, endpoint=hub.endpoint, cache_dir=tmp_path / "hf-cache")
+    path = Path(eval(call, {"snapshot_download": download}))  # the card's own line
+    got = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()}
+    assert got == {"config.json", *published(out, overlay_only=True)}
+    assert ("revision=" in call) is (revision != "main")
+
+
+def test_card_revision_option_names_the_revision_in_the_loading_example(out):
+    result = run_cli("card", out, "--repo-id", REPO, "--revision", "refs/pr/3")
+    assert result.exit_code == 0, result.output
+    assert f'snapshot_download("{REPO}", revision="refs/pr/3")'.encode() in (out / "README.md").read_bytes()
+
+
+def test_a_token_refreshed_during_the_push_is_the_one_sent(hub, out, monkeypatch):
+    """huggingface_hub looks its token up on each request (how it re-exchanges OIDC and refreshes OAuth tokens in a
+    run longer than their lifetime), so push pins none: after the first commit the Hub takes only a new token, which
+    HF_TOKEN now holds, and the push finishes with it (with the token read at the start it ended in 401)."""
+
+    def rotate(done: int, total: int, nbytes: int) -> None:
+        hub.token = "hf_refreshed_token"
+        monkeypatch.setenv("HF_TOKEN", hub.token)
+
+    options = push_module.PushOptions(max_commit_bytes=int(SMALL_COMMIT_GIB * 2**30))
+    report = push_module.push(out, REPO, options, progress=rotate)
+    assert len(report.commit_urls) >= 2 and hub.token == "hf_refreshed_token"
+    assert hub.files(REPO) == published(out)
+
+
+def test_a_failing_token_lookup_is_one_line(hub, out, monkeypatch):
+    """huggingface_hub's token lookup can itself fail (HF_OIDC_RESOURCE set and the OIDC exchange refused): one line,
+    exit 1, OUT unchanged; it was a traceback."""
+
+    def refused():
+        raise RuntimeError("OIDC token exchange failed (403)\nmore detail")
+
+    monkeypatch.setattr(huggingface_hub, "get_token", refused)
+    before = published(out)
+    for dry_run in (["--dry-run"], []):
+        result = CliRunner().invoke(main, ["push", str(out), REPO, *dry_run])
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+        assert result.stderr.strip().splitlines() == [
+            "glm-pack: error: could not get a Hugging Face token: RuntimeError: OIDC token exchange failed (403)"
+        ], result.output
+    assert published(out) == before and not hub.requests
+
+
+def test_push_offline_names_the_variable_set(out, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")  # engine images set it; huggingface_hub goes offline on it too
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    result = CliRunner().invoke(main, ["push", str(out), REPO])
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == ["glm-pack: error: TRANSFORMERS_OFFLINE is set: unset it to push"]
 
 
 @pytest.mark.parametrize("private_by_default", [True, False], ids=["private-org", "public-org"])
@@ -525,7 +592,7 @@ def test_dry_run_to_a_new_branch_plans_against_main(hub, out, converted_k_none):
         if changed:  # another conversion of the same source: its layer file and manifest differ from main's
             shutil.rmtree(out)
             shutil.copytree(converted_k_none, out, copy_function=os.link)
-        assert run_cli("card", out, "--repo-id", REPO).exit_code == 0  # the card a push to REPO writes
+        assert run_cli("card", out, "--repo-id", REPO, "--revision", "gfx950").exit_code == 0  # as the push writes it
         local = published(out)
         if old is None:  # main holds this OUT and an earlier overlay's repacked experts (stale for OUT)
             old = {**local, "glm-pack/experts-000.safetensors": b"an earlier overlay's repacked experts"}
