@@ -456,9 +456,9 @@ def open_checkpoint(src: str | os.PathLike, *, card: str | None = None) -> Check
     root = Path(src)
     spec = hub_spec(src)
     if spec is not None:
-        from .hub_source import HubStore
+        from .hub_source import HUB_PREFIX, HubStore
 
-        store = HubStore(*spec)
+        store = HubStore(*spec, explicit=os.fspath(src).startswith(HUB_PREFIX))
     elif root.is_dir():
         store = LocalStore(root)
     else:

@@ -28,7 +28,7 @@ from .machine import default_workers, usable_cores, use_threads
 from .modelcard import error_cells, fmt_error, source_error_text, worst_head_text
 from .plan import FILE_MODES
 from .verify import VerifyReport, verify
-from .writer import OutputError
+from .writer import NoSpaceError, OutputError
 
 console = Console(stderr=False, emoji=False, soft_wrap=True)  # ":cd:" in a path is no emoji code; lines never wrap
 
@@ -197,6 +197,10 @@ def convert_command(src, out, quiet, **option_values):
             console.print(f"--resume: {out} holds no interrupted conversion; converting from the start")
     try:
         run_convert(src, out, options, quiet)
+    except NoSpaceError as err:
+        if os.path.isfile(manifest.parent / state.RUN_NAME):  # this run's record: --resume continues it
+            err.message += f"; {_resumable(out)}, after freeing space"
+        raise
     except KeyboardInterrupt as err:
         word, code = stopped_how(err)
         if (now := _file_identity(manifest)) is not None and now == before:  # stopped before OUT was touched
@@ -204,11 +208,15 @@ def convert_command(src, out, quiet, **option_values):
         elif now is not None:  # stopped after this run's manifest was written
             what = f"{out} holds a complete conversion (its manifest is written); `glm-pack verify {out}` checks it"
         elif os.path.isfile(manifest.parent / state.RUN_NAME):  # this run's record: --resume continues it
-            what = f"finished layers are kept: rerun the same command with --resume to complete {out}"
+            what = _resumable(out)
         else:  # e.g. while --overwrite emptied OUT
             what = f"nothing of this run is finished: rerun the same command to convert into {out}"
         click.echo(f"glm-pack: {word}; {what}", err=True)
         raise SystemExit(code) from None
+
+
+def _resumable(out) -> str:
+    return f"finished layers are kept: rerun the same command with --resume to complete {out}"
 
 
 def _file_identity(path: Path) -> tuple[int, int, int] | None:

@@ -35,7 +35,7 @@ from glm_pack.packing.experts import moe_layout_description
 
 from . import space, state
 from .checkpoint import INDEX_NAME, Checkpoint, hub_spec, open_checkpoint
-from .hub_common import NO_LOCAL_DIRECTORY
+from .hub_common import hub_taken
 from .items import (
     Settings,
     is_entry_of,
@@ -50,7 +50,17 @@ from .machine import usable_cores
 from .modelcard import holds_card
 from .mounts import Mount, fs_location, read_mounts
 from .plan import check_files_mode, kernel_route, resolve_k_up
-from .writer import OutputError, clear_directory, fsync_path, is_temp, list_folder, remove, temp_path, write_text
+from .writer import (
+    NoSpaceError,
+    OutputError,
+    clear_directory,
+    fsync_path,
+    is_temp,
+    list_folder,
+    remove,
+    temp_path,
+    write_text,
+)
 
 TOOL_VERSION = "0.1.0"
 
@@ -143,7 +153,7 @@ def files_mode(src: str | os.PathLike, files: str | None) -> str:
     check_files_mode(files)
     if spec and files == "link":
         raise PlanError(
-            f"--files link needs a local source: {src} is taken for a Hub repo {NO_LOCAL_DIRECTORY}, which has no "
+            f"--files link needs a local source: {src} is {hub_taken(src)}, which has no "
             "local files to link; use --files copy "
             "(downloads the originals into the Hugging Face cache and links them into OUT) or --files none "
             "(overlay only)"
@@ -312,7 +322,7 @@ def place_original(src_file: Path, dst: Path, mode: str) -> bool:
         if not src_file.is_file():  # the source vanished, not the destination's fault
             raise source_changed(src_file, vanished=True) from err
         if err.errno == errno.ENOSPC:
-            raise OutputError(f"no space left on device while placing {dst}", file=dst) from err
+            raise NoSpaceError(f"no space left on device while placing {dst}", file=dst) from err
         raise OutputError(f"cannot place {dst}: {err.strerror or err}", file=dst) from err
     return copied
 

@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 from glm_pack.packing.errors import HubError
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
+HUB_PREFIX = "hf://"  # forces the Hub for a SRC, even where a local folder has the name
 NO_LOCAL_DIRECTORY = "(and no local directory of that name)"  # where a mistyped folder was taken for a Hub repo id
 
 
@@ -24,6 +25,11 @@ def resolve_endpoint(endpoint: str | None) -> str:
     if not valid:
         raise HubError(f"{given} must be an http(s) URL such as {DEFAULT_ENDPOINT}, got {raw!r}")
     return raw.rstrip("/")
+
+
+def hub_taken(src) -> str:
+    """How a SRC came to name a Hub repo: forced by ``hf://``, or taken for one as no local folder has its name."""
+    return "a Hub repo" if os.fspath(src).startswith(HUB_PREFIX) else f"taken for a Hub repo {NO_LOCAL_DIRECTORY}"
 
 
 def offline_variable() -> str:

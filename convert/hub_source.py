@@ -30,6 +30,7 @@ from glm_pack.packing.errors import CheckpointError, GlmPackError, HubError
 
 from .checkpoint import INDEX_NAME, is_original, walk_files
 from .hub_common import (
+    HUB_PREFIX,
     NO_LOCAL_DIRECTORY,
     answered,
     auth_failed,
@@ -43,7 +44,6 @@ from .hub_common import (
 )
 from .safetensors_io import LocalFile
 
-HUB_PREFIX = "hf://"
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+")
 RANGE_CHECK = "bytes=0-0"  # the Range of the one request checking that the endpoint serves ranges
 RECENT_BYTES = 256 << 20  # ranges kept for re-reads (a GLM-5 kv_b_proj in BF16 is 29 MB)
@@ -73,10 +73,12 @@ class HubStore:
 
     kind = "hub"
 
-    def __init__(self, repo_id: str, revision: str | None = None):
+    def __init__(self, repo_id: str, revision: str | None = None, *, explicit: bool = False):
+        """``explicit``: named with ``hf://``, so no local folder of that name was looked for (errors say so)."""
         from huggingface_hub import constants
 
         self.repo_id = repo_id
+        self.no_folder = "" if explicit else f" {NO_LOCAL_DIRECTORY}"  # where a mistyped folder may be meant
         self.requested = revision or "main"
         self.endpoint = resolve_endpoint(None)
         self.offline = constants.is_offline_mode()
@@ -108,7 +110,7 @@ class HubStore:
         if not isinstance(found, str):
             raise HubError(
                 f"{offline_variable()} is set and the local Hugging Face cache has no {self.repo_id}@{self.requested} "
-                f"(config.json) {NO_LOCAL_DIRECTORY}: run once online, or unset {offline_variable()}"
+                f"(config.json){self.no_folder}: run once online, or unset {offline_variable()}"
             )
         snapshot = Path(found).parent
         sizes = {}
@@ -319,7 +321,7 @@ def hub_read_error(err: BaseException, store: HubStore, rel: str | None) -> HubE
             )
         if isinstance(e, RepositoryNotFoundError):
             return HubError(
-                f"repository {repo} not found at {endpoint} {NO_LOCAL_DIRECTORY}, "
+                f"repository {repo} not found at {endpoint}{store.no_folder}, "
                 "or it is private/gated and the token cannot see it"
             )
         if isinstance(e, RevisionNotFoundError):
@@ -344,7 +346,7 @@ def hub_read_error(err: BaseException, store: HubStore, rel: str | None) -> HubE
                 )
             return HubError(answered(status, repo, endpoint, e), file=file)
         if is_kind(e, "ConnectError", "ConnectionRefusedError"):  # at the first request: maybe a mistyped folder
-            return HubError(unreachable(endpoint, "" if file else f" for {repo} {NO_LOCAL_DIRECTORY}"), file=file)
+            return HubError(unreachable(endpoint, "" if file else f" for {repo}{store.no_folder}"), file=file)
         if is_kind(e, "TimeoutException", "TimeoutError"):
             return HubError(f"timed out reading from {endpoint} (after retries)", file=file)
         if is_kind(e, "TransportError", "ConnectionError"):

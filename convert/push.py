@@ -459,7 +459,7 @@ def hub_error(err: Exception, repo_id: str, endpoint: str, revision: str, report
                 )
             return HubError(answered(status, repo_id, endpoint, e))
         if is_kind(e, "ConnectError", "ConnectionRefusedError") and report.uploaded_files == 0:
-            return HubError(unreachable(endpoint))
+            return HubError(f"{unreachable(endpoint)}; no commit was made")
         if is_kind(e, "TimeoutException", "TimeoutError"):
             return HubError(_interrupted(report, f"timed out talking to {endpoint}"))
         if is_kind(e, "TransportError", "ConnectionError"):

@@ -28,6 +28,10 @@ class OutputError(GlmPackError):
     """Writing an output file failed (no space, read-only location, ...)."""
 
 
+class NoSpaceError(OutputError):
+    """The output's filesystem filled up (ENOSPC) while writing or placing a file."""
+
+
 _DTYPE_NAMES = {dtype: name for name, (_, dtype) in DTYPES.items() if dtype is not None}
 
 
@@ -58,7 +62,7 @@ def is_temp(path: Path) -> bool:
 
 def _write_error(err: OSError, path: Path) -> OutputError:
     if err.errno == errno.ENOSPC:
-        return OutputError(f"no space left on device while writing {path}", file=path)
+        return NoSpaceError(f"no space left on device while writing {path}", file=path)
     return OutputError(f"cannot write {path}: {err.strerror or err}", file=path)
 
 

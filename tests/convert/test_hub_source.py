@@ -301,10 +301,13 @@ def test_link_refused_for_hub_source_before_any_request(hub, tmp_path):
     for command in (["convert", REPO, tmp_path / "out"], ["inspect", REPO], ["convert", f"hf://{REPO}@main", "x"]):
         result = run_cli(*command, "--files", "link")
         assert result.exit_code == 1, result.output
+        how = "taken for a Hub repo (and no local directory of that name)"
+        if command[1].startswith("hf://"):  # hf:// forces the Hub: no local folder was looked for
+            how = "a Hub repo"
         assert result.stderr.strip().splitlines() == [
-            f"glm-pack: error: --files link needs a local source: {command[1]} is taken for a Hub repo (and no local "
-            "directory of that name), which has no local files to link; use --files copy (downloads the originals "
-            "into the Hugging Face cache and links them into OUT) or --files none (overlay only)"
+            f"glm-pack: error: --files link needs a local source: {command[1]} is {how}, which has no local files to "
+            "link; use --files copy (downloads the originals into the Hugging Face cache and links them into OUT) or "
+            "--files none (overlay only)"
         ]
     with pytest.raises(PlanError):
         convert(REPO, tmp_path / "api", ConvertOptions(files="link"))
@@ -443,6 +446,8 @@ def _closed_port() -> int:
     [
         ("bad-token", "authentication failed (401)"),
         ("no-repo", "repository org/nope not found"),
+        ("no-repo-forced", "repository org/nope not found at http://127.0.0.1:"),
+        ("refused-forced", "cannot connect to http://127.0.0.1:"),
         ("no-revision", "revision 'nope' not found in org/glm-5-small"),
         ("gated", "org/glm-5-small is gated"),
         ("rate-limited", "rate limited (429) by http://127.0.0.1:"),
@@ -461,6 +466,13 @@ def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected
         monkeypatch.setenv("HF_TOKEN", "hf_wrong")
     elif case == "no-repo":
         src = "org/nope"
+    elif case == "no-repo-forced":  # a local folder of that name exists, and hf:// names the Hub all the same
+        (tmp_path / "org" / "nope").mkdir(parents=True)
+        monkeypatch.chdir(tmp_path)
+        src = "hf://org/nope"
+    elif case == "refused-forced":
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+        src = f"hf://{REPO}"
     elif case == "no-revision":
         src = f"{REPO}@nope"
     elif case == "gated":
@@ -498,6 +510,8 @@ def test_failures_give_one_clear_line(hub, tmp_path, monkeypatch, case, expected
         assert "HF_HUB_OFFLINE" not in lines[0] and lines[0].endswith("or unset TRANSFORMERS_OFFLINE"), lines
     if case in ("no-repo", "refused", "offline-empty-cache", "offline-by-transformers"):  # SRC: maybe a mistyped folder
         assert "(and no local directory of that name)" in lines[0], lines
+    if case.endswith("-forced"):  # hf:// forced the Hub: no local folder was looked for, none is said to be missing
+        assert "local directory" not in lines[0], lines
     if case == "rate-limited":
         assert lines[0].endswith("; the Hub says: Too many requests: retry in 5 minutes"), lines
     if case == "unavailable":

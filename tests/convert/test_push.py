@@ -728,7 +728,7 @@ ERRORS = {
     ),
     "network refused": (
         lambda hub, mp: mp.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}"),
-        "cannot connect",
+        "cannot connect to http://127.0.0.1:",
     ),
     "interrupted": (lambda hub, mp: hub.fail("commit", drop=True, after_files=1), "upload interrupted"),
     "commit refused (400)": (  # the Hub's reason, not huggingface_hub's "Bad request for commit endpoint:"
@@ -754,6 +754,8 @@ def test_errors_give_one_clear_line(hub, out, monkeypatch, case):
     assert lines[0].startswith("glm-pack: error: ") and expected in lines[0], lines[0]
     if "(400)" in case:
         assert lines[0].endswith(f": {REJECTED}"), lines[0]
+    if case == "network refused":
+        assert lines[0].endswith(": connection refused or unreachable; no commit was made"), lines[0]
     if case in SAID:
         assert lines[0].endswith(f"; the Hub says: {SAID[case]}"), lines[0]
     assert "Traceback" not in result.output

@@ -203,6 +203,8 @@ def test_disk_full_at_the_write_seam_then_resume(source, clean, tmp_path, monkey
     monkeypatch.setattr(writer, "_os_write", enospc_when(predicate))
     r, errors = cli(source, out, "--files", "copy")
     assert_failed_cleanly(r, errors, out, source, before, "no space left on device")
+    resume = f"; finished layers are kept: rerun the same command with --resume to complete {out}, after freeing space"
+    assert errors[0].endswith(resume), errors  # the next step, as Ctrl-C's line gives it
     monkeypatch.undo()
     r, errors = cli(source, out, "--files", "copy")  # without --resume: refused, nothing claimed complete
     assert r.exit_code == 1 and "--resume" in errors[0]
@@ -355,6 +357,7 @@ def test_disk_full_before_the_first_output_byte(source, small_tmpfs):
     before = tree_digest(source)
     r, errors = cli(source, out, "--files", "none")
     assert_failed_cleanly(r, errors, out, source, before, f"no space left on device while writing {out}/.glm-pack.lock")
+    assert "--resume" not in errors[0]  # nothing to resume: the run had not started
 
 
 @pytest.fixture
