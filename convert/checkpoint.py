@@ -461,6 +461,8 @@ def open_checkpoint(src: str | os.PathLike, *, card: str | None = None) -> Check
         store = HubStore(*spec, explicit=os.fspath(src).startswith(HUB_PREFIX))
     elif root.is_dir():
         store = LocalStore(root)
+        if not os.path.lexists(root / "config.json"):  # an empty or wrong folder (a dangling link is "missing")
+            raise CheckpointError("not a checkpoint directory: it has no config.json", file=str(root))
     else:
         why = "is a file" if root.exists() else "does not exist"
         raise CheckpointError(f"not a checkpoint directory: the path {why}", file=str(root))

@@ -20,6 +20,7 @@ from glm_pack.packing.absorb import POLICIES
 from glm_pack.packing.errors import PlanError, VerifyError
 
 from . import state
+from .cli_types import KPad
 from .convert import ConvertOptions, ConvertReport, convert, output_leftovers
 from .humanize import counted, size_text
 from .interrupts import stopped_how
@@ -111,7 +112,7 @@ def run_convert(src, out, options: ConvertOptions, quiet: bool = False) -> Conve
 # The options convert and inspect share (inspect shows the plan convert would carry out with them).
 _PLAN_OPTIONS = {
     "--quant-mode": {"type": click.Choice(["even", "mse"]), "default": "even", "show_default": True},
-    "--k-pad": {"default": "card", "show_default": True},
+    "--k-pad": {"type": KPad(), "default": "card", "show_default": True},
     "--mla-precision": {"type": click.Choice(POLICIES), "default": "mxfp4", "show_default": True},
     "--files": {"type": click.Choice(FILE_MODES), "default": None},
     "--repack-experts": {"type": click.Choice(REPACK_MODES), "default": "none", "show_default": True},

@@ -95,10 +95,10 @@ class Plan:
         return d
 
 
-def resolve_k_multiple(k_pad, card_default: int | None) -> int | None:
-    """``"card"`` -> the card's default, ``"none"``/None -> None, else a positive multiple of 32."""
+def parse_k_pad(k_pad) -> str | int | None:
+    """``"card"`` as it is, ``"none"``/None -> None, else the positive multiple of 32 it names; PlanError otherwise."""
     if k_pad == "card":
-        return card_default
+        return k_pad
     if k_pad in ("none", None):
         return None
     try:
@@ -108,6 +108,12 @@ def resolve_k_multiple(k_pad, card_default: int | None) -> int | None:
     if value <= 0 or value % mxfp4.BLOCK:
         raise PlanError(f"--k-pad must be 'card', 'none' or a positive multiple of 32, got {k_pad!r}")
     return value
+
+
+def resolve_k_multiple(k_pad, card_default: int | None) -> int | None:
+    """``"card"`` -> the card's default, ``"none"``/None -> None, else a positive multiple of 32."""
+    value = parse_k_pad(k_pad)
+    return card_default if value == "card" else value
 
 
 def kernel_route(k_stored: int, nope: int) -> str:

@@ -315,12 +315,25 @@ def push(
     """
     out = Path(out)
     endpoint = resolve_endpoint(options.endpoint)
+    check_repo_id(repo_id)
     from huggingface_hub import constants
 
     if constants.is_offline_mode():
         raise HubError(f"{offline_variable()} is set: unset it to push")
     with OutputLock(out, create=False):
         return _push_held(out, repo_id, options, endpoint, progress)
+
+
+def check_repo_id(repo_id: str) -> None:
+    """HubError for a REPO_ID the Hub cannot hold (huggingface_hub's own rule), before OUT is verified."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        reason = first_line(err).split(": '")[0].replace(" Use `repo_type` argument if needed.", "")
+        raise HubError(f"REPO_ID {repo_id!r} is no Hub repo id (namespace/name or name): {reason}") from None
 
 
 def _push_held(

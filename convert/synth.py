@@ -42,6 +42,7 @@ from glm_pack.packing.errors import PlanError
 from . import formats, space
 from .cards import Card, load_card
 from .checkpoint import INDEX_NAME
+from .cli_types import CardName
 from .humanize import counted, size_text
 from .safetensors_io import DTYPES, byte_size, encode_header
 from .writer import OutputError, atomic_write, clear_directory, make_folder, tensor_bytes, write_text
@@ -314,7 +315,13 @@ def assumptions(card: str, *, mtp: bool = True) -> dict[str, str]:
 
 @click.command("synth")
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--card", "card_name", required=True, help="Model family card, e.g. glm-5, glm-5.2, glm-5.3-flash.")
+@click.option(
+    "--card",
+    "card_name",
+    type=CardName(),
+    required=True,
+    help="Model family card (glm-5 covers GLM-5 and GLM-5.1), or a card file (*.toml).",
+)
 @click.option(
     "--layers", type=click.IntRange(min=1), required=True, help="Decoder layers (the MTP layer comes on top)."
 )

@@ -355,15 +355,33 @@ def test_every_option_of_every_command_has_help():
     assert bare == []
 
 
-@pytest.mark.parametrize("k_pad", ["48", "foo"])
-def test_bad_k_pad_is_one_line_naming_the_option(synth_ckpt, tmp_path, k_pad):
-    """The user typed --k-pad: the error names it and what it takes (it named the internal `k_pad`)."""
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+@pytest.mark.parametrize("k_pad", ["48", "foo", "nonee", "0", "-32"])
+def test_bad_k_pad_is_a_usage_error_naming_the_option(synth_ckpt, tmp_path, k_pad, command):
+    """The user typed --k-pad: a click usage error (exit 2, as a bad --mla-precision choice gives; it was exit 1)
+    naming it and what it takes (it named the internal `k_pad`), before SRC is opened."""
     out = tmp_path / "out"
-    r = CliRunner().invoke(main, ["convert", str(synth_ckpt("glm-5", "bf16")), str(out), "--k-pad", k_pad])
-    assert r.exit_code == 1 and r.output.strip().splitlines() == [
-        f"glm-pack: error: --k-pad must be 'card', 'none' or a positive multiple of 32, got '{k_pad}'"
-    ], r.output
+    args = [str(tmp_path / "no-such-src"), *([str(out)] if command == "convert" else []), "--k-pad", k_pad]
+    r = CliRunner().invoke(main, [command, *args])
+    assert r.exit_code == 2 and r.output.strip().splitlines()[-1] == (
+        "Error: Invalid value for '--k-pad': --k-pad must be 'card', 'none' or a positive multiple of 32, "
+        f"got '{k_pad}'"
+    ), r.output
     assert not out.exists()
+    with pytest.raises(PlanError, match="--k-pad must be 'card', 'none' or a positive multiple of 32"):
+        convert(synth_ckpt("glm-5", "bf16"), out, ConvertOptions(k_pad=k_pad))  # the API's own check
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("card", ["glm5", "glm-5.1", "no/such.toml"])
+def test_synth_unknown_card_is_a_usage_error_listing_the_cards(tmp_path, card):
+    args = ["synth", str(tmp_path / "o"), "--card", card, "--layers", "1", "--experts", "1", "--format", "bf16"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and r.output.strip().splitlines()[-1] == (
+        f"Error: Invalid value for '--card': unknown card '{card}'; known cards: deepseek-v3, glm-5, glm-5.2, "
+        "glm-5.3-flash"
+    ), r.output
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_refused_convert_prints_its_error_line_and_nothing_else(synth_ckpt, tmp_path):
@@ -479,10 +497,15 @@ def test_refusals(synth_ckpt, tmp_path):
     assert r.exit_code == 1 and "nope" in r.output
     # a mistyped or wrong SRC says what is wrong with the path ('not a checkpoint directory' alone did not)
     for cmd in ("convert", "inspect"):
-        for path, why in ((tmp_path / "nope", "does not exist"), (src / "config.json", "is a file")):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        for path, why in (
+            (tmp_path / "nope", "the path does not exist"),
+            (src / "config.json", "the path is a file"),
+            (tmp_path / "empty", "it has no config.json"),  # was "file is missing (file .../config.json)"
+        ):
             r = runner.invoke(main, [cmd, str(path), *([str(tmp_path / "o2")] if cmd == "convert" else [])])
             assert r.exit_code == 1 and r.output.splitlines() == [
-                f"glm-pack: error: not a checkpoint directory: the path {why} (file {path})"
+                f"glm-pack: error: not a checkpoint directory: {why} (file {path})"
             ], r.output
     for args, env in ((["--workers", "0"], {}), ([], {"GLM_PACK_WORKERS": "0"})):  # a usage error, as README says
         r = runner.invoke(main, ["convert", str(src), str(tmp_path / "o"), *args], env=env)

@@ -290,6 +290,20 @@ def test_a_failing_token_lookup_is_one_line(hub, out, monkeypatch):
     assert published(out) == before and not hub.requests
 
 
+@pytest.mark.parametrize("repo_id", ["not a repo id", "a/b/c", "me/-x"])
+def test_a_repo_id_the_hub_cannot_hold_is_refused_first(hub, out, repo_id):
+    """Refused by huggingface_hub's rule before OUT is verified or its card refreshed, in glm-pack's words (it was
+    `push to not a repo id at ... failed: HFValidationError: ...` after the whole verify)."""
+    before = published(out)
+    for dry_run in (["--dry-run"], []):
+        result = CliRunner().invoke(main, ["push", str(out), repo_id, *dry_run])
+        assert result.exit_code == 1, result.output
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith(f"glm-pack: error: REPO_ID {repo_id!r} is no Hub repo id (namespace/name or name): ")
+        assert "HFValidationError" not in line
+    assert published(out) == before and not hub.requests
+
+
 def test_push_offline_names_the_variable_set(out, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")  # engine images set it; huggingface_hub goes offline on it too
