@@ -204,6 +204,12 @@ def check_locations(src: Path, out: Path, files: Iterable[Path] = (), what: str 
             )
     if os.path.exists(out) and not os.path.isdir(out):  # False in a folder this user cannot enter: the lock says so
         raise PlanError(f"output {out} exists and is not a directory", file=out)
+    if out.name == mf.OVERLAY_DIR and any(os.path.isfile(out / name) for name in (mf.MANIFEST_NAME, state.RUN_NAME)):
+        raise PlanError(  # --overwrite there would replace that conversion's overlay with a checkpoint in it
+            f"output {out} is the overlay folder of the conversion in {out.parent}: convert into {out.parent} "
+            "(--overwrite redoes that conversion) or into another folder",
+            file=out,
+        )
 
 
 def run_differences(previous: dict, run: dict) -> list[str]:
@@ -281,6 +287,12 @@ def _prepare_output(out: Path, overlay: Path, options: ConvertOptions, run: dict
         )
     leftovers = output_leftovers(out)
     if leftovers and not options.overwrite:
+        if complete:  # convert run again on its own output (or into another conversion)
+            raise PlanError(
+                f"output {out} already holds a finished conversion: `glm-pack verify {out}` checks it; pass "
+                "--overwrite to convert again into it (everything in it is replaced)",
+                file=out,
+            )
         raise PlanError(f"output {out} is not empty; pass --overwrite to replace its contents", file=out)
     fits(set(), leftovers)
     if leftovers:  # --overwrite: nothing of the old contents may stay beside the new output

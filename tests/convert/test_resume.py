@@ -425,6 +425,21 @@ def test_resume_with_nothing_to_resume_says_so_before_converting(converted, tmp_
     again = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "copy", "--resume"])
     assert again.exit_code == 1 and "already complete; nothing to resume" in again.stderr, again.output
     assert "holds no interrupted conversion" not in again.output, again.output
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.name != state.LOCK_NAME}
+    again = CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "copy"])  # the same command, again
+    assert again.exit_code == 1 and again.stderr.strip().splitlines() == [
+        f"glm-pack: error: output {out} already holds a finished conversion: `glm-pack verify {out}` checks it; "
+        "pass --overwrite to convert again into it (everything in it is replaced)"
+    ], again.output  # it said only "is not empty", as for a folder of other files
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.name != state.LOCK_NAME} == before
+    for flags in ([], ["--overwrite"]):  # into its overlay folder: --overwrite replaced the overlay with a checkpoint
+        inner = CliRunner().invoke(main, ["convert", str(src), str(out / "glm-pack"), "--files", "copy", *flags])
+        assert inner.exit_code == 1 and inner.stderr.strip().splitlines() == [
+            f"glm-pack: error: output {out / 'glm-pack'} is the overlay folder of the conversion in {out}: convert "
+            f"into {out} (--overwrite redoes that conversion) or into another folder"
+        ], inner.output
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.name != state.LOCK_NAME} == before
+    assert verify(out).ok
 
 
 def test_resume_into_a_folder_of_other_files_is_refused_without_saying_it_converts(converted, tmp_path):
