@@ -107,13 +107,18 @@ def plan_items(ckpt: Checkpoint, repack_experts: str = "none", file_bytes: int =
         return items
     # Only MXFP4 experts are repacked; others (e.g. an MTP layer left in BF16 by Quark's exclude list) stay as
     # they are in the original files.
-    groups = {
-        layer: [n for n in names if ckpt.weight_format(n) == "mxfp4"] for layer, names in expert_groups(ckpt).items()
-    }
+    every = expert_groups(ckpt)
+    groups = {layer: [n for n in names if ckpt.weight_format(n) == "mxfp4"] for layer, names in every.items()}
     groups = {layer: names for layer, names in groups.items() if names}
     if not groups:
+        formats = sorted({ckpt.weight_format(n) for names in every.values() for n in names})
+        found = (
+            f": the routed experts it has (layer(s) {', '.join(map(str, sorted(every)))}) are {'/'.join(formats)}"
+            if every
+            else ": it has no routed experts"
+        )
         raise PlanError(
-            "--repack-experts aiter-a4w4: the checkpoint has no MXFP4 routed-expert weights", file=ckpt.root
+            f"--repack-experts aiter-a4w4: the checkpoint has no MXFP4 routed-expert weights{found}", file=ckpt.root
         )
     for layer, names in sorted(groups.items()):
         _check_expert_set(ckpt, layer, names)

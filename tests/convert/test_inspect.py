@@ -210,8 +210,17 @@ def test_inspect_plans_the_expert_files_convert_writes(converted):
 
 
 def test_inspect_refuses_repack_experts_where_convert_would(synth_ckpt):
-    r = CliRunner().invoke(main, ["inspect", str(synth_ckpt("glm-5", "bf16")), "--repack-experts", "aiter-a4w4"])
-    assert r.exit_code == 1 and "has no MXFP4 routed-expert weights" in r.output, r.output
+    """The refusal says what the experts are (a small synthetic Quark checkpoint has only the MTP layer's, which
+    Quark leaves unquantized: it said only that there were no MXFP4 ones)."""
+    src = synth_ckpt("glm-5", "bf16")
+    report = json.loads(CliRunner().invoke(main, ["inspect", str(src), "--json"]).stdout)
+    layers = [e["layer"] for e in report["experts"]]
+    r = CliRunner().invoke(main, ["inspect", str(src), "--repack-experts", "aiter-a4w4"])
+    assert r.exit_code == 1 and r.stderr.strip().splitlines() == [
+        "glm-pack: error: --repack-experts aiter-a4w4: the checkpoint has no MXFP4 routed-expert weights: the routed "
+        f"experts it has (layer(s) {', '.join(map(str, layers))}) are bf16 (file {src})"
+    ], r.output
+    assert layers
 
 
 def test_inspect_reports_tensors_the_config_implies_and_the_checkpoint_lacks(synth_ckpt, ckpt_copy, edit_index):
