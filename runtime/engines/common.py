@@ -135,8 +135,26 @@ class Overlay:
         else:
             check_slice(mla, weight, "kv_b_proj", engine_quantized=engine_quantized)
         for name, value in attributes(mla).items():
-            setattr(module, name, value)
+            assign(module, name, value)
         return True
+
+
+def assign(module, name: str, value) -> None:
+    """Set ``module.name = value``; where it already holds a tensor of the same shape, strides, dtype and device (a
+    reload: vLLM's ``reload_weights``, a wake from level-2 sleep), ``value`` is copied into it instead, as the engines'
+    own rebuilds do (vLLM's ``replace_parameter``, SGLang's ``bind_or_assign``), so CUDA graphs captured on its
+    memory stay valid."""
+    old = getattr(module, name, None)
+    same = (
+        isinstance(value, torch.Tensor)
+        and isinstance(old, torch.Tensor)
+        and (old.shape, old.stride(), old.dtype, old.device) == (value.shape, value.stride(), value.dtype, value.device)
+    )
+    if not same:
+        setattr(module, name, value)
+    elif old.data_ptr() != value.data_ptr():
+        with torch.no_grad():
+            old.copy_(value)
 
 
 _OPEN: dict[tuple, Overlay] = {}

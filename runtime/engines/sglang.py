@@ -67,12 +67,19 @@ def engine_geometry(self_attn) -> MlaGeometry:
     )
 
 
-def absorbed_attributes(mla: MlaLayer, *, fp4_path: bool, dtype: torch.dtype = torch.bfloat16) -> dict:
+def absorbed_attributes(
+    mla: MlaLayer,
+    *,
+    fp4_path: bool,
+    needs: str = "on ROCm gfx950 with aiter (its only MXFP4 BMM path)",
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict:
     """The attributes SGLang's forward reads, built from one overlay layer (see the module docstring); float
-    ones in ``dtype``, the dtype SGLang's rebuild keeps (its loaded kv_b_proj's)."""
+    ones in ``dtype``, the dtype SGLang's rebuild keeps (its loaded kv_b_proj's). ``needs``: what SGLang lacks when
+    ``fp4_path`` is False, for the refusal of an MXFP4 layer."""
     kc, vc = mla.w_kc, mla.w_vc
     if kc.precision == "mxfp4" and vc.precision == "mxfp4":
-        common.check_mxfp4_path(mla, ENGINE, fp4_path, "on ROCm gfx950 with aiter (its only MXFP4 BMM path)")
+        common.check_mxfp4_path(mla, ENGINE, fp4_path, needs)
         return {
             "w_kc": kc.weight.transpose(1, 2),
             "w_scale_k": kc.scale.transpose(1, 2),
@@ -103,8 +110,11 @@ def loaded_kv_b(linear, quant_config) -> torch.Tensor | None:
     """kv_b_proj as float ``[out, in]`` as ``post_load_weights`` reads it (before the linear's quant method
     processes it): a float weight as is; FP8 with ``weight_scale`` (else ``weight_scale_inv``) per block of
     :func:`fp8_block` (UE8M0 exponents in uint8, as a reload after SGLang's requantization leaves them, decoded as
-    SGLang does), or per output channel without one; None for any other form (e.g. DeepGEMM's UE8M0 layout)."""
-    weight = linear.weight
+    SGLang does), or per output channel without one; None for any other form (e.g. DeepGEMM's UE8M0 layout, or
+    AWQ's ``qweight`` without a ``weight``)."""
+    weight = getattr(linear, "weight", None)
+    if weight is None:
+        return None
     if weight.dtype in common.FLOAT:
         return weight
     scale = getattr(linear, "weight_scale", None)
@@ -123,9 +133,14 @@ def loaded_kv_b(linear, quant_config) -> torch.Tensor | None:
 def apply(self_attn, layer_id: int, overlay: common.Overlay, *, fp4_path: bool, quant_config=None) -> bool:
     """Set one attention module's absorbed weights; False when the overlay lacks the layer. ``quant_config``:
     the model's, which gives an FP8 kv_b_proj's block size."""
-    loaded = self_attn.kv_b_proj.weight.dtype
+    weight = getattr(self_attn.kv_b_proj, "weight", None)  # AWQ keeps a qweight instead
+    loaded = None if weight is None else weight.dtype
     dtype = loaded if loaded in common.FLOAT else torch.bfloat16  # a quantized kv_b_proj: SGLang's bf16 rebuild
-    build = functools.partial(absorbed_attributes, fp4_path=fp4_path, dtype=dtype)
+    if getattr(self_attn, "rocm_fused_decode_mla", False):  # SGLANG_ROCM_FUSED_DECODE_MLA: K-up as bf16 torch.bmm
+        fp4_path, needs = False, "on its MXFP4 BMM path with SGLANG_ROCM_FUSED_DECODE_MLA set (unset it)"
+    else:
+        needs = "on ROCm gfx950 with aiter (its only MXFP4 BMM path)"
+    build = functools.partial(absorbed_attributes, fp4_path=fp4_path, needs=needs, dtype=dtype)
     kv_b = functools.partial(loaded_kv_b, self_attn.kv_b_proj, quant_config)
     geometry = engine_geometry(self_attn)
     return overlay.apply(self_attn, layer_id, geometry, build, kv_b, engine_quantized=loaded not in common.FLOAT)

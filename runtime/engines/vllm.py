@@ -9,6 +9,12 @@ points run in every process, and ``vllm/model_executor/layers/quantization/utils
 (0.16-0.17 without keeping the model config on it: then vLLM's current config, which its GPU worker sets while loading);
 0.29+ first let the attention backend's impl pack its own (a no-op but for the CPU AMX backend, whose layers are left
 to vLLM), 0.27+ gather ``W_UK_T_dcp_qrep`` for decode context parallelism's query replication (torch.bmm path only).
+Re-read in the vLLM 0.34.0 wheel: ``process_weights_after_loading(self)`` takes no dtype (the loader's
+``finalize_model_weights`` calls it bare; the dtype is ``self.act_dtype``), on the torch.bmm path it gathers ``W_UV``
+over the DCP group as ``W_UV_dcp`` where ``dcp_manager.v_up_proj_combine`` is set (DCP's fused V-up), and it copies
+its tensors into existing ones on a reload (``replace_parameter``, as from 0.26), so captured CUDA graphs stay valid;
+the adapter does all three. GLM-5 is served by ``vllm/models/deepseek_v32`` (``DeepseekV32MLAAttention`` on ROCm),
+whose decode reads the same attributes (``W_K``, ``W_K_scale`` with ``transpose_bm=True``, ``W_UK_T``, ``W_UV``).
 
 vLLM's own rebuild (``MLAAttention.process_weights_after_loading``): dequantize kv_b_proj to
 ``[L, H*(P+V)]``, view ``[L, H, P+V]``, split into ``W_UK [L, H, P]`` / ``W_UV [L, H, V]``, then
@@ -34,6 +40,7 @@ path with both aiter BMM flags turned off for that layer.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import re
 
@@ -91,11 +98,24 @@ def absorbed_attributes(mla: MlaLayer, *, fp4_path: bool, act_dtype: torch.dtype
     }
 
 
-def loaded_kv_b(layer) -> torch.Tensor:
-    """The layer's kv_b_proj as float ``[out, in]``, as vLLM's own rebuild gets it: a float weight as is, any
-    quantized one through vLLM's ``get_and_maybe_dequant_weights``, which knows the layout each quant method
-    left (FP8 block scales as stored, or DeepGEMM's requantized ones through an identity GEMM)."""
-    weight = layer.kv_b_proj.weight
+def stored_kv_b(kv_b_proj) -> torch.Tensor:
+    """kv_b_proj's stored weight tensor: ``weight``, else a packed ``qweight`` (AWQ, GPTQ) or ``weight_packed``
+    (compressed tensors), the names vLLM's ``get_and_maybe_dequant_weights`` looks for, in its order."""
+    for name in ("weight", "qweight", "weight_packed"):
+        tensor = getattr(kv_b_proj, name, None)
+        if tensor is not None:
+            return tensor
+    raise BackendError(f"kv_b_proj holds none of weight, qweight, weight_packed: {type(kv_b_proj).__name__}")
+
+
+def loaded_kv_b(layer) -> torch.Tensor | None:
+    """The layer's kv_b_proj as float ``[out, in]``, as vLLM's own rebuild gets it: a float weight as is, a
+    quantized ``weight`` through vLLM's ``get_and_maybe_dequant_weights``, which knows the layout each quant method
+    left (FP8 block scales as stored, or DeepGEMM's requantized ones through an identity GEMM); None for a packed
+    ``qweight`` / ``weight_packed`` (the slice check is then skipped with a warning)."""
+    weight = getattr(layer.kv_b_proj, "weight", None)
+    if weight is None:
+        return None
     if weight.dtype in common.FLOAT:
         return weight
     from vllm.model_executor.layers.quantization.utils.quant_utils import get_and_maybe_dequant_weights
@@ -115,7 +135,7 @@ def apply(layer, overlay: common.Overlay, act_dtype: torch.dtype) -> bool:
     fp4_path = bool(layer.is_aiter_triton_fp4_bmm_enabled)
     build = functools.partial(absorbed_attributes, fp4_path=fp4_path, act_dtype=act_dtype)
     kv_b = functools.partial(loaded_kv_b, layer)
-    quantized = layer.kv_b_proj.weight.dtype not in common.FLOAT  # e.g. vLLM's online FP8 of a BF16 checkpoint
+    quantized = stored_kv_b(layer.kv_b_proj).dtype not in common.FLOAT  # e.g. vLLM's online FP8 of a BF16 one
     geometry = engine_geometry(layer)
     return overlay.apply(layer, layer_index(layer.layer_name), geometry, build, kv_b, engine_quantized=quantized)
 
@@ -149,7 +169,7 @@ def _overlay_for(layer) -> common.Overlay | None:
         served,
         tp_rank=get_tensor_model_parallel_rank(),
         tp_size=get_tensor_model_parallel_world_size(),
-        device=layer.kv_b_proj.weight.device,
+        device=stored_kv_b(layer.kv_b_proj).device,
         level=common.check_level(),
     )
 
@@ -166,23 +186,50 @@ def _replicate_for_dcp(layer) -> None:
         raise BackendError(f"{layer.layer_name}: vLLM does not support DCP query replication with head padding")
     from vllm.distributed.parallel_state import get_dcp_group
 
-    layer.W_UK_T_dcp_qrep = get_dcp_group().all_gather(layer.W_UK_T.contiguous(), dim=0)
+    common.assign(layer, "W_UK_T_dcp_qrep", get_dcp_group().all_gather(layer.W_UK_T.contiguous(), dim=0))
 
 
-def _process_weights_after_loading(self, act_dtype: torch.dtype):
+def _gather_w_uv_for_dcp(layer) -> None:
+    """Decode context parallelism's fused V-up (vLLM 0.34+, ``dcp_manager.v_up_proj_combine``) reads ``W_UV_dcp``,
+    W_UV gathered over the DCP group, which vLLM builds only on its torch.bmm path (elsewhere it stays None and vLLM
+    takes its unfused V-up)."""
+    manager = getattr(layer, "dcp_manager", None)
+    if manager is None or getattr(manager, "v_up_proj_combine", None) is None or layer.is_aiter_triton_fp4_bmm_enabled:
+        return
+    from vllm.distributed.parallel_state import get_dcp_group
+
+    common.assign(layer, "W_UV_dcp", get_dcp_group().all_gather(layer.W_UV.contiguous(), dim=0))
+
+
+def _run_original(self, act_dtype: torch.dtype | None) -> None:
+    """vLLM's own ``process_weights_after_loading``, called as this vLLM defines it: with the activation dtype
+    (up to 0.33) or without (0.34+, which keeps it as ``self.act_dtype``)."""
+    original = getattr(type(self), _ORIGINAL)
+    return original(self, act_dtype) if _takes_dtype(original) else original(self)
+
+
+@functools.cache
+def _takes_dtype(method) -> bool:
+    return len(inspect.signature(method).parameters) > 1
+
+
+def _process_weights_after_loading(self, act_dtype: torch.dtype | None = None):
+    """The replacement: vLLM up to 0.33 passes the activation dtype, 0.34+ passes none and keeps it on the layer."""
     overlay = _overlay_for(self)
     if overlay is not None and getattr(self, "is_amx_bmm_enabled", False):
         log.warning("glm-pack: %s: vLLM's AMX (CPU) MLA packs its own weights from kv_b_proj; the overlay is not used",
                     self.layer_name)  # fmt: skip
         overlay = None
     if overlay is None or not overlay.holds(layer_index(self.layer_name)):
-        return getattr(type(self), _ORIGINAL)(self, act_dtype)
+        return _run_original(self, act_dtype)
+    act_dtype = self.act_dtype if act_dtype is None else act_dtype
     impl = getattr(self, "impl", None)
     if hasattr(impl, "process_weights_after_loading"):  # vLLM 0.29+: the backend's own packing comes first
         impl.process_weights_after_loading(act_dtype)
     apply(self, overlay, act_dtype)
     if getattr(self, "dcp_q_replicate", False):
         _replicate_for_dcp(self)
+    _gather_w_uv_for_dcp(self)
     from vllm.model_executor.layers.attention.attention import set_default_quant_scales, should_load_quant_weights
 
     quant_method = self.quant_config.get_quant_method(self, prefix=self.layer_name) if self.quant_config else None

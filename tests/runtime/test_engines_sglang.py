@@ -234,6 +234,36 @@ def test_kv_b_proj_in_an_unknown_form_skips_the_check_with_a_warning(tmp_path, c
     assert "layer 0: kv_b_proj is in a form glm-pack cannot read; its slice is not checked" in caplog.text
 
 
+def test_an_awq_kv_b_proj_without_a_weight_skips_the_check_with_a_warning(tmp_path, caplog):
+    """AWQ keeps ``qweight`` and no ``weight`` (SGLang dequantizes it itself): the adapter raised an AttributeError."""
+    weights = make_served(tmp_path, policy="bf16")
+    ref, attn = (sglang_mla.SelfAttn(GEOM, weights[kv_b_name(0)]) for _ in range(2))
+    ref.rebuild(fp4=False)
+    attn.kv_b_proj = types.SimpleNamespace(qweight=torch.zeros(L, 8, dtype=torch.int32))
+    with caplog.at_level("WARNING", logger="glm_pack.engines"):
+        assert sglang.apply(attn, 0, overlay(tmp_path), fp4_path=False)
+    assert "layer 0: kv_b_proj is in a form glm-pack cannot read; its slice is not checked" in caplog.text
+    assert attn.w_kc.dtype == torch.bfloat16 and torch.equal(attn.w_kc, ref.w_kc) and torch.equal(attn.w_vc, ref.w_vc)
+
+
+def test_sglangs_fused_rocm_decode_refuses_an_mxfp4_overlay(tmp_path):
+    """With SGLANG_ROCM_FUSED_DECODE_MLA set, SGLang's fused ROCm decode runs the K-up as a bf16 torch.bmm of
+    ``w_kc.to(bf16) * w_scale`` (forward_mla_fused_rope_rocm.py), which would read MXFP4 bytes as numbers: refused
+    by name before any weight is set; a BF16 overlay, which that path reads right, is taken."""
+    weights = make_served(tmp_path)
+    attn = sglang_mla.SelfAttn(GEOM, weights[kv_b_name(0)])
+    attn.rocm_fused_decode_mla = True  # as SGLang's init_mla_fused_rope_rocm_forward sets it from the variable
+    with pytest.raises(BackendError, match="layer 0: .*SGLANG_ROCM_FUSED_DECODE_MLA set \\(unset it\\)"):
+        sglang.apply(attn, 0, overlay(tmp_path), fp4_path=True)
+    assert attn.w_kc is None
+    common._OPEN.clear()
+    bf16 = tmp_path / "bf16"
+    weights = make_served(bf16, policy="bf16")
+    attn = sglang_mla.SelfAttn(GEOM, weights[kv_b_name(0)])
+    attn.rocm_fused_decode_mla = True
+    assert sglang.apply(attn, 0, overlay(bf16), fp4_path=True) and attn.w_kc.dtype == torch.bfloat16
+
+
 def test_model_level_selection_hands_uncovered_layers_to_the_engine(tmp_path):
     weights = make_served(tmp_path)
     model = sglang_mla.Model(GEOM, weights, layers=LAYERS)

@@ -259,9 +259,18 @@ def test_layer_index_from_vllm_prefix():
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    """vLLM's import paths the plugin uses, served by the stand-in."""
+    """vLLM's import paths the plugin uses, served by the stand-in (vLLM 0.33's MLAAttention)."""
+    return serve_fake_vllm(monkeypatch, vllm_mla.MLAAttention)
 
-    class MLAAttention(vllm_mla.MLAAttention):
+
+@pytest.fixture
+def fake_vllm_034(monkeypatch):
+    """The same with vLLM 0.34's MLAAttention (its hook takes no dtype)."""
+    return serve_fake_vllm(monkeypatch, vllm_mla.MLAAttention034)
+
+
+def serve_fake_vllm(monkeypatch, base: type) -> type:
+    class MLAAttention(base):
         pass
 
     mods = {
@@ -505,6 +514,92 @@ def test_dcp_query_replication_with_an_mxfp4_overlay_is_refused(tmp_path, fake_v
     says = r"model\.layers\.0\.self_attn\.attn: .*DCP query replication.*--mla-precision bf16"
     with pytest.raises(BackendError, match=says):
         layer.process_weights_after_loading(torch.bfloat16)
+
+
+def overlay_of_layer_1(tmp_path, **served):
+    """A served checkpoint whose overlay holds layer 1 alone (layer 0 is left to vLLM's rebuild)."""
+    weights = make_served(tmp_path, **served)
+    manifest = tmp_path / "glm-pack" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["mla"] = [e for e in data["mla"] if e["layer"] == 1]
+    manifest.write_text(json.dumps(data))
+    return weights
+
+
+@pytest.mark.parametrize("policy", ["mxfp4", "bf16"])
+def test_vllm_0_34_calls_the_hook_without_a_dtype(tmp_path, fake_vllm_034, monkeypatch, policy):
+    """vLLM 0.34 calls ``process_weights_after_loading()`` with no argument and keeps the dtype on the layer as
+    ``act_dtype``: the plugin's hook, which required the dtype, raised a TypeError on every MLA layer. Overlay layers
+    now load from the overlay, the others run vLLM's own rebuild, called without the dtype it no longer takes."""
+    weights = overlay_of_layer_1(tmp_path, policy=policy)
+    monkeypatch.setenv(common.ENV, "1")
+    vllm.register()
+    layers = plugin_layers(fake_vllm_034, weights, tmp_path, fp4=policy == "mxfp4")
+    for layer in layers:
+        layer.process_weights_after_loading()
+    names = [layer.layer_name for layer in layers]
+    assert vllm_mla.PACKED == names and vllm_mla.REBUILDS == names[:1]
+    ref, _ = engine_pair(weights, 1, fp4=policy == "mxfp4")
+    q, attn_out = decode_inputs(GEOM.num_heads)
+    got, want = layers[1].decode(q, attn_out), ref.decode(q, attn_out)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(layer.default_scales_set for layer in layers)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_dcp_fused_v_up_gets_the_overlays_w_uv_gathered(tmp_path, fake_vllm_034, monkeypatch, fused):
+    """vLLM 0.34's DCP decode fuses the V-up with its combine where ``dcp_manager.v_up_proj_combine`` is set, reading
+    W_UV gathered over the DCP group (``W_UV_dcp``), which it builds on its torch.bmm path: the plugin left it None
+    (vLLM then took its unfused V-up). It is now what vLLM's rebuild gathers, and None where vLLM keeps it None."""
+    weights = make_served(tmp_path, policy="bf16")
+    monkeypatch.setenv(common.ENV, "1")
+    vllm.register()
+    (layer, _) = plugin_layers(fake_vllm_034, weights, tmp_path, fp4=False, dcp_manager=vllm_mla.DcpManager(fused))
+    layer.process_weights_after_loading()
+    ref = vllm_mla.MLAAttention034(layer.layer_name, GEOM, weights[kv_b_name(0)], fp4=False)
+    ref.dcp_manager = vllm_mla.DcpManager(fused)
+    ref.process_weights_after_loading()
+    assert vllm_mla.REBUILDS == [ref.layer_name]  # the reference's alone
+    if fused:
+        assert layer.W_UV_dcp.shape == (vllm_mla.DCP_WORLD * GEOM.num_heads, L, V)
+        assert torch.equal(layer.W_UV_dcp, ref.W_UV_dcp)
+    else:
+        assert layer.W_UV_dcp is None and ref.W_UV_dcp is None
+
+
+@pytest.mark.parametrize("policy", ["mxfp4", "bf16"])
+def test_a_reload_writes_the_absorbed_weights_in_place(tmp_path, fake_vllm, monkeypatch, policy):
+    """vLLM's reload (``reload_weights``, a wake from level-2 sleep) runs the hook again, and its own rebuild copies
+    into the existing tensors (``replace_parameter``) so CUDA graphs captured on their memory stay valid: the plugin
+    bound new tensors (W_UK_T a fresh copy each time), leaving captured graphs reading freed memory. A reload now
+    keeps every tensor's memory and gives the same values."""
+    weights = make_served(tmp_path, policy=policy)
+    monkeypatch.setenv(common.ENV, "1")
+    vllm.register()
+    (layer, _) = plugin_layers(fake_vllm, weights, tmp_path, fp4=policy == "mxfp4")
+    layer.process_weights_after_loading(torch.bfloat16)
+    names = ("W_K", "W_K_scale", "W_V", "W_V_scale") if policy == "mxfp4" else ("W_UK_T", "W_UV")
+    first = {name: (getattr(layer, name).data_ptr(), getattr(layer, name).clone()) for name in names}
+    common._OPEN.clear()  # the reload reopens the overlay: new tensors, to be copied into the old ones
+    layer.process_weights_after_loading(torch.bfloat16)
+    for name, (pointer, values) in first.items():
+        assert getattr(layer, name).data_ptr() == pointer and torch.equal(getattr(layer, name), values), name
+
+
+def test_a_kv_b_proj_without_a_weight_skips_the_slice_check_with_a_warning(tmp_path, caplog):
+    """An AWQ or GPTQ kv_b_proj keeps ``qweight`` (compressed tensors: ``weight_packed``) and no ``weight``: the
+    adapter read ``weight`` and raised an AttributeError; as the README says, the slice check is skipped with a
+    warning and the overlay's weights are set."""
+    weights = make_served(tmp_path, policy="bf16")
+    ref, layer = engine_pair(weights, 0, fp4=False)
+    layer.kv_b_proj = types.SimpleNamespace(qweight=torch.zeros(L, 8, dtype=torch.int32))
+    with caplog.at_level("WARNING", logger="glm_pack.engines"):
+        assert vllm.apply(layer, overlay(tmp_path), torch.bfloat16)
+    assert "kv_b_proj is in a form glm-pack cannot read; its slice is not checked" in caplog.text
+    assert torch.equal(layer.W_UK_T, ref.W_UK_T) and torch.equal(layer.W_UV, ref.W_UV)
+    assert vllm.stored_kv_b(layer.kv_b_proj) is layer.kv_b_proj.qweight
+    with pytest.raises(BackendError, match="kv_b_proj holds none of weight, qweight, weight_packed"):
+        vllm.stored_kv_b(types.SimpleNamespace())
 
 
 def test_a_hub_id_missing_from_the_cache_says_what_helps(tmp_path, fake_vllm, monkeypatch):

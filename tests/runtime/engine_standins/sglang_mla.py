@@ -1,7 +1,11 @@
 """Stand-in for SGLang's DeepseekV2 MLA (main at 0201c04e; the same in the 0.5.23 wheel): ``DeepseekV2AttentionMLA``'s
 absorbed-weight attributes, ``DeepseekV2WeightLoaderMixin.post_load_weights`` (BF16 kv_b_proj; the MXFP4 branch as
 in ``quark_post_load_weights``), the MTP draft's (``DeepseekV3ForCausalLMNextN``, which 0.5.12+ pins to
-``is_nextn=True``) and the ROCm forward's K-up / V-up calls (``forward_mla.py``, ``forward_mla_rocm.py``)."""
+``is_nextn=True``) and the ROCm forward's K-up / V-up calls (``forward_mla.py``, ``forward_mla_rocm.py``).
+``rebuild(fp4=True)`` is the MXFP4 branch SGLang takes for DeepseekV3 Quark checkpoints; for GLM's BF16 kv_b_proj
+SGLang 0.5.23 requantizes to per-tensor FP8 on gfx950 instead, so there it is the reference for the bytes and calls
+of SGLang's MXFP4 path, not a rebuild GLM gets. The model's layer selection leaves out the ``start_layer <= id <
+end_layer`` filter SGLang applies to ``weight_names``; the adapter applies it itself."""
 
 from __future__ import annotations
 

@@ -152,6 +152,33 @@ class MLAAttention:
         return ql_nope, out
 
 
+class DcpManager:
+    """vLLM 0.34's ``MLADCPManager`` as far as the weights go: ``v_up_proj_combine`` is set where DCP's decode fuses
+    the V-up with its combine (which then reads ``W_UV_dcp``)."""
+
+    def __init__(self, fused_v_up: bool = True):
+        self.v_up_proj_combine = (lambda *args, **kwargs: None) if fused_v_up else None
+
+
+class MLAAttention034(MLAAttention):
+    """vLLM 0.34.0's ``MLAAttention`` (``mla_attention.py`` of the 0.34.0 wheel, lines 480-525 and 1428-1562): the
+    activation dtype kept on the layer as ``act_dtype``, ``process_weights_after_loading(self)`` called with no
+    argument (``model_loader/weight_utils.py``'s ``finalize_model_weights``), and on the torch.bmm path ``W_UV``
+    gathered over the DCP group as ``W_UV_dcp`` where ``dcp_manager.v_up_proj_combine`` is set."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.act_dtype = torch.bfloat16
+        self.dcp_manager = None
+        self.W_UV_dcp = None
+
+    def process_weights_after_loading(self):
+        super().process_weights_after_loading(self.act_dtype)
+        fused = self.dcp_manager is not None and self.dcp_manager.v_up_proj_combine is not None
+        if fused and not self.is_aiter_triton_fp4_bmm_enabled:
+            self.W_UV_dcp = get_dcp_group().all_gather(self.W_UV.contiguous(), dim=0)
+
+
 def set_default_quant_scales(layer, register_buffer=False):
     layer.default_scales_set = True
 
