@@ -147,6 +147,8 @@ def test_demo_runs_twice_in_one_workdir_and_keeps_the_rest(tmp_path):
         assert all(f"{step}/4" in r.output for step in range(1, 5)), r.output
         errors = [float(e) for e in re.findall(r"output rel error ([0-9.]+) vs unabsorbed float MLA", r.output)]
         assert len(errors) == 2 and 0 < errors[1] < errors[0] < 0.67, errors
+        done = f"done: both folders are in {tmp_path}; next: glm-pack inspect {tmp_path / 'glm-5-small'}"
+        assert r.output.splitlines()[-1] == done, r.output
         assert verify(tmp_path / "glm-5-small-gfx950").ok
     assert sorted(p.name for p in tmp_path.iterdir()) == ["glm-5-small", "glm-5-small-gfx950", "mine.txt"]
     assert (tmp_path / "mine.txt").read_text() == "mine"
