@@ -334,14 +334,21 @@ def list_cards() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files("glm_pack.cards").iterdir() if p.name.endswith(".toml"))
 
 
+def card_ref(name: str):
+    """Where the card ``name`` is: a bundled card's resource, or a card file's path (``*.toml``); PlanError listing
+    the bundled cards for any other name."""
+    if name.endswith(".toml") and Path(name).is_file():
+        return Path(name)
+    ref = resources.files("glm_pack.cards") / f"{name}.toml"
+    if not ref.is_file():
+        raise PlanError(f"unknown card {name!r}; known cards: {', '.join(list_cards())}")
+    return ref
+
+
 @functools.cache
 def load_card(name: str) -> Card:
     """A bundled card by name, or a card file by path (``*.toml``): a new family needs a card, not code."""
-    ref = resources.files("glm_pack.cards") / f"{name}.toml"
-    if name.endswith(".toml") and Path(name).is_file():
-        ref = Path(name)
-    elif not ref.is_file():
-        raise PlanError(f"unknown card {name!r}; known cards: {', '.join(list_cards())}")
+    ref = card_ref(name)
     try:
         raw = ref.read_bytes()
     except OSError as err:  # a card file given by path: a permission, an I/O error

@@ -7,7 +7,7 @@ import click
 
 from glm_pack.packing.errors import GlmPackError
 
-from .cards import list_cards, load_card
+from .cards import card_ref, list_cards
 from .plan import parse_k_pad
 
 
@@ -25,10 +25,10 @@ class _Checked(click.ParamType):
 
 
 class CardName(_Checked):
-    """A bundled card's name or a card file (``*.toml``)."""
+    """A bundled card's name or a card file (``*.toml``); what the file holds is checked when it is loaded."""
 
     name = "card"
-    check = staticmethod(load_card)
+    check = staticmethod(card_ref)
 
     def get_metavar(self, param, ctx=None) -> str:
         return f"[{'|'.join(list_cards())}|FILE.toml]"

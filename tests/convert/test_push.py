@@ -900,7 +900,7 @@ def test_refused_connection_after_a_commit_says_what_is_kept(committed):
     report = PushReport(PushPlan(REPO, "main", uploads=uploads), False, "http://hub.test", uploaded_files=committed)
     err = hub_error(ConnectionRefusedError(111, "Connection refused"), REPO, "http://hub.test", "main", report)
     assert str(err) == (
-        "cannot connect to http://hub.test: connection refused or unreachable"
+        "cannot connect to http://hub.test: connection refused or unreachable; no commit was made"
         if committed == 0
         else "upload interrupted (connection to http://hub.test lost) after 1 of 3 files were committed; "
         "run the same command again to upload the rest"
