@@ -298,7 +298,7 @@ def demo_command(workdir, layers):
     _demo_runtime(runtime.open(out, backend="torch"), src)
     console.print(
         "These errors are the MXFP4 rounding of weights and activations, not a failure: the README's first-order "
-        "estimate (Accuracy) is rel_err(y) <= 2 * (e_kc + e_q) + e_vc + e_o, about 0.67 for all-MXFP4 GLM-5 layers.",
+        "estimate (Accuracy), 2 * (e_kc + e_q) + e_vc + e_o, is about 0.67 for all-MXFP4 GLM-5 layers.",
         markup=False,
     )
     console.print(f"done: both folders are in {root}; next: glm-pack inspect {src}", markup=False)

@@ -37,6 +37,7 @@ from .safetensors_io import LocalFile, parse_header, read_tensor
 from .state import OutputLock
 from .writer import OutputError, sha256_tensor
 
+VERIFY_SCHEMA = "glm-pack.verify/1"
 # Recomputed errors may differ from the recorded ones only by float32 summation order (thread count).
 ERROR_TOLERANCE = 1e-4
 
@@ -71,8 +72,14 @@ class VerifyReport:
         return "OK" if self.source_checked else "OK (overlay files only: source not reachable, layers not re-derived)"
 
     def as_dict(self) -> dict:
+        """The ``--json`` report (schema ``glm-pack.verify/1``): ``out`` (the folder), ``verdict`` (the line the
+        human report ends with: OK, OK (overlay files only: ...), FAILED or INCOMPLETE), ``ok`` (every check that ran
+        passed), ``incomplete`` (no manifest: the conversion did not finish), ``source_checked`` (the source was
+        read and the layers re-derived), ``problems`` and ``checked`` (one sentence each)."""
         return {
+            "schema": VERIFY_SCHEMA,
             "out": str(self.out),
+            "verdict": self.verdict,
             "ok": self.ok,
             "incomplete": self.incomplete,
             "source_checked": self.source_checked,

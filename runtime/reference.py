@@ -64,7 +64,7 @@ def sparse_mla(
     ``[T, H]`` float32 natural log (-inf and a zero output for a token with no valid row).
     """
     T, H, L = q_latent.shape
-    rows = cache_rows(kv_cache, "torch sparse MLA").float()  # the layouts the GPU kernels read, no others
+    rows = cache_rows(kv_cache, "torch sparse MLA")  # the layouts the GPU kernels read, no others
     out = torch.zeros(T, H, L, dtype=torch.float32, device=q_latent.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q_latent.device)
     indptr, _ = check_sparse_indices(kv_indptr, kv_indices, rows.shape[0])
@@ -73,7 +73,7 @@ def sparse_mla(
         idx = idx[idx >= 0]
         if idx.numel() == 0:
             continue
-        sel = rows[idx]  # [k, L + R]
+        sel = rows[idx].float()  # [k, L + R]; only the selected rows are widened, never the whole cache
         scores = q_latent[t].float() @ sel[:, :L].T
         if q_rope is not None:
             scores = scores + q_rope[t].float() @ sel[:, L:].T
@@ -146,12 +146,12 @@ def unabsorbed_mla(
     H, P, R, V, L = g.num_heads, g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim, g.kv_lora_rank
     w = kv_b.double().view(H, P + V, L)
     w_uk, w_uv = w[:, :P], w[:, P:]
-    rows_all = kv_cache.reshape(-1, kv_cache.shape[-1]).double()
+    rows_all = kv_cache.reshape(-1, kv_cache.shape[-1])
     out = torch.zeros(q.shape[0], H, V, dtype=torch.float64)
     indptr = kv_indptr.tolist()
     for t in range(q.shape[0]):
         idx = kv_indices[indptr[t] : indptr[t + 1]].long()
-        rows = rows_all[idx[idx >= 0]]
+        rows = rows_all[idx[idx >= 0]].double()
         if rows.shape[0] == 0:
             continue
         c, k_rope = rows[:, :L], rows[:, L:]

@@ -775,7 +775,7 @@ def test_verify_catches_missing_file_and_edited_manifest(converted):
     m["mla"][0]["w_kc"]["layout"]["k_stored"] = 192
     path.write_text(json.dumps(m))
     r = CliRunner().invoke(main, ["verify", str(converted), "--json"])
-    assert r.exit_code == 1 and json.loads(r.output)["ok"] is False
+    assert r.exit_code == 1 and json.loads(r.output)["ok"] is False and json.loads(r.output)["verdict"] == "FAILED"
 
 
 def test_verify_catches_changed_index_and_source(converted):
@@ -1130,6 +1130,9 @@ def test_verify_says_when_the_source_was_not_reached(synth_ckpt, ckpt_copy, tmp_
     r = CliRunner().invoke(main, ["verify", str(out), "--json"])
     report = json.loads(r.output)
     assert r.exit_code == 0 and report["ok"] is True and report["source_checked"] is False, r.output
+    assert report["schema"] == "glm-pack.verify/1" and report["verdict"] == (
+        "OK (overlay files only: source not reachable, layers not re-derived)"
+    )
 
 
 def test_verify_of_the_overlay_folder_points_at_its_output(synth_ckpt, tmp_path, monkeypatch):
