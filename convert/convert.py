@@ -193,7 +193,8 @@ def _within(path: Path, folder: Path, mounts: list[Mount]) -> bool:
 def check_locations(src: Path, out: Path, files: Iterable[Path] = (), what: str = "the source") -> None:
     """Refuse an OUT that is ``src``, inside it, contains it, or contains the file behind one of the source ``files``
     (a HF cache snapshot's links point into ``blobs/``, which ``--overwrite`` would empty), by path or through a
-    bind mount. For a Hub source ``src`` is the repo's folder in the local HF cache, ``what`` says so."""
+    bind mount, or that is the ``glm-pack/`` folder of a conversion. For a Hub source ``src`` is the repo's folder in
+    the local HF cache, ``what`` says so."""
     mounts = read_mounts()
     if _within(out, src, mounts) or _within(src, out, mounts):
         raise PlanError(f"output {out} must be outside {what} {src} (and not contain it)", file=out)

@@ -55,6 +55,7 @@ from . import common
 
 log = logging.getLogger("glm_pack.sglang")
 ENGINE = "SGLang"
+FP4_NEEDS = "on ROCm gfx950 with aiter (its only MXFP4 BMM path)"  # what SGLang lacks without its MXFP4 BMM path
 
 
 def engine_geometry(self_attn) -> MlaGeometry:
@@ -71,7 +72,7 @@ def absorbed_attributes(
     mla: MlaLayer,
     *,
     fp4_path: bool,
-    needs: str = "on ROCm gfx950 with aiter (its only MXFP4 BMM path)",
+    needs: str = FP4_NEEDS,
     dtype: torch.dtype = torch.bfloat16,
 ) -> dict:
     """The attributes SGLang's forward reads, built from one overlay layer (see the module docstring); float
@@ -139,7 +140,7 @@ def apply(self_attn, layer_id: int, overlay: common.Overlay, *, fp4_path: bool, 
     if getattr(self_attn, "rocm_fused_decode_mla", False):  # SGLANG_ROCM_FUSED_DECODE_MLA: K-up as bf16 torch.bmm
         fp4_path, needs = False, "on its MXFP4 BMM path with SGLANG_ROCM_FUSED_DECODE_MLA set (unset it)"
     else:
-        needs = "on ROCm gfx950 with aiter (its only MXFP4 BMM path)"
+        needs = FP4_NEEDS
     build = functools.partial(absorbed_attributes, fp4_path=fp4_path, needs=needs, dtype=dtype)
     kv_b = functools.partial(loaded_kv_b, self_attn.kv_b_proj, quant_config)
     geometry = engine_geometry(self_attn)
