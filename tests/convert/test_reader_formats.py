@@ -288,6 +288,11 @@ def test_encoders_keep_zero_blocks_finite_and_use_quarks_even_rule():
     ).equal(w)
     q, s = formats.encode_fp8_channel(w)
     assert s.tolist() == [1.0, 1.0, 1.0, 1.0] and q.float().equal(w)
+    # a ragged edge block's scale is the amax of its own values (the zero padding adds none): the lone w[2, 3]
+    ragged = torch.full((3, 4), 1e-3)
+    ragged[2, 3] = 3e-4
+    q, s = formats.encode_fp8_block(ragged, (2, 3))
+    assert s[1, 1] == torch.tensor(3e-4) / 448 and q[2, 3].float().item() == 448.0
     # 7.0: its mantissa 1.75 rounds up to 2, so the even rule takes 2**1 (byte 128) and 3.5 ties to the even code 6
     # (4.0), giving 8.0; the floor rule would take 2**0 and clip to 6
     codes, scales = formats.encode_mxfp4(torch.tensor([[7.0] + [0.0] * 31]))

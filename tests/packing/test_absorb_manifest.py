@@ -323,6 +323,8 @@ def _k_stored_64(m):
         (lambda m: m["mla"][0]["w_kc"].update(precision="bf16"), "is bf16 but names a scale tensor"),
         (lambda m: _kc_as_bf16(m, dtype="U8"), "bf16 tensor must be BF16"),
         (lambda m: m["mla"][0]["w_vc"].update(mxfp4_rel_error=-0.1), "finite non-negative"),
+        (lambda m: m["mla"][0]["w_vc"].update(rel_error=float("inf")), "finite non-negative"),
+        (lambda m: m["mla"][0]["w_kc"].update(mxfp4_rel_error=10**400), "finite non-negative"),
         (lambda m: m["mla"][0]["w_kc"].update(max_head_rel_error=float("nan")), "max_head_rel_error must be a fin"),
         (lambda m: m["mla"][0]["w_kc"].update(max_head_rel_error="0.1"), "max_head_rel_error"),
         (lambda m: m["mla"][0]["w_vc"].update(max_head_rel_error=None), "w_vc.max_head_rel_error must be"),
@@ -480,6 +482,29 @@ def test_head_sums_of_squares_match_float64_whatever_one_row_holds(odd_row):
     want = t.double().square().sum(dim=(1, 2))
     assert got.dtype == torch.float64 and got.shape == (4,)
     assert torch.equal(got.isinf(), want.isinf()) and torch.allclose(got, want, rtol=1e-6, atol=0), (got, want)
+
+
+def _spike(amax):
+    """512 values: one of ``amax``, the others about 0.03 * amax (norm just above amax)."""
+    row = torch.randn(512, generator=torch.Generator().manual_seed(3)) * 0.03 * amax
+    row[0] = amax
+    return row
+
+
+def _flat(amax):
+    """512 values within 3% below ``amax`` (norm near amax * sqrt(512))."""
+    return amax * (1 - 0.03 * torch.rand(512, generator=torch.Generator().manual_seed(3)))
+
+
+@pytest.mark.parametrize("row", [_flat(2.0**-60.5), _spike(1.2 * 2.0**57.5)], ids=["small-flat", "large-spike"])
+def test_head_sums_of_squares_are_float64_once_a_row_passes_the_switch(row):
+    """A row whose amax is just past the float64 switch (below 2**-60, or above 2**62 / sqrt(512) = 2**57.5) while its
+    norm is within 2x of the bound it implies (amax * sqrt(512) for a flat row, amax for a spike): the sums are float64
+    throughout (float32 norms would be off by about 1e-7)."""
+    t = torch.randn(4, 8, 512, generator=torch.Generator().manual_seed(2))
+    t[2, 3] = row
+    got, want = _head_sum_squares(t), t.double().square().sum(dim=(1, 2))
+    assert torch.allclose(got, want, rtol=1e-12, atol=0), (got - want) / want
 
 
 def test_rel_error_holds_where_a_row_of_squares_sums_past_float32():
