@@ -282,6 +282,18 @@ def test_model_level_selection_hands_uncovered_layers_to_the_engine(tmp_path):
     assert nextn == {}
 
 
+def test_weight_names_of_another_pipeline_stage_are_left_out(tmp_path):
+    """SGLang's rebuild takes the kv_b_proj names it was given only within this pipeline stage's layers
+    (``start_layer <= id < end_layer``), whose other layers it does not hold: the adapter selects the same."""
+    weights = make_served(tmp_path)
+    model = sglang_mla.Model(GEOM, weights, layers=LAYERS)
+    model.model.start_layer = 1  # this stage holds layer 1 alone; SGLang keeps a placeholder at layer 0
+    model.model.layers[0] = types.SimpleNamespace()
+    names = [kv_b_name(i) for i in LAYERS]
+    assert sglang.apply_model(model, overlay(tmp_path), False, names, fp4_path=True) is None
+    assert model.model.layers[1].self_attn.w_kc.dtype == torch.uint8
+
+
 @pytest.fixture(params=["runtime_context", "legacy"])
 def fake_sglang(request, monkeypatch, tmp_path):
     """SGLang's import paths the hook uses, served by the stand-in, in the API of a release (0.5.20+: TP rank and
@@ -396,6 +408,16 @@ def test_fp8_block_size_comes_from_the_linear_quant_method_first(tmp_path):
     assert sglang.fp8_block(types.SimpleNamespace(quant_method=object()), config) == (128, 128)
     config.linear_fp8_config = types.SimpleNamespace(weight_block_size=[32, 32])
     assert sglang.fp8_block(types.SimpleNamespace(), config) == (32, 32)
+
+
+def test_an_fp8_kv_b_proj_with_both_scale_names_is_read_with_weight_scale():
+    """SGLang's rebuild reads ``weight_scale`` where a linear has it and ``weight_scale_inv`` only otherwise."""
+    linear = types.SimpleNamespace(
+        weight=torch.ones(4, 4).to(torch.float8_e4m3fn),
+        weight_scale=torch.full((4,), 2.0),
+        weight_scale_inv=torch.full((4,), 8.0),
+    )
+    assert torch.equal(sglang.loaded_kv_b(linear, None), torch.full((4, 4), 2.0))
 
 
 def test_ue8m0_scales_in_uint8_are_read_as_sglang_reads_them(tmp_path):

@@ -139,6 +139,36 @@ def test_the_k_up_check_caches_each_output_layout_on_its_own(tmp_path, monkeypat
         common.check_engine_kup(kc, "vllm", 0, transpose_bm=True)
 
 
+@pytest.mark.parametrize("transpose_bm", [False, True])
+def test_an_aiter_whose_k_up_output_holds_nan_is_refused(tmp_path, monkeypatch, transpose_bm):
+    """The check's error of an output holding NaN is NaN: it was dropped by a running ``max`` (which keeps 0.0 over
+    NaN), so an aiter writing NaN passed the check."""
+    make_served(tmp_path)
+
+    def one_nan(x, w, w_scales, *args, y=None, **kwargs):
+        vllm_mla.batched_gemm_a16wfp4(x, w, w_scales, *args, y=y, **kwargs)
+        y[-1, -1, -1] = float("nan")
+
+    monkeypatch.setattr(aiter_backend, "load_aiter", lambda: aiter_functions(one_nan, "a16wfp4"))
+    with pytest.raises(
+        BackendError, match=rf"layer 0: .*gets K-up with K={P} wrong \(max \|y - ref\| / max \|ref\| = nan"
+    ):
+        common.check_engine_kup(overlay(tmp_path).model.mla(0).w_kc, "vllm", 0, transpose_bm=transpose_bm)
+
+
+def test_a_reload_of_another_layout_binds_the_new_tensor():
+    """``assign`` copies into the tensor a module already holds only where shape, strides, dtype and device all
+    match: a tensor of other strides (vLLM's W_UV is a view of kv_b_proj.weight) is replaced, not written through."""
+    weight = torch.zeros(2, 4, 3)
+    module = types.SimpleNamespace(w=weight.transpose(1, 2))
+    value = torch.randn(2, 3, 4)
+    common.assign(module, "w", value)
+    assert module.w is value and not weight.any()
+    same = torch.randn(2, 3, 4)
+    common.assign(module, "w", same)
+    assert module.w is value and torch.equal(value, same)  # same layout: copied in place
+
+
 def test_an_old_aiter_wheel_writes_vllms_output_layout_through_a_transposed_view(tmp_path, monkeypatch):
     """aiter's older batched_gemm_afp4wfp4_pre_quant has no transpose_bm: a [T, H, N] output is passed to it as its
     [H, T, N] transposed view (notes/aiter-contract.md), so the check of vLLM's call runs on such a wheel, and a
@@ -516,6 +546,17 @@ def test_dcp_query_replication_with_an_mxfp4_overlay_is_refused(tmp_path, fake_v
         layer.process_weights_after_loading(torch.bfloat16)
 
 
+def test_dcp_query_replication_with_head_padding_is_refused(tmp_path, fake_vllm, monkeypatch):
+    """vLLM asserts that DCP query replication runs without head padding: the plugin says it in one line."""
+    weights = make_served(tmp_path, policy="bf16")
+    monkeypatch.setenv(common.ENV, "1")
+    vllm.register()
+    flags = {"dcp_q_replicate": True, "q_pad_num_heads": 2 * GEOM.num_heads}
+    (layer, _) = plugin_layers(fake_vllm, weights, tmp_path, fp4=False, **flags)
+    with pytest.raises(BackendError, match=r"model\.layers\.0\.self_attn\.attn: .*DCP query replication with head pad"):
+        layer.process_weights_after_loading(torch.bfloat16)
+
+
 def overlay_of_layer_1(tmp_path, **served):
     """A served checkpoint whose overlay holds layer 1 alone (layer 0 is left to vLLM's rebuild)."""
     weights = make_served(tmp_path, **served)
@@ -546,21 +587,25 @@ def test_vllm_0_34_calls_the_hook_without_a_dtype(tmp_path, fake_vllm_034, monke
     assert all(layer.default_scales_set for layer in layers)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_dcp_fused_v_up_gets_the_overlays_w_uv_gathered(tmp_path, fake_vllm_034, monkeypatch, fused):
+@pytest.mark.parametrize("fused, policy", [(True, "bf16"), (False, "bf16"), (True, "mxfp4")])
+def test_dcp_fused_v_up_gets_the_overlays_w_uv_gathered(tmp_path, fake_vllm_034, monkeypatch, fused, policy):
     """vLLM 0.34's DCP decode fuses the V-up with its combine where ``dcp_manager.v_up_proj_combine`` is set, reading
     W_UV gathered over the DCP group (``W_UV_dcp``), which it builds on its torch.bmm path: the plugin left it None
-    (vLLM then took its unfused V-up). It is now what vLLM's rebuild gathers, and None where vLLM keeps it None."""
-    weights = make_served(tmp_path, policy="bf16")
+    (vLLM then took its unfused V-up). It is now what vLLM's rebuild gathers, and None where vLLM keeps it None (on
+    its FP4 path too, which has no W_UV to gather)."""
+    fp4 = policy == "mxfp4"
+    weights = make_served(tmp_path, policy=policy)
     monkeypatch.setenv(common.ENV, "1")
     vllm.register()
-    (layer, _) = plugin_layers(fake_vllm_034, weights, tmp_path, fp4=False, dcp_manager=vllm_mla.DcpManager(fused))
+    (layer, _) = plugin_layers(fake_vllm_034, weights, tmp_path, fp4=fp4, dcp_manager=vllm_mla.DcpManager(fused))
     layer.process_weights_after_loading()
-    ref = vllm_mla.MLAAttention034(layer.layer_name, GEOM, weights[kv_b_name(0)], fp4=False)
+    ref = vllm_mla.MLAAttention034(layer.layer_name, GEOM, weights[kv_b_name(0)], fp4=fp4)
     ref.dcp_manager = vllm_mla.DcpManager(fused)
     ref.process_weights_after_loading()
     assert vllm_mla.REBUILDS == [ref.layer_name]  # the reference's alone
-    if fused:
+    if fp4:
+        assert layer.W_UV_dcp is None and ref.W_UV_dcp is None and torch.equal(layer.W_K, ref.W_K)
+    elif fused:
         assert layer.W_UV_dcp.shape == (vllm_mla.DCP_WORLD * GEOM.num_heads, L, V)
         assert torch.equal(layer.W_UV_dcp, ref.W_UV_dcp)
     else:

@@ -653,6 +653,27 @@ def test_every_argument_refusal_names_the_layer(packed_dirs):
         assert str(err.value).startswith("layer 1: "), err.value
 
 
+def test_activations_of_another_head_count_are_refused(packed_dirs):
+    """A TP rank's layer takes its own heads only: activations with fewer or more heads (e.g. the whole model's, or
+    another rank size's) are refused by name, not computed with the heads there are (attend) or left to torch's own
+    shape error (k_up, v_up)."""
+    _, out = packed_dirs("glm-5")
+    layer = runtime.open(out, backend="torch", tp_rank=1, tp_size=2).mla(0)  # 32 of the 64 heads
+    q, cache, indptr, indices = inputs(runtime.open(out, backend="torch").mla(0).geometry)  # 64 heads
+    latent = torch.randn(3, 64, 512).bfloat16()
+    calls = {
+        "q": lambda: layer.k_up(q),
+        "latent": lambda: layer.v_up(latent),
+        "q_latent": lambda: layer.attend(latent, cache, indptr, indices, 0.1, q_rope=q[:, :32, 192:]),
+        "q_rope": lambda: layer.attend(latent[:, :32], cache, indptr, indices, 0.1, q_rope=q[..., 192:]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(
+            BackendError, match=rf"^layer 0: {name} must be bf16 \[T, 32, \.\.\.\], got torch.bfloat16 \(3, 64, "
+        ):
+            call()
+
+
 def test_attend_checks(packed_dirs):
     _, out = packed_dirs("glm-5")
     layer = runtime.open(out, backend="torch").mla(0)
