@@ -153,6 +153,20 @@ def test_corrupt_headers_raise_checkpoint_error_naming_file_and_tensor(tmp_path,
             [f.get_tensor(k) for k in f.keys()]
 
 
+@pytest.mark.parametrize("extra", [1, 8])
+def test_a_header_length_just_past_the_end_is_corrupt(tmp_path, extra):
+    """A header that would end 1 to 8 bytes past the end of the file (the 8 length bytes counted in): 'past the end',
+    checked before any read (a Hub shard's read past its end is a request error, not a short read)."""
+    path = tmp_path / "x.safetensors"
+    save_file(_tensors(), str(path))
+    data = bytearray(path.read_bytes())
+    n = len(data) - 8 + extra
+    data[:8] = struct.pack("<Q", n)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"header length {n} runs past the end of the {len(data)}-byte file"):
+        sio.parse_header(sio.LocalFile(path))
+
+
 @pytest.mark.parametrize(
     "raw, message",
     [

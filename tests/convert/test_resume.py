@@ -256,6 +256,24 @@ def test_resume_redoes_an_edited_journal_entry(converted, tmp_path, edit):
     assert verify(out).ok
 
 
+def test_resume_redoes_a_journal_line_with_a_right_checksum_but_not_its_items_entry(converted, tmp_path):
+    """A line whose checksum was recomputed after the edit (its entry lacks the MLA entry the manifest is built from)
+    is redone, as ``is_entry_of`` says; it was a KeyError traceback once past the checksum."""
+    src, clean = converted
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(src), str(out), "manifest", "none"], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    journal = out / "glm-pack" / state.JOURNAL_NAME
+    entries = [json.loads(line)["entry"] for line in journal.read_text().splitlines()]
+    edited = next(e for e in entries if "mla" in e)
+    edited.pop("mla")
+    journal.write_bytes(b"".join(state._line(e) for e in entries))
+    report = convert(src, out, ConvertOptions(files="copy", resume=True))
+    assert report.resumed_items == len(entries) - 1
+    assert overlay(out) == {name: data for name, data in overlay(clean).items() if name.startswith("layer-")}
+    assert verify(out).ok
+
+
 @pytest.mark.parametrize(
     "edit",
     [
@@ -687,6 +705,25 @@ def test_verify_runs_unlocked_where_the_lock_file_cannot_be_opened(converted, tm
     monkeypatch.setattr(os, "open", open_)
     r = CliRunner().invoke(main, ["verify", str(out)])
     assert r.exit_code == 0 and f"verify {out}: OK" in r.output, r.output
+
+
+@pytest.mark.parametrize("code", ["EACCES", "EPERM"])
+def test_convert_does_not_run_unlocked_where_the_lock_file_cannot_be_opened(converted, tmp_path, monkeypatch, code):
+    """A writer never goes on without the lock (verify may: it writes nothing): a lock file of another user, or an
+    immutable one, refuses convert in one line, and no glm-pack/ is made."""
+    src, _ = converted
+    out = tmp_path / "out"
+    real = os.open
+
+    def open_(path, *args, **kwargs):
+        if os.path.basename(path) == state.LOCK_NAME:
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+    line = refusal(CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "none"]), out)
+    assert f"cannot create the output lock: {os.strerror(getattr(errno, code))}" in line
+    assert not (out / "glm-pack").exists()
 
 
 def test_verify_of_a_read_only_view_still_sees_a_writer(converted, tmp_path, lock_holder, read_only):
