@@ -62,6 +62,7 @@ def test_geometry_never_uses_head_dim():
 def test_layer_sets_of_the_full_configs():
     glm5 = cards.load_card("glm-5")
     assert glm5.mla_layers(glm5.synth["config"]) == list(range(79))
+    assert glm5.layer_plan(glm5.synth["config"]).dense == (0, 1, 2)  # GLM-5: the first 3 layers dense
     plan52 = cards.load_card("glm-5.2").layer_plan(cards.load_card("glm-5.2").synth["config"])
     # IndexShare, freq 4, offset 3: layers 0, 1, 2 then every 4th from 6 (21 layers) + the MTP layer 78
     assert plan52.indexer == (0, 1, 2, *range(6, 78, 4), 78) and len(plan52.indexer) == 22

@@ -334,6 +334,23 @@ def test_recent_ranges_evict_the_least_recently_used(hub, src, monkeypatch):
     assert [fetched(0), fetched(80), fetched(40)] == [0, 0, 40]
 
 
+def test_reads_stay_on_the_resolved_commit_when_the_branch_moves(hub, src):
+    """A store reads the commit main named when it was opened, by byte ranges and whole files alike: a push to main
+    meanwhile (a shard and the index changed) is not mixed into the conversion."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    store = hub_source.HubStore(REPO)
+    shard, index = store.safetensors_files()[0], "model.safetensors.index.json"
+    f = store.open(shard)
+    assert isinstance(f, hub_source.RangeFile)
+    old_shard, old_index = (src / shard).read_bytes(), (src / index).read_text()
+    changed = [CommitOperationAdd(shard, bytes(len(old_shard))), CommitOperationAdd(index, (old_index + " ").encode())]
+    HfApi(endpoint=hub.endpoint, token=hub.token).create_commit(REPO, changed, commit_message="later")
+    assert hub.repos[REPO].heads["main"] != store.sha
+    assert bytes(f.read(0, 64)) == old_shard[:64]
+    assert store.read_text(index) == old_index
+
+
 def test_revision_that_moves_while_being_resolved_is_refused(hub, monkeypatch):
     """main is resolved to a commit, then moves before config.json is fetched by name: refused, not mixed."""
     resolve = hub_source.HubStore._from_hub

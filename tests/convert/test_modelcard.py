@@ -204,7 +204,9 @@ def test_card_without_a_base_model_says_how_to_name_one(out):
     )
     result = CliRunner().invoke(main, ["card", str(out)])
     assert result.exit_code == 0 and result.output.splitlines() == [f"model card written: {path}", note], result.output
-    assert "base_model" not in ModelCard.load(path).data.to_dict()
+    data = ModelCard.load(path).data.to_dict()
+    assert "base_model" not in data and "base_model_relation" not in data  # a relation to no base: none
+    assert "mxfp4" in data["tags"]  # though glm-pack quantized (with a base, the relation is "quantized")
     for args in (["--base-model", "zai-org/GLM-5"], []):  # named, then kept by the refresh
         result = CliRunner().invoke(main, ["card", str(out), *args])
         assert result.exit_code == 0 and result.output == f"model card written: {path}\n", result.output

@@ -131,7 +131,7 @@ def assert_no_token(hub: FakeHub, result, out: Path) -> None:
 
 
 def test_full_push_uploads_everything_in_bounded_commits(hub, out):
-    result = run_cli("push", out, REPO, "--max-commit-gib", SMALL_COMMIT_GIB)
+    result = run_cli("push", out, REPO, "--max-commit-gib", SMALL_COMMIT_GIB, "--commit-message", "GLM-5 overlay")
     assert result.exit_code == 0, result.output
     expected = published(out)
     assert hub.files(REPO) == expected
@@ -145,10 +145,17 @@ def test_full_push_uploads_everything_in_bounded_commits(hub, out):
     assert len(hub.kinds("validate_yaml")) == 1
     commits = hub.repos[REPO].commits
     assert len(commits) >= 3
-    bound = int(SMALL_COMMIT_GIB * 2**30)
-    for c in commits:
-        assert len(c["files"]) == 1 or sum(len(expected[p]) for p in c["files"]) <= bound
-    assert {"glm-pack/manifest.json", "README.md"} <= set(commits[-1]["files"])
+    bound = int(SMALL_COMMIT_GIB * 2**30)  # GiB: 2**30 bytes
+    sizes = [sum(len(expected[p]) for p in c["files"]) for c in commits]
+    for c, size in zip(commits, sizes, strict=True):
+        assert len(c["files"]) == 1 or size <= bound
+    for size, after in zip(sizes, commits[1:-1], strict=False):  # filled greedily, up to the cards
+        assert size + len(expected[after["files"][0]]) > bound, (size, bound)
+    last = {"glm-pack/manifest.json", "README.md", "README.source.md", "glm-pack/README.md"}  # the cards + manifest
+    assert set(commits[-1]["files"]) == last & set(expected)
+    assert [c["summary"] for c in commits] == [
+        f"GLM-5 overlay ({i}/{len(commits)})" for i in range(1, len(commits) + 1)
+    ]
     assert sorted(p for c in commits for p in c["files"]) == sorted(expected)
     assert_no_token(hub, result, out)
 
@@ -194,6 +201,22 @@ def test_changed_file_is_uploaded_again(hub, out):
     assert result.exit_code == 0, result.output
     assert [c["files"] for c in hub.repos[REPO].commits[commits:]] == [["README.md"]]
     assert b"base_model: zai-org/GLM-5" in hub.files(REPO)["README.md"]
+
+
+def test_a_remote_file_of_the_same_size_but_other_bytes_is_uploaded_again(hub, out):
+    """A file on the revision with the local file's size but another LFS sha256 (changed there since) is re-sent:
+    the size alone does not make it the same."""
+    assert run_cli("push", out, REPO).exit_code == 0
+    layer = "glm-pack/layer-000.safetensors"
+    ours = (out / layer).read_bytes()
+    theirs = ours[:-1] + bytes([ours[-1] ^ 0xFF])
+    HfApi(endpoint=hub.endpoint, token=hub.token).create_commit(
+        REPO, [CommitOperationAdd(layer, theirs)], commit_message="theirs"
+    )
+    assert hub.lfs_paths(REPO) >= {layer} and hub.files(REPO)[layer] == theirs
+    result = run_cli("push", out, REPO)
+    assert result.exit_code == 0, result.output
+    assert hub.repos[REPO].commits[-1]["files"] == [layer] and hub.files(REPO)[layer] == ours
 
 
 def test_overlay_only_push_leaves_the_repo_root_alone(hub, out):
@@ -927,6 +950,9 @@ def test_group_commits_bounds_and_order():
     names = [f"glm-pack/layer-{i:03d}.safetensors" for i in range(5)]
     small = group_commits([_upload(n, 1) for n in names], max_bytes=100, max_files=2)
     assert [[u.file.path_in_repo for u in c] for c in small] == [names[:2], names[2:4], names[4:]]  # files bound
+    cards = [_upload(n, 1) for n in ("README.source.md", "glm-pack/README.md", "README.md")]
+    ends = group_commits([*cards, _upload("z.safetensors", 1)], max_bytes=100, max_files=8)
+    assert [[u.file.path_in_repo for u in c] for c in ends] == [["z.safetensors"], [u.file.path_in_repo for u in cards]]
 
 
 @pytest.mark.parametrize(
@@ -958,6 +984,22 @@ def test_fake_hub_serves_byte_ranges(hub, out):
             assert resp.headers["Content-Range"] == f"bytes {first}-{first + len(want) - 1}/{len(data)}"
     with urlopen(Request(url, headers=auth)) as resp:
         assert resp.status == 200 and resp.read() == data
+
+
+@pytest.mark.parametrize("gib, want", [("0.5", 2**29), ("2", 2**31), ("1e-12", 1)])
+def test_commit_bound_is_in_binary_gigabytes(out, monkeypatch, gib, want):
+    """--max-commit-gib counts GiB (2**30 bytes), as its help says; the smallest bound is one byte."""
+    from glm_pack.convert import push_commands
+
+    given = []
+
+    def push(out, repo_id, options, progress=None):
+        given.append(options.max_commit_bytes)
+        raise HubError("stop here")
+
+    monkeypatch.setattr(push_commands, "push", push)
+    result = CliRunner().invoke(main, ["push", str(out), REPO, "--dry-run", "--max-commit-gib", gib])
+    assert result.exit_code == 1 and given == [want], result.output
 
 
 @pytest.mark.parametrize("bound", ["nan", "inf", "0", "-1"])

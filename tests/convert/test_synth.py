@@ -183,6 +183,28 @@ def test_values_are_realistic(synth_ckpt):
     assert abs(float(bias.mean())) < 0.01
 
 
+@pytest.mark.parametrize("card", ["glm-5", "glm-5.2", "glm-5.3-flash", "deepseek-v3"])
+def test_router_tensors_keep_their_own_dtypes(synth_ckpt, card):
+    """Whatever the format, the router's gate weight is BF16 and its score-correction bias F32, as DeepSeek-V3 stores
+    them (the cards' stated assumption for GLM); in every MoE layer written."""
+    ck = open_checkpoint(synth_ckpt(card, "fp8-block", layers=4))
+    names = [n for n in ck.names() if n.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))]
+    assert names and len(names) % 2 == 0
+    for name in names:
+        want = torch.float32 if name.endswith("bias") else torch.bfloat16
+        assert ck.read_raw(name).dtype == want, name
+
+
+def test_top_k_is_clamped_to_the_experts_written():
+    """A checkpoint with fewer experts than the card's top-k routes to all of them; with more, top-k is the card's."""
+    glm5 = cards.load_card("glm-5")
+    top_k = [
+        synth.synth_config(glm5, layers=2, experts=e, fmt="bf16", profile="small", mtp=True)["num_experts_per_tok"]
+        for e in (2, 16)
+    ]
+    assert top_k == [2, 8] and glm5.synth["config"]["num_experts_per_tok"] == 8
+
+
 def test_tensors_of_one_shape_get_their_own_values(synth_ckpt):
     """Values are seeded by (seed, tensor name): two layers' kv_b_proj must differ, or a wrong-layer mix-up
     downstream (overlay layer vs served layer) could not be told apart on a synthetic checkpoint."""
