@@ -171,7 +171,7 @@ def run_case(T, H, rope, cache, gen, args, bw, l2, aiter_fn, rows):
             out, lse = tsm.sparse_mla(*chk, SCALE, return_lse=True, out=poison, config=cfg)
             fin = torch.isfinite(ref_lse)
             err = rel_err(out, ref) if torch.isfinite(out).all() else float("inf")
-            lse_ok = torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+            lse_ok = torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and not lse.isnan().any()  # errors: no NaN
             lse_err = (lse[fin] - ref_lse[fin]).abs().max().item() if lse_ok else float("inf")
             us = graph_time_us(
                 lambda i, c=cfg: tsm.sparse_mla(*sets[i], SCALE, return_lse=True, out=outs[i], config=c), n_sets
