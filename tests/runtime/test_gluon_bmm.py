@@ -152,7 +152,8 @@ def test_launch_grids_split_each_weight_column_over_the_multiprocessors_left(mon
         return kernel, grid, constants["PLAIN_Y"], args, constants
 
     decode = gb.plan(64, 128, 64, 8, "decode", 192, H200_SMEM, ws=True)
-    for M, programs, splits, plain in ((16, 4, 1, 8), (1024, 64, 16, 8), (4096, 132, 33, 0)):
+    # 100 rows: two 64-row tiles a column (the second partial), so 2 x 4 programs
+    for M, programs, splits, plain in ((16, 4, 1, 8), (100, 8, 2, 8), (1024, 64, 16, 8), (4096, 132, 33, 0)):
         kernel, grid, plain_y, args, _ = launch(M, decode)
         assert (kernel, grid, plain_y) == ("bmm", (programs,), plain) and args[9:12] == (M, 256, splits), M
         assert (args[2] is None) == bool(plain)  # y's descriptor
@@ -165,6 +166,16 @@ def test_launch_grids_split_each_weight_column_over_the_multiprocessors_left(mon
     # one 64-deep K step and 8 x 40 = 320 programs, more than two a multiprocessor: no workers, 4 rounding warps
     kernel, grid, _, _, constants = launch(1280, gb.plan(32, 64, 64, 4, "swap", 64, H200_SMEM, round_warps=8), K=64)
     assert (grid, constants["WS"], constants["WORKERS"]) == ((320,), False, 4)
+
+
+@pytest.mark.parametrize("arch, runs", [("sm_90", True), ("sm_80", False), ("sm_100", False), ("sm_120", False),
+                                        ("gfx942", False), ("gfx950", False)])  # fmt: skip
+def test_the_wgmma_kernels_run_on_sm_90_alone(gpu_as, arch, runs):
+    """wgmma is Hopper's: GPUs after it (sm_100's tcgen05, sm_120) have no wgmma either, so only compute capability
+    9.x is given the Gluon kernels; AMD GPUs never."""
+    gpu_as(arch)
+    why = gb._device_reason(torch.device("cuda"))
+    assert (why == "") is runs, why
 
 
 def test_tensors_reason_needs_x_on_16_bytes_and_unit_last_strides():

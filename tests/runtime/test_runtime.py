@@ -352,6 +352,18 @@ def test_the_triton_backend_needs_a_ptxas_that_knows_the_gpu(monkeypatch, gpu_as
         assert select_backend("auto", torch.device("cuda"), {}).name == "torch"
 
 
+@pytest.mark.parametrize("arch, knob", [("sm_100", "TRITON_PTXAS_BLACKWELL_PATH"), ("sm_90", "TRITON_PTXAS_PATH")])
+def test_a_ptxas_that_does_not_know_the_gpu_names_the_variable_of_that_gpu(monkeypatch, tmp_path, arch, knob):
+    """Triton picks its ptxas by a variable of its own from sm_100 on, by TRITON_PTXAS_PATH below: the refusal names the
+    one that picks the ptxas for this GPU (sm_100 is the first of the Blackwell variable's)."""
+    from glm_pack.runtime.kernels._triton import ptxas_reason
+
+    ptxas = str(_fake_ptxas(tmp_path, "'sm_70'"))
+    monkeypatch.setenv(knob, ptxas)
+    why = ptxas_reason(divmod(int(arch[3:]), 10))
+    assert f"cannot compile for {arch}a; {knob} can name a ptxas that can" in why and ptxas in why, why
+
+
 _OLD_TRITON_CHILD = """
 import torch
 torch.cuda.is_available = lambda: True  # as on a GPU machine: only the Triton release decides

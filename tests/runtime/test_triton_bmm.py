@@ -204,11 +204,13 @@ def test_a_default_config_the_gpu_refuses_falls_back_to_one_stage(monkeypatch, r
         return refused if config is None else real_prepare(x, w_codes, w_scales, act_quant, out, config)
 
     monkeypatch.setattr(tb, "_prepare", small_gpu)
+    # a default of 3 stages (the interpreter's has one already): the fallback runs its tiles in one
+    monkeypatch.setattr(tb, "config_for", lambda *args: tb.BmmConfig(32, 64, 64, 4, 3, 0))
     for _ in range(2):
         buf, out = poisoned_out(M, B, N)
         tb.bmm_a16wfp4(x, codes, scales, out=out)
         assert_close_to_reference(out, x, codes, scales, "mxfp4")
-    assert prepared == [None, tb.unpipelined(tb.config_for(B, M, N, K, x.device))]
+    assert prepared == [None, tb.BmmConfig(32, 64, 64, 4, 1, 0)]
     monkeypatch.setattr(tb, "_prepare", lambda *args: refused)
     chosen = tb.BmmConfig(32, 64, 64, 4, 1, 0)
     with pytest.raises(BackendError, match=rf"config BmmConfig\(block_m=32.* {why}"):
@@ -408,10 +410,14 @@ def test_x_off_its_16_byte_alignment_is_prepared_apart(monkeypatch):
     assert tma == ([0, 0] if tma_here() else []) and len(tb._PREPARED) == 2
 
 
-def test_empty_token_batch_returns_without_launch():
-    codes, scales = weights(2, 32, 64, seed=1)
-    y = tb.bmm_a16wfp4(torch.empty(2, 0, 64, dtype=torch.bfloat16, device=DEV), codes, scales)
-    assert y.shape == (2, 0, 32)
+@pytest.mark.parametrize("B, M, N", [(2, 0, 32), (0, 3, 32), (2, 3, 0)], ids=["no-tokens", "no-heads", "no-columns"])
+def test_an_empty_call_returns_without_a_launch(monkeypatch, B, M, N):
+    """Nothing to compute: the empty ``[B, M, N]`` output, and no kernel launch prepared (a grid with a zero, or a
+    tensor descriptor of a zero-sized dimension, is not one a GPU takes)."""
+    monkeypatch.setattr(tb, "KernelLaunch", lambda *args, **kwargs: pytest.fail("a kernel launch was prepared"))
+    codes, scales = (torch.zeros(B, N, k, dtype=torch.uint8, device=DEV) for k in (32, 2))
+    y = tb.bmm_a16wfp4(torch.zeros(B, M, 64, dtype=torch.bfloat16, device=DEV), codes, scales)
+    assert y.shape == (B, M, N)
 
 
 def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
@@ -480,6 +486,8 @@ def _at_k192(args: dict, config) -> None:
         (lambda a: a.update(x=a["x"][..., :48], w_codes=a["w_codes"][..., :24], w_scales=a["w_scales"][..., :1]),
          "K=48 must be a positive multiple of 32"),
         (lambda a: a.update(w_codes=torch.cat([a["w_codes"], a["w_codes"][:1]])), "B=2 batches, w_codes 3"),
+        (lambda a: a.update(x=a["x"][..., :0], w_codes=a["w_codes"][..., :0], w_scales=a["w_scales"][..., :0]),
+         "K=0 must be a positive multiple of 32"),
         (lambda a: a.update(w_scales=a["w_scales"].to("meta")), "different devices"),
         (lambda a: a.update(out=torch.empty(2, 3, 32, dtype=torch.bfloat16, device="meta")), "different devices"),
         (lambda a: a.update(config=tb.BmmConfig(48, 32, 64, 4, 1, 1)), "bad config"),  # block_m no power of two

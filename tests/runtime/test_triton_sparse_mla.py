@@ -199,6 +199,7 @@ def _bad_calls():
     yield "kv_cache", (q_lat, q_rope, cache.view(2, 48, 1, L + R), indptr, idx), {}
     yield "kv_cache", (q_lat, q_rope, cache.t().contiguous().t(), indptr, idx), {}
     yield "kv_indptr", (q_lat, q_rope, cache, indptr[:2], idx), {}
+    yield "kv_indptr", (q_lat, q_rope, cache, torch.cat([indptr, indptr[-1:]]), idx), {}  # T + 2 row pointers
     yield "kv_indices", (q_lat, q_rope, cache, indptr, idx.long()), {}
     yield "out", (q_lat, q_rope, cache, indptr, idx), {"out": poisoned(2, 8)}
     yield "config", (q_lat, q_rope, cache, indptr, idx), {"config": tsm.SparseMlaConfig(8, 16, 1)}
