@@ -247,10 +247,10 @@ def _engine_kup_problem(fn, proj: ProjectionWeights, engine: str, transpose_bm: 
         except Exception as err:  # the engine's own calls raise the same
             return f"fails on K-up with K={k} ({type(err).__name__}: {err}), and so would {engine}'s own calls"
         ref = bmm_a16wfp4(x, w, scale).float()
-        err = float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-        if not err <= KUP_CHECK_TOLERANCE:  # True for NaN too
+        off = float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        if not off <= KUP_CHECK_TOLERANCE:  # True for NaN too
             return (
-                f"gets K-up with K={k} wrong (max |y - ref| / max |ref| = {err:.3g}; aiter's ragged-K bug, or its "
+                f"gets K-up with K={k} wrong (max |y - ref| / max |ref| = {off:.3g}; aiter's ragged-K bug, or its "
                 f"output stored through the wrong strides): {engine} would compute garbage from this MXFP4 overlay"
             )
     return ""
