@@ -63,6 +63,8 @@ def test_plans_take_the_most_stages_that_fit():
     assert gb.plan(128, 256, 64, 8, "streaming", 512, 150_000).stages == 2
     assert gb.plan(128, 256, 64, 8, "streaming", 512, 100_000) is None
     assert gb.plan(128, 256, 64, 8, "streaming", 512, H200_SMEM, max_stages=3).stages == 3
+    # exactly the shared memory three stages take (hand count above): three
+    assert gb.plan(128, 256, 64, 8, "streaming", 512, 3 * 16384 + 3 * 32768 + 32768 + 1024).stages == 3
 
 
 @pytest.mark.parametrize(
@@ -157,6 +159,10 @@ def test_launch_grids_split_each_weight_column_over_the_multiprocessors_left(mon
         kernel, grid, plain_y, args, _ = launch(M, decode)
         assert (kernel, grid, plain_y) == ("bmm", (programs,), plain) and args[9:12] == (M, 256, splits), M
         assert (args[2] is None) == bool(plain)  # y's descriptor
+    # 64-column tiles: 2 x 4 = 8 columns, each split over 132 // 8 = 16 multiprocessors (not 17: 136 programs would
+    # leave a second wave)
+    kernel, grid, plain_y, args, _ = launch(4096, gb.plan(64, 64, 64, 4, "decode", 192, H200_SMEM, ws=True))
+    assert (grid, args[9:12]) == ((128,), (4096, 256, 16))
     # an out starting 2 bytes past 16 is no TMA target: plain stores of one value a thread, however many tiles
     kernel, grid, plain_y, args, _ = launch(4096, decode, out_offset=1)
     assert (grid, plain_y, args[2]) == ((132,), 1, None)

@@ -631,6 +631,8 @@ def test_heads_classes_and_few_heads_rows_as_eight_heads(monkeypatch):
     assert tb.default_config(8, 65, 512, 192) == tb.default_config(1, 1024, 512, 192) == entry(512, 192, "few", 128)
     assert tb.default_config(8, 129, 512, 192) == tb.default_config(2, 1024, 512, 192) == entry(512, 192, "narrow", 256)
     assert tb.default_config(8, 16, 512, 192) == tb.default_config(1, 128, 512, 192) == entry(512, 192, "narrow", 16)
+    # 129 rows of one head are 17 rows as 8 heads (rounded up, not down to 16): the 32-row bucket
+    assert tb.default_config(1, 129, 512, 192) == tb.default_config(8, 17, 512, 192) == entry(512, 192, "narrow", 32)
     assert tb.default_config(8, 1, 256, 512) == tb.default_config(2, 128, 256, 512) == entry(256, 512, "few", 16)
     assert tb.default_config(8, 65, 256, 512) == tb.default_config(1, 2048, 256, 512) == entry(256, 512, "few", 256)
     assert tb.default_config(8, 256, 512, 256) == tb.default_config(3, 600, 512, 256) == entry(512, 256, "few", 256)

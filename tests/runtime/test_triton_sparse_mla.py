@@ -189,6 +189,20 @@ def test_falls_back_to_compact_tiles_when_shared_memory_is_short(monkeypatch):
     assert [c.block_n for c in launched] == [64, 16, 16, 64, 16]
     with pytest.raises(BackendError, match="does not fit"):
         tsm.sparse_mla(*args, SCALE, config=tsm.SparseMlaConfig(16, 32, 1))
+    default = tsm.default_config(2, 16, args[4].numel(), args[0].device)  # the launch found unfit above
+    with pytest.raises(BackendError, match="does not fit"):  # named by the caller: tried as given, never swapped
+        tsm.sparse_mla(*args, SCALE, return_lse=True, config=default)
+    assert launched[-1] == default
+
+
+def test_no_heads_or_no_tokens_launch_nothing():
+    """Empty outputs of their shapes: nothing to compute (a launch shape for no head blocks has no splits)."""
+    q_lat, q_rope, cache, indptr, idx = make_case(2, 16, True, seed=15)
+    out, lse = tsm.sparse_mla(q_lat[:, :0], q_rope[:, :0], cache, indptr, idx, SCALE, return_lse=True)
+    assert out.shape == (2, 0, L) and lse.shape == (2, 0)
+    empty = torch.zeros(1, dtype=torch.int32)
+    out, lse = tsm.sparse_mla(q_lat[:0], q_rope[:0], cache, empty, idx[:0], SCALE, return_lse=True)
+    assert out.shape == (0, 16, L) and lse.shape == (0, 16)
 
 
 def _bad_calls():
@@ -251,6 +265,9 @@ as far as one wave of programs (a partly filled head block counting as one)."""
     few = tsm.default_config(2, 16, 2 * 640, cpu)
     assert few.block_n == 64 and few.num_splits == 10
     assert tsm.default_config(40, 8, 40 * 2048, cpu).num_splits == 3  # 40 programs of 8 heads in one wave of 132
+    assert tsm.default_config(2, 16, 2 * 650, cpu).num_splits == 11  # 650 rows a token: 11 tiles, the last partial
+    # 24 heads: 2 head blocks a token, 16 programs, 2 a multiprocessor: 264 / 16 splits
+    assert tsm.default_config(8, 24, 8 * 2048, cpu).num_splits == 16
 
 
 @pytest.mark.parametrize("arch, wide", [("sm_90", True), ("sm_80", False), ("sm_100", False), ("sm_120", False),
