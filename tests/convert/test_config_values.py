@@ -144,3 +144,8 @@ def test_config_value_bounds_and_messages():
     with pytest.raises(FormatError) as err:
         config_value("x" * 100, "k", int, error=FormatError)
     assert err.value.message == f'k must be an integer, got "{"x" * 76}...' and err.value.file == "config.json"
+    # a value written in 80 characters is shown whole; from 81, its first 77 and "..."
+    for n, shown in ((78, f'"{"x" * 78}"'), (79, f'"{"x" * 76}...')):
+        with pytest.raises(CheckpointError) as err:
+            config_value("x" * n, "k", int)
+        assert err.value.message == f"k must be an integer, got {shown}"

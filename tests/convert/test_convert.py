@@ -212,6 +212,34 @@ def test_auto_keeps_planted_hard_layer_in_bf16(synth_ckpt, tmp_path, ckpt_copy, 
     assert verify(out).ok
 
 
+@pytest.mark.parametrize("files", ["link", "copy"])
+def test_the_summary_counts_what_the_manifest_holds(synth_ckpt, tmp_path, files):
+    """convert's summary line against the manifest and OUT: the overlay's bytes (expert files included), the expert
+    tensors repacked, the originals placed (linked or copied alike); the manifest records the options as named."""
+    src = synth_ckpt("glm-5", "mxfp4-quark", layers=4)
+    out = tmp_path / "out"
+    args = ["convert", str(src), str(out), "--repack-experts", "aiter-a4w4", "--files", files]
+    result = CliRunner().invoke(main, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    m = manifest(out)
+    total = sum(f["size"] for f in m["files"].values())
+    assert m["experts"]["groups"] and 2**20 <= total < 2**30
+    experts = sum(len(g["tensors"]) for g in m["experts"]["groups"])
+    originals = [p for p in out.rglob("*") if p.is_file() and "glm-pack" not in p.parts and not p.name.startswith(".")]
+    assert len(originals) == sum(1 for p in src.iterdir() if p.is_file()) > 1
+    summary = next(line for line in result.stdout.splitlines() if " MLA layers, overlay " in line)
+    want = f"overlay {total / 2**20:,.1f} MiB, {experts} expert tensors repacked, {len(originals)} original files "
+    assert want in summary, summary
+    assert m["options"] == {
+        "quant_mode": "even",
+        "k_pad": m["options"]["k_pad"],
+        "mla_precision": "mxfp4",
+        "max_rel_error": None,
+        "files": files,
+        "repack_experts": "aiter-a4w4",
+    }
+
+
 def test_mxfp4_source_w_vc_keeps_bytes_no_rule_would_write(synth_ckpt, tmp_path, ckpt_copy, edit_tensor):
     """w_vc of an MXFP4 kv_b_proj is its V rows byte for byte (mode "source"), even where requantizing would
     write other bytes for the same values: a block of codes 0x1 (0.5) under scale s, which the even rule would
