@@ -688,37 +688,25 @@ def test_verify_of_a_read_only_out_without_a_lock_file_runs_unlocked(converted, 
     assert not (view / state.LOCK_NAME).exists()
 
 
-def refuse_lock_file(monkeypatch, code: str) -> None:
-    """Opening OUT's lock file fails with errno ``code`` (the rest of ``os.open`` as it is)."""
-    real = os.open
-
-    def open_(path, *args, **kwargs):
-        if os.path.basename(path) == state.LOCK_NAME:
-            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), str(path))
-        return real(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", open_)
-
-
 @pytest.mark.parametrize("code", ["EACCES", "EPERM", "EROFS"])
-def test_verify_runs_unlocked_where_the_lock_file_cannot_be_opened(converted, tmp_path, monkeypatch, code):
+def test_verify_runs_unlocked_where_the_lock_file_cannot_be_opened(converted, tmp_path, refuse, code):
     """Each reason the lock file cannot be opened on an OUT this user cannot write (a folder of another user: EACCES;
     a read-only mount: EROFS; an immutable folder, chattr +i: EPERM) lets verify check OUT unlocked. The
     read_only fixture can give only one of them per user (chmod or, for root, a mount), so each is injected here."""
     src, clean = converted
     out = private_out(clean, tmp_path / "out")
-    refuse_lock_file(monkeypatch, code)
+    refuse(os, "open", lambda path: path.name == state.LOCK_NAME, getattr(errno, code))
     r = CliRunner().invoke(main, ["verify", str(out)])
     assert r.exit_code == 0 and f"verify {out}: OK" in r.output, r.output
 
 
 @pytest.mark.parametrize("code", ["EACCES", "EPERM"])
-def test_convert_does_not_run_unlocked_where_the_lock_file_cannot_be_opened(converted, tmp_path, monkeypatch, code):
+def test_convert_does_not_run_unlocked_where_the_lock_file_cannot_be_opened(converted, tmp_path, refuse, code):
     """A writer never goes on without the lock (verify may: it writes nothing): a lock file of another user, or an
     immutable one, refuses convert in one line, and no glm-pack/ is made."""
     src, _ = converted
     out = tmp_path / "out"
-    refuse_lock_file(monkeypatch, code)
+    refuse(os, "open", lambda path: path.name == state.LOCK_NAME, getattr(errno, code))
     line = refusal(CliRunner().invoke(main, ["convert", str(src), str(out), "--files", "none"]), out)
     assert f"cannot create the output lock: {os.strerror(getattr(errno, code))}" in line
     assert not (out / "glm-pack").exists()
